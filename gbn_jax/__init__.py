@@ -1,0 +1,30 @@
+"""gbn-jax: Generalized Batch Normalization for JAX and Flax.
+
+GBN normalizes each feature by ``(x - S(x)) / D(x)`` over the batch, where
+``D`` is a generalized deviation measure and ``S`` its natural statistic
+(Yuan, Feng, Norton, Li, AAAI 2019). Layers: :class:`GBatchNorm` (linen) and
+``gbn_jax.nnx.GBatchNorm``; measures: :func:`get_measure`, :data:`MEASURES`;
+exact order statistics: :func:`quantile`, :func:`superquantile`.
+"""
+
+from gbn_jax.measures import MEASURES
+from gbn_jax.measures import Measure
+from gbn_jax.measures import get_measure
+from gbn_jax.measures import register_measure
+from gbn_jax.quantiles import quantile
+from gbn_jax.quantiles import quantile_rank
+from gbn_jax.quantiles import superquantile
+from gbn_jax.linen import GBatchNorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GBatchNorm",
+    "MEASURES",
+    "Measure",
+    "get_measure",
+    "quantile",
+    "quantile_rank",
+    "register_measure",
+    "superquantile",
+]

@@ -1,0 +1,148 @@
+"""Pure helpers shared by the linen and nnx GBatchNorm modules."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flax.linen import dtypes
+
+from gbn_jax import measures as measures_lib
+
+Array = jax.Array
+
+
+def canonicalize_axes(rank: int, axes: Any) -> tuple[int, ...]:
+  """Sorted, deduplicated, non-negative axes (flax's convention)."""
+  if isinstance(axes, int):
+    axes = (axes,)
+  return tuple(sorted({rank + a if a < 0 else a for a in axes}))
+
+
+def bind_measure(
+    measure: Any, alpha: float | None, use_fast_variance: bool
+) -> measures_lib.MeasureFn:
+  """Resolves a module's ``measure``/``alpha`` fields into a callable.
+
+  Raises the registry's errors (unknown name, alpha outside (0, 1), unexpected
+  parameters), so a misconfigured module fails when it is constructed.
+  """
+  fn = measures_lib.resolve_measure(measure, alpha=alpha)
+  if isinstance(fn, measures_lib.Measure) and fn.fn is measures_lib.sd:
+    fn = measures_lib.Measure(
+        fn.name, fn.fn, tuple(sorted({**dict(fn.params),
+                                       "fast_variance": use_fast_variance}.items()))
+    )
+  return fn
+
+
+def _accepts(fn: Any, keyword: str) -> bool:
+  if isinstance(fn, measures_lib.Measure):
+    return True
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return False
+  return any(
+      p.name == keyword or p.kind is p.VAR_KEYWORD for p in params
+  )
+
+
+def batch_statistics(
+    measure: measures_lib.MeasureFn,
+    x: Array,
+    reduction_axes: tuple[int, ...],
+    *,
+    dtype: Any,
+    mask: Array | None,
+    axis_name: str | None,
+    axis_index_groups: Any,
+    force_float32_reductions: bool = True,
+) -> tuple[Array, Array]:
+  """``(S, D^2)`` of the batch, in at least float32 like flax's BatchNorm.
+
+  A user measure that does not take ``axis_name`` gets the global batch
+  gathered across the named axis instead (exact, at the cost of moving the
+  activations); one that does not take ``where`` cannot honour a mask.
+  """
+  if dtype is None:
+    dtype = jnp.result_type(x)
+  if force_float32_reductions:
+    dtype = jnp.promote_types(dtype, jnp.float32)
+  x = jnp.asarray(x, dtype)
+  where = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+  reduction = {}
+  if where is not None:
+    if not _accepts(measure, "where"):
+      raise TypeError(
+          f"measure {measure!r} does not accept `where`, so it cannot honour"
+          " `mask`; add a `where=None` keyword to it."
+      )
+    reduction["where"] = where
+  if axis_name is not None:
+    if _accepts(measure, "axis_name"):
+      reduction["axis_name"] = axis_name
+      reduction["axis_index_groups"] = axis_index_groups
+    else:
+      gather = lambda a: lax.all_gather(
+          a, axis_name, axis_index_groups=axis_index_groups,
+          axis=reduction_axes[0], tiled=True,
+      )
+      x = gather(x)
+      if where is not None:
+        reduction["where"] = gather(where)
+  if isinstance(measure, measures_lib.Measure):
+    s, d2 = measure.squared_deviation(x, reduction_axes, **reduction)
+  else:
+    s, d = measure(x, reduction_axes, **reduction)
+    d2 = jnp.square(d)
+  feature_shape = tuple(
+      n for i, n in enumerate(x.shape) if i not in reduction_axes
+  )
+  for name, value in (("statistic", s), ("deviation", d2)):
+    if jnp.shape(value) != feature_shape:
+      raise ValueError(
+          f"measure {measure!r} returned a {name} of shape {jnp.shape(value)};"
+          f" expected the per-feature shape {feature_shape}."
+      )
+  return jnp.asarray(s, dtype), jnp.asarray(d2, dtype)
+
+
+def normalize(
+    x: Array,
+    statistic: Array,
+    deviation_sq: Array,
+    scale: Array | None,
+    bias: Array | None,
+    reduction_axes: tuple[int, ...],
+    feature_axes: tuple[int, ...],
+    dtype: Any,
+    epsilon: float,
+) -> Array:
+  """``(x - S) * rsqrt(D^2 + eps) * scale + bias``, in flax's operation order.
+
+  For ``S = mean`` and ``D^2 = var`` this is exactly flax's BatchNorm output.
+  """
+  stats_shape = list(x.shape)
+  for ax in reduction_axes:
+    stats_shape[ax] = 1
+  feature_shape = [1] * x.ndim
+  for ax in feature_axes:
+    feature_shape[ax] = x.shape[ax]
+  y = x - statistic.reshape(stats_shape)
+  mul = lax.rsqrt(deviation_sq.reshape(stats_shape) + epsilon)
+  args = [x]
+  if scale is not None:
+    scale = scale.reshape(feature_shape)
+    mul *= scale
+    args.append(scale)
+  y *= mul
+  if bias is not None:
+    bias = bias.reshape(feature_shape)
+    y += bias
+    args.append(bias)
+  return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=dtype))

@@ -1,0 +1,105 @@
+"""``GBatchNorm`` for flax.nnx: a drop-in for ``flax.nnx.BatchNorm``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.nnx.module import first_from
+
+from gbn_jax import _normalization
+from gbn_jax.measures import MeasureFn
+
+Array = jax.Array
+
+__all__ = ["GBatchNorm"]
+
+
+class GBatchNorm(nnx.BatchNorm):
+  """Generalized Batch Normalization for nnx.
+
+  Same constructor, variables (``mean``/``var`` as ``nnx.BatchStat``, ``scale``
+  and ``bias`` as ``nnx.Param``), ``train()``/``eval()`` behaviour and call as
+  ``nnx.BatchNorm``, plus ``measure`` and ``alpha`` (see
+  :class:`gbn_jax.GBatchNorm`). ``mean`` holds the running statistic ``S`` and
+  ``var`` the running ``D^2``; with ``measure='sd'`` it is BatchNorm.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import gbn_jax.nnx
+    >>> norm = gbn_jax.nnx.GBatchNorm(3, measure='sqd1', rngs=nnx.Rngs(0))
+    >>> x = jax.random.normal(jax.random.key(0), (8, 3))
+    >>> float((jax.nn.relu(norm(x)) == 0).mean())  # a quarter at or below q_.25
+    0.25
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      measure: str | MeasureFn = "sd",
+      alpha: float | None = None,
+      **kwargs: Any,
+  ):
+    """Args: as ``nnx.BatchNorm``, plus ``measure`` and ``alpha``."""
+    use_fast_variance = kwargs.get("use_fast_variance", True)
+    # Validate before allocating anything: bad names/alpha fail here.
+    _normalization.bind_measure(measure, alpha, use_fast_variance)
+    super().__init__(num_features, **kwargs)
+    self.measure = measure
+    self.alpha = alpha
+
+  def __call__(
+      self,
+      x,
+      use_running_average: bool | None = None,
+      *,
+      mask: Array | None = None,
+  ):
+    """Normalizes ``x``; arguments as ``nnx.BatchNorm.__call__``."""
+    use_running_average = first_from(
+        use_running_average,
+        self.use_running_average,
+        error_msg=(
+            "No `use_running_average` argument was provided to GBatchNorm:"
+            " pass it to the constructor or the call, or use .train()/.eval()."
+        ),
+    )
+    feature_axes = _normalization.canonicalize_axes(x.ndim, self.axis)
+    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, statistic, deviation_sq, scale, bias = self.promote_dtype(
+        (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
+    )
+    if not use_running_average:
+      measure = _normalization.bind_measure(
+          self.measure, self.alpha, self.use_fast_variance
+      )
+      statistic, deviation_sq = _normalization.batch_statistics(
+          measure,
+          x,
+          reduction_axes,
+          dtype=self.dtype,
+          mask=mask,
+          axis_name=self.axis_name,
+          axis_index_groups=self.axis_index_groups,
+      )
+      self.mean[...] = jax.lax.stop_gradient(
+          self.momentum * self.mean[...] + (1 - self.momentum) * statistic
+      )
+      self.var[...] = jax.lax.stop_gradient(
+          self.momentum * self.var[...] + (1 - self.momentum) * deviation_sq
+      )
+    return _normalization.normalize(
+        x,
+        statistic,
+        deviation_sq,
+        scale,
+        bias,
+        reduction_axes,
+        feature_axes,
+        self.dtype,
+        self.epsilon,
+    )

@@ -1,0 +1,354 @@
+"""Exact empirical quantiles and superquantiles with tie-aware gradients.
+
+Everything here is pure JAX (no Flax). The functions reduce over the given axes,
+optionally over masked-in elements only (``where``) and optionally over the
+union of all devices along a named axis (``axis_name``), which makes them exact
+for the global batch under ``jax.shard_map`` and ``jax.pmap``.
+
+Conventions:
+
+* ``q_alpha(x) = min{z : P(x <= z) >= alpha}``: over ``N`` values, the
+  ``ceil(alpha * N)``-th smallest (numpy's ``method='inverted_cdf'``). The
+  product ``alpha * N`` is evaluated exactly for the decimal number that
+  ``repr(alpha)`` shows, so ``alpha=0.3`` with ``N=10`` selects the 3rd smallest
+  value (plain floating point would give ``ceil(3.0000000000000004) = 4``).
+* ``qbar_alpha(x) = q_alpha + E[(x - q_alpha)^+] / (1 - alpha)``
+  (Rockafellar-Uryasev), exact for empirical distributions, ties included.
+* Gradients: the cotangent of an order statistic flows to the elements equal to
+  the selected value, split equally among them when several are tied. The
+  same rule is used for ``max`` and ``min`` (it is also what ``jnp.max`` does).
+  The backward pass reuses the selected value; it never sorts.
+* NaN among the reduced (masked-in) elements gives NaN; an empty reduction
+  (everything masked out) gives NaN.
+"""
+
+from __future__ import annotations
+
+import fractions
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gbn_jax import _select
+
+Array = jax.Array
+Axis = int | Sequence[int] | None
+AxisIndexGroups = Any
+
+__all__ = [
+    "canonicalize_axes",
+    "quantile",
+    "quantile_rank",
+    "superquantile",
+    "validate_alpha",
+]
+
+
+def validate_alpha(alpha: Any) -> float:
+  """Returns ``alpha`` as a float, or raises ``ValueError`` unless 0 < alpha < 1."""
+  try:
+    value = float(alpha)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"alpha must be a real number strictly between 0 and 1, got {alpha!r}."
+    ) from None
+  if isinstance(alpha, bool) or not 0.0 < value < 1.0:
+    raise ValueError(
+        f"alpha must lie strictly between 0 and 1, got {alpha!r}."
+    )
+  return value
+
+
+def canonicalize_axes(ndim: int, axis: Axis) -> tuple[int, ...]:
+  """Returns the sorted, deduplicated, non-negative reduction axes.
+
+  ``None`` means every axis. Raises ``ValueError`` for out-of-range or empty
+  axes, since reducing over nothing has no batch statistic.
+  """
+  if axis is None:
+    axes = tuple(range(ndim))
+  elif isinstance(axis, int):
+    axes = (axis,)
+  else:
+    axes = tuple(int(a) for a in axis)
+  for a in axes:
+    if not -ndim <= a < ndim:
+      raise ValueError(f"axis {a} is out of range for an array of rank {ndim}.")
+  axes = tuple(sorted({a % ndim for a in axes})) if ndim else ()
+  if not axes:
+    raise ValueError("at least one axis to reduce over is required.")
+  return axes
+
+
+def _decimal_fraction(alpha: float) -> fractions.Fraction:
+  # repr() gives the shortest decimal that round-trips, i.e. what the user typed.
+  return fractions.Fraction(repr(float(alpha)))
+
+
+def quantile_rank(alpha: float, n: int | Array) -> int | Array:
+  """The 1-based rank ``k = ceil(alpha * n)`` of ``q_alpha`` among ``n`` values.
+
+  ``alpha * n`` is computed exactly for the decimal value of ``alpha``. ``n``
+  may be a Python int (the result is an int) or an integer array (masked
+  batches; the result is an int32 array, exact when alpha's reduced decimal
+  fraction ``p/q`` has ``p*q < 2**31``, e.g. any alpha with four decimals, and
+  rounded in float32 otherwise). The rank is clipped to ``[1, n]`` (to 1 when
+  ``n == 0``).
+
+  >>> quantile_rank(0.3, 10), quantile_rank(0.25, 7), quantile_rank(0.999, 4)
+  (3, 2, 4)
+  """
+  frac = _decimal_fraction(alpha)
+  p, q = frac.numerator, frac.denominator
+  if isinstance(n, int):
+    return min(max(-(-p * n // q), 1), max(n, 1))
+  n = jnp.asarray(n, jnp.int32)
+  if p * q < 2**31:
+    # ceil(p*n/q) = p*(n//q) + ceil(p*(n%q)/q): no intermediate exceeds p*q,
+    # and p*(n//q) <= n because p < q.
+    k = p * (n // q) + (p * (n % q) + q - 1) // q
+  else:
+    # alpha with very many decimal digits: float32, documented rounding.
+    k = jnp.ceil(jnp.float32(alpha) * n.astype(jnp.float32)).astype(jnp.int32)
+  return jnp.clip(k, 1, jnp.maximum(n, 1))
+
+
+def _global_sum(value: Any, axis_name: str | None, groups: AxisIndexGroups) -> Any:
+  if axis_name is None:
+    return value
+  return lax.psum(value, axis_name, axis_index_groups=groups)
+
+
+def _axis_size(axis_name: str | None, groups: AxisIndexGroups) -> int:
+  if axis_name is None:
+    return 1
+  if groups is not None:
+    return len(groups[0])
+  return int(lax.psum(1, axis_name))
+
+
+def _element_count(
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None,
+    axis_name: str | None,
+    groups: AxisIndexGroups,
+) -> int | Array:
+  """Number of reduced elements per position: static unless masked."""
+  if where is None:
+    return math.prod(x.shape[a] for a in axes) * _axis_size(axis_name, groups)
+  local = jnp.sum(jnp.broadcast_to(where, x.shape), axes, dtype=jnp.int32)
+  return _global_sum(local, axis_name, groups)
+
+
+def _expand(value: Array, axes: tuple[int, ...]) -> Array:
+  return jnp.expand_dims(value, axes)
+
+
+def global_mean(
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> Array:
+  """Mean over ``axes`` of the masked-in elements, across devices if named."""
+  total = _global_sum(jnp.sum(x, axes, where=where), axis_name, axis_index_groups)
+  return total / _element_count(x, axes, where, axis_name, axis_index_groups)
+
+
+def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
+  x, where = primals
+  x_dot, _ = tangents
+  value = _tie_split(select, axes, axis_name, groups, x, where)
+  selected = x == _expand(value, axes)
+  if where is not None:
+    selected = selected & where
+  moved = jnp.sum(jnp.where(selected, x_dot, 0), axes)
+  ties = jnp.sum(selected, axes, dtype=jnp.int32)
+  moved, ties = _global_sum((moved, ties), axis_name, groups)
+  return value, moved / jnp.maximum(ties, 1).astype(moved.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _tie_split(
+    select: Callable[[Array, Array | None], Array],
+    axes: tuple[int, ...],
+    axis_name: str | None,
+    groups: AxisIndexGroups,
+    x: Array,
+    where: Array | None,
+) -> Array:
+  """``select(x, where)``, an element of ``x``, differentiated as such.
+
+  The tangent is the mean tangent of the elements equal to the selected value,
+  so the cotangent is split equally among tied elements. Collectives in the
+  tangent are JAX's own ``psum``, so pmap and shard_map transpose them correctly.
+  """
+  del axes, axis_name, groups
+  return select(x, where)
+
+
+_tie_split.defjvp(_tie_split_jvp_rule)
+
+
+def _prepare(x: Array, axis: Axis, where: Array | None):
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    x = x.astype(jnp.float32)
+  compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
+  axes = canonicalize_axes(x.ndim, axis)
+  if where is not None:
+    where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
+  return x, x.astype(compute_dtype), axes, where
+
+
+def _has_nan(x, axes, where, axis_name, groups) -> Array:
+  nan = jnp.isnan(x)
+  if where is not None:
+    nan = nan & where
+  return _global_sum(jnp.sum(nan, axes, dtype=jnp.int32), axis_name, groups) > 0
+
+
+def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
+  n = _element_count(x, axes, where, axis_name, groups)
+  k = quantile_rank(alpha, n)
+  nan = _has_nan(x, axes, where, axis_name, groups)
+  finite_or_inf = jnp.where(jnp.isnan(x), jnp.inf, x)
+  value = _select.kth_smallest(
+      finite_or_inf,
+      k,
+      axes,
+      where=where,
+      axis_name=axis_name,
+      axis_index_groups=groups,
+  )
+  invalid = nan if where is None else nan | (n == 0)
+  return jnp.where(invalid, jnp.nan, value)
+
+
+def _quantile(x, alpha, axes, where, axis_name, groups) -> Array:
+  """Quantile of an already-prepared float array (no dtype handling)."""
+  select = functools.partial(
+      _select_quantile, alpha=alpha, axes=axes, axis_name=axis_name, groups=groups
+  )
+  return _tie_split(select, axes, axis_name, groups, x, where)
+
+
+def _superquantile(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Array]:
+  """Returns ``(q_alpha, qbar_alpha)`` of a prepared float array."""
+  q = _quantile(x, alpha, axes, where, axis_name, groups)
+  above = x > _expand(q, axes)
+  if where is not None:
+    above = above & where
+  # where(), not maximum(): maximum's derivative at a tie is 1/2, which would
+  # break the tie rule of the quantile's gradient.
+  excess = jnp.where(above, x - _expand(q, axes), 0)
+  mean_excess = global_mean(excess, axes, where, axis_name, groups)
+  return q, q + mean_excess / (1.0 - alpha)
+
+
+def quantile(
+    x: Array,
+    alpha: float,
+    axis: Axis = None,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> Array:
+  """The empirical ``alpha``-quantile ``q_alpha = min{z : P(x <= z) >= alpha}``.
+
+  Over ``N`` values this is the ``ceil(alpha * N)``-th smallest, as
+  ``jnp.quantile(x, alpha, axis, method='inverted_cdf')``, but computed by an
+  exact selection instead of a sort, and with a gradient that flows to the
+  selected element (split equally among ties).
+
+  Args:
+    x: input array. Half-precision inputs are selected in float32; the result
+      has the input's floating dtype (an element of ``x``).
+    alpha: probability level, a Python float strictly between 0 and 1.
+    axis: axis or axes to reduce over (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis (``shard_map``/``pmap``) whose devices'
+      elements are pooled, giving the quantile of the global batch.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    The reduced array (``keepdims=False``).
+
+  >>> import jax.numpy as jnp
+  >>> quantile(jnp.array([3., 1., 4., 1., 5.]), 0.5, axis=0)
+  Array(3., dtype=float32)
+  """
+  alpha = validate_alpha(alpha)
+  x_in, x, axes, where = _prepare(x, axis, where)
+  q = _quantile(x, alpha, axes, where, axis_name, axis_index_groups)
+  return q.astype(x_in.dtype)
+
+
+def superquantile(
+    x: Array,
+    alpha: float,
+    axis: Axis = None,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> Array:
+  """The superquantile (CVaR) ``qbar_alpha = q_alpha + E[(x - q_alpha)^+]/(1-alpha)``.
+
+  Exact for empirical distributions, atoms and ties included (unlike the mean
+  of the top ``(1-alpha)N`` values, which is exact only when that is whole).
+  Arguments are those of :func:`quantile`. Reductions are in at least float32.
+
+  >>> import jax.numpy as jnp
+  >>> superquantile(jnp.array([1., 2., 3., 4.]), 0.5, axis=0)
+  Array(3.5, dtype=float32)
+  """
+  alpha = validate_alpha(alpha)
+  x_in, x, axes, where = _prepare(x, axis, where)
+  _, qbar = _superquantile(x, alpha, axes, where, axis_name, axis_index_groups)
+  return qbar.astype(x_in.dtype)
+
+
+def _select_extreme(x, where, *, largest, axes, axis_name, groups):
+  fill = -jnp.inf if largest else jnp.inf
+  reduce = jnp.max if largest else jnp.min
+  value = reduce(x, axes, where=where, initial=fill)
+  if axis_name is not None:
+    collective = lax.pmax if largest else lax.pmin
+    value = collective(value, axis_name, axis_index_groups=groups)
+  if where is not None:
+    n = _element_count(x, axes, where, axis_name, groups)
+    value = jnp.where(n == 0, jnp.nan, value)
+  return value
+
+
+def extreme(
+    x: Array,
+    axes: tuple[int, ...],
+    *,
+    largest: bool,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> Array:
+  """Max (``largest``) or min over ``axes``, pooled across ``axis_name``.
+
+  Differentiated like :func:`quantile`: the cotangent is split among ties.
+  """
+  select = functools.partial(
+      _select_extreme,
+      largest=largest,
+      axes=axes,
+      axis_name=axis_name,
+      groups=axis_index_groups,
+  )
+  return _tie_split(select, axes, axis_name, axis_index_groups, x, where)
