@@ -64,6 +64,12 @@ def _reduction(x: Array, axis: Axis, where: Array | None):
   return x, axes, where
 
 
+def _keep_nan(mean: Array, dev: Array) -> Array:
+  # One-sided deviations compare with the mean; NaN compares False, which
+  # alone would report a clean 0 deviation for a NaN batch.
+  return jnp.where(jnp.isnan(mean), jnp.nan, dev)
+
+
 def _centered(x: Array, center: Array, axes: tuple[int, ...]) -> Array:
   return x - jnp.expand_dims(center, axes)
 
@@ -110,7 +116,7 @@ def rsd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
       jnp.where(centered > 0, centered, 0), axes, where, axis_name,
       axis_index_groups,
   )
-  return mean, dev
+  return mean, _keep_nan(mean, dev)
 
 
 def sqd(
@@ -167,9 +173,7 @@ def bpoe(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
       (total, count), axis_name, axis_index_groups
   )
   dev = jnp.where(count > 0, total / jnp.maximum(count, 1).astype(total.dtype), 0)
-  # Keep NaN inputs visible: comparisons with NaN are False, which alone
-  # would report a clean 0 deviation.
-  return mean, jnp.where(jnp.isnan(mean), jnp.nan, dev)
+  return mean, _keep_nan(mean, dev)
 
 
 # ----------------------------------------------------------------- registry

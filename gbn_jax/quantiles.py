@@ -228,6 +228,10 @@ def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
       axis_name=axis_name,
       axis_index_groups=groups,
   )
+  if axis_name is not None:
+    # Every device already holds the same value; pmax (C floats) makes that
+    # visible to shard_map's replication typing, so stats can leave with P().
+    value = lax.pmax(value, axis_name, axis_index_groups=groups)
   invalid = nan if where is None else nan | (n == 0)
   return jnp.where(invalid, jnp.nan, value)
 

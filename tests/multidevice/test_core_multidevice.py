@@ -1,0 +1,190 @@
+"""Global-batch statistics across 4 host devices equal the single-device result.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 (tests/test_multidevice.py
+does this in a subprocess).
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import gbn_jax
+from gbn_jax import GBatchNorm
+import reference as ref
+
+NDEV = 4
+MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
+
+if jax.device_count() < NDEV:
+  pytest.fail(f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False)
+
+
+def _batch(shape=(16, 3, 3, 5), seed=0):
+  # ReLU-like with ties, shifted so that every measure is non-degenerate.
+  return jnp.asarray(ref.relu_like(np.random.default_rng(seed), shape) - 0.25)
+
+
+def _auto_mesh():
+  return Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
+
+
+def _close(a, b):
+  # Same selected elements, float32 sums in another order; D = qbar - E[x]
+  # cancels, which amplifies that rounding a little for the quantile measures.
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-3), a, b)
+
+
+def _reference_step(measure, variables, x, w):
+  """Single device, whole batch: output, new stats, and gradients."""
+  module = GBatchNorm(measure=measure)
+
+  def loss(params, inp):
+    y, upd = module.apply({**variables, "params": params}, inp, False, mutable=["batch_stats"])
+    return jnp.sum(jnp.sin(y) * w), (y, upd)
+
+  (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      variables["params"], x
+  )
+  return y, upd, grads
+
+
+def _init(measure, x):
+  variables = GBatchNorm(measure=measure).init(jax.random.key(0), x, False)
+  keys = iter(jax.random.split(jax.random.key(1), 8))
+  return jax.tree.map(lambda a: a + 0.2 * jax.random.normal(next(keys), a.shape), variables)
+
+
+@pytest.mark.parametrize("measure", MEASURES)
+def test_shard_map_axis_name_equals_single_device(measure):
+  x = _batch()
+  w = jax.random.normal(jax.random.key(2), x.shape)
+  variables = _init(measure, x)
+  y_ref, upd_ref, g_ref = _reference_step(measure, variables, x, w)
+
+  module = GBatchNorm(measure=measure, axis_name="batch")
+
+  def local(params, stats, inp, wl):
+    def loss(p, v):
+      y, upd = module.apply({"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"])
+      return jnp.sum(jnp.sin(y) * wl), (y, upd)
+
+    (_, (y, upd)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, inp)
+    # Replicated params: shard_map's transpose already sums their cotangents.
+    return y, upd, gp, gx
+
+  fn = jax.jit(jax.shard_map(
+      local, mesh=_auto_mesh(),
+      in_specs=(P(), P(), P("batch"), P("batch")),
+      out_specs=(P("batch"), P(), P(), P("batch")),
+  ))
+  y, upd, gp, gx = fn(variables["params"], variables["batch_stats"], x, w)
+  _close(y, y_ref)
+  _close(upd, upd_ref)
+  _close(gp, g_ref[0])
+  _close(gx, g_ref[1])
+
+
+@pytest.mark.parametrize("measure", ["sd", "sqd1", "rbd", "bpoe"])
+def test_pmap_axis_name_equals_single_device(measure):
+  x = _batch(seed=3)
+  w = jax.random.normal(jax.random.key(4), x.shape)
+  variables = _init(measure, x)
+  y_ref, upd_ref, g_ref = _reference_step(measure, variables, x, w)
+  module = GBatchNorm(measure=measure, axis_name="i")
+
+  def local(inp, wl):
+    def loss(v):
+      y, upd = module.apply(variables, v, False, mutable=["batch_stats"])
+      return jnp.sum(jnp.sin(y) * wl), (y, upd)
+    (_, (y, upd)), gx = jax.value_and_grad(loss, has_aux=True)(inp)
+    return y, upd, gx
+
+  split = lambda a: a.reshape((NDEV, -1) + a.shape[1:])
+  y, upd, gx = jax.pmap(local, axis_name="i")(split(x), split(w))
+  _close(y.reshape(x.shape), y_ref)
+  _close(jax.tree.map(lambda a: a[0], upd), upd_ref)
+  # pmap differentiates each device's loss with psum transposes, i.e. the sum
+  # of the NDEV per-device losses, each of which is the reference loss share.
+  _close(gx.reshape(x.shape), g_ref[1])
+
+
+def test_pmap_axis_index_groups():
+  x = _batch(seed=5)
+  module = GBatchNorm(measure="sqd2", axis_name="i", axis_index_groups=[[0, 1], [2, 3]])
+  variables = _init("sqd2", x)
+  y, _ = jax.pmap(
+      lambda v: module.apply(variables, v, False, mutable=["batch_stats"]), axis_name="i"
+  )(x.reshape((NDEV, -1) + x.shape[1:]))
+  y = y.reshape(x.shape)
+  half = x.shape[0] // 2
+  for part in (slice(0, half), slice(half, None)):
+    want, _ = GBatchNorm(measure="sqd2").apply(variables, x[part], False, mutable=["batch_stats"])
+    _close(y[part], want)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("measure", ["sd", "sqd2", "wcd"])
+def test_jit_over_batch_sharded_array_is_exact(measure, explicit):
+  if explicit:  # jax.make_mesh's default axis types are Explicit
+    mesh = jax.make_mesh((NDEV,), ("batch",))
+  else:
+    mesh = _auto_mesh()
+  x = _batch(seed=6)
+  w = jax.random.normal(jax.random.key(7), x.shape)
+  variables = _init(measure, x)
+  y_ref, upd_ref, g_ref = _reference_step(measure, variables, x, w)
+  xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
+  ws = jax.device_put(w, NamedSharding(mesh, P("batch")))
+  y, upd, grads = jax.jit(functools.partial(_reference_step, measure))(variables, xs, ws)
+  _close(y, y_ref)
+  _close(upd, upd_ref)
+  _close(grads, g_ref)
+
+
+def test_quantile_functions_with_axis_name_and_mask():
+  x = _batch((32, 6), seed=8)
+  mask = jax.random.bernoulli(jax.random.key(9), 0.7, x.shape)
+
+  def local(v, m):
+    q = gbn_jax.quantile(v, 0.3, 0, where=m, axis_name="batch")
+    sq = gbn_jax.superquantile(v, 0.8, 0, where=m, axis_name="batch")
+    return q, sq
+
+  q, sq = jax.shard_map(
+      local, mesh=_auto_mesh(), in_specs=(P("batch"), P("batch")), out_specs=(P(), P())
+  )(x, mask)
+  np.testing.assert_array_equal(q, gbn_jax.quantile(x, 0.3, 0, where=mask))
+  _close(sq, gbn_jax.superquantile(x, 0.8, 0, where=mask))
+
+
+def test_custom_measure_without_axis_name_sees_the_global_batch():
+  def spread(x, axis):  # knows nothing about devices
+    return gbn_jax.quantile(x, 0.5, axis), jnp.max(x, axis) - jnp.min(x, axis)
+
+  x = _batch(seed=10)
+  variables = GBatchNorm(measure=spread).init(jax.random.key(0), x, False)
+  want, _ = GBatchNorm(measure=spread).apply(variables, x, False, mutable=["batch_stats"])
+  module = GBatchNorm(measure=spread, axis_name="batch")
+  y = jax.shard_map(
+      lambda v: module.apply(variables, v, False, mutable=["batch_stats"])[0],
+      mesh=_auto_mesh(), in_specs=P("batch"), out_specs=P("batch"),
+  )(x)
+  _close(y, want)
+
+
+def test_flax_batchnorm_and_sd_agree_across_devices():
+  x = _batch(seed=11)
+  variables = nn.BatchNorm().init(jax.random.key(0), x, False)
+
+  def run(module):
+    return jax.shard_map(
+        lambda v: module.apply(variables, v, False, mutable=["batch_stats"]),
+        mesh=_auto_mesh(), in_specs=P("batch"), out_specs=(P("batch"), P()),
+    )(x)
+
+  _close(run(GBatchNorm(axis_name="batch")), run(nn.BatchNorm(axis_name="batch")))

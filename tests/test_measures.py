@@ -1,0 +1,144 @@
+"""Measures vs numpy definitions; registry and custom measures."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gbn_jax
+from gbn_jax import measures
+import reference as ref
+
+BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
+
+
+def _data(kind, shape=(41, 6), seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+      "normal": lambda: rng.standard_normal(shape).astype(np.float32),
+      "skewed": lambda: rng.exponential(size=shape).astype(np.float32) ** 2,
+      "relu": lambda: ref.relu_like(rng, shape),
+      "coarse": lambda: ref.coarse(rng, shape),
+  }[kind]()
+
+
+def test_builtin_names_registered():
+  assert set(BUILTIN) | {"sqd"} <= set(gbn_jax.MEASURES)
+
+
+@pytest.mark.parametrize("kind", ["normal", "skewed", "relu", "coarse"])
+@pytest.mark.parametrize("name", BUILTIN + ["sqd:0.1", "sqd:0.93"])
+def test_measure_matches_definition(name, kind):
+  params = {}
+  if ":" in name:
+    name, alpha = name.split(":")
+    params["alpha"] = float(alpha)
+  x = _data(kind)
+  s, d = gbn_jax.get_measure(name, **params)(x, 0)
+  want_s, want_d = ref.per_feature(
+      lambda r: ref.measure_1d(name, r, params.get("alpha")), x, (0,)
+  )
+  np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(d, want_d, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_measure_with_mask_and_multiple_axes(name):
+  rng = np.random.default_rng(3)
+  x = _data("relu", (7, 5, 3, 4), seed=3)
+  mask = rng.random(x.shape) < 0.7
+  s, d = gbn_jax.get_measure(name)(x, (0, 1, 2), where=mask)
+  want_s, want_d = ref.per_feature(
+      lambda r: ref.measure_1d(name, r), x, (0, 1, 2), mask=mask
+  )
+  np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(d, want_d, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_gradients_match_finite_differences(name):
+  # Generic point: no ties, so every measure is differentiable there.
+  rng = np.random.default_rng(7)
+  x = (rng.permutation(60).reshape(20, 3) * 0.05 + rng.random((20, 3)) * 0.01)
+  x = x.astype(np.float32)
+  m = gbn_jax.get_measure(name)
+  w = rng.standard_normal(2 * 3)
+  f = lambda v: jnp.concatenate(m(v, 0)) @ w
+  g = np.asarray(jax.grad(f)(jnp.asarray(x)), np.float64)
+  for _ in range(3):
+    d = rng.standard_normal(x.shape)
+    eps = 1e-3
+    fd = (float(f(jnp.asarray(x + eps * d, jnp.float32)))
+          - float(f(jnp.asarray(x - eps * d, jnp.float32)))) / (2 * eps)
+    np.testing.assert_allclose(np.sum(g * d), fd, rtol=5e-3, atol=5e-3)
+
+
+def test_sd_fast_and_two_pass_variance_agree_and_squared_is_variance():
+  x = _data("skewed")
+  _, v_fast = measures.sd(x, 0, squared=True)
+  _, v_slow = measures.sd(x, 0, squared=True, fast_variance=False)
+  np.testing.assert_allclose(v_fast, np.var(x.astype(np.float64), 0), rtol=1e-5)
+  np.testing.assert_allclose(v_slow, np.var(x.astype(np.float64), 0), rtol=1e-5)
+
+
+def test_bpoe_is_sqd_at_the_level_of_the_mean():
+  # The paper's "optimal choice": with alpha = P(x <= E x), the superquantile
+  # deviation of SQD equals bPOE's conditional excess E[x - Ex | x > Ex].
+  x = _data("skewed", (200, 1))[:, 0]
+  mean = x.astype(np.float64).mean()
+  alpha = float(np.mean(x <= mean))
+  _, d_sqd = gbn_jax.get_measure("sqd", alpha=alpha)(x, 0)
+  _, d_bpoe = gbn_jax.get_measure("bpoe")(x, 0)
+  np.testing.assert_allclose(d_sqd, d_bpoe, rtol=1e-4)
+
+
+def test_constant_and_single_element_features():
+  for name in BUILTIN:
+    m = gbn_jax.get_measure(name)
+    s, d = m(jnp.full((9, 2), 3.0), 0)
+    np.testing.assert_allclose(s, 3.0)
+    np.testing.assert_allclose(d, 0.0, atol=1e-6)
+    s, d = m(jnp.array([[2.5, -1.0]]), 0)  # one element per feature
+    np.testing.assert_array_equal(s, [2.5, -1.0])
+    np.testing.assert_array_equal(d, [0.0, 0.0])
+
+
+def test_nan_propagates_to_both_statistics():
+  x = np.ones((6, 2), np.float32)
+  x[1, 0] = np.nan
+  for name in BUILTIN:
+    s, d = gbn_jax.get_measure(name)(x, 0)
+    assert np.isnan(s[0]) and np.isnan(d[0]), name
+    assert np.isfinite(s[1]) and np.isfinite(d[1]), name
+
+
+def test_registry_errors():
+  with pytest.raises(ValueError, match="valid names: .*sqd2"):
+    gbn_jax.get_measure("sqd4")
+  with pytest.raises(TypeError, match="unexpected parameter"):
+    gbn_jax.get_measure("mad", alpha=0.5)
+  with pytest.raises(TypeError, match="needs parameter"):
+    gbn_jax.get_measure("sqd")
+  with pytest.raises(TypeError, match="fixes"):
+    gbn_jax.get_measure("sqd2", alpha=0.3)
+  with pytest.raises(ValueError, match="alpha"):
+    gbn_jax.get_measure("sqd", alpha=1.0)
+  with pytest.raises(ValueError, match="already registered"):
+    gbn_jax.register_measure("sd", measures.sd)
+
+
+def test_register_a_new_measure():
+  def trimmed_range(x, axis, *, where=None, axis_name=None,
+                    axis_index_groups=None, alpha):
+    lo = gbn_jax.quantile(x, 1 - alpha, axis, where=where, axis_name=axis_name)
+    hi = gbn_jax.quantile(x, alpha, axis, where=where, axis_name=axis_name)
+    return (hi + lo) / 2, hi - lo
+
+  gbn_jax.register_measure("test_trimmed_range", trimmed_range, overwrite=True)
+  assert "test_trimmed_range" in gbn_jax.MEASURES
+  x = _data("normal")
+  s, d = gbn_jax.get_measure("test_trimmed_range", alpha=0.9)(x, 0)
+  hi = np.array([ref.quantile_1d(x[:, j], 0.9) for j in range(x.shape[1])])
+  lo = np.array([ref.quantile_1d(x[:, j], 0.1) for j in range(x.shape[1])])
+  np.testing.assert_allclose(d, hi - lo, rtol=1e-6)
+  np.testing.assert_allclose(s, (hi + lo) / 2, rtol=1e-6, atol=1e-7)
