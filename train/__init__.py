@@ -1,0 +1,1 @@
+"""gbn-jax training suite: datasets, input pipeline, models, training loop."""
