@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +149,110 @@ def normalize(
     y += bias
     args.append(bias)
   return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=dtype))
+
+
+def normalize_batch(
+    measure: measures_lib.MeasureFn,
+    x: Array,
+    scale: Array | None,
+    bias: Array | None,
+    reduction_axes: tuple[int, ...],
+    feature_axes: tuple[int, ...],
+    *,
+    dtype: Any,
+    epsilon: float,
+    mask: Array | None,
+    axis_name: str | None,
+    axis_index_groups: Any,
+    force_float32_reductions: bool = True,
+) -> tuple[Array, Array, Array]:
+  """Normalizes with the batch's own statistics: ``(y, S, D^2)``.
+
+  On one device (or under SPMD ``jit``) the backward pass is written out
+  (:func:`_fused_normalize`) so that it costs what BatchNorm's does plus the
+  measure's own vector-Jacobian product; with ``axis_name`` it is left to
+  autodiff, whose collectives JAX transposes for pmap and shard_map alike.
+  """
+  if axis_name is None:
+    static = _Static(
+        measure, reduction_axes, feature_axes, dtype, epsilon,
+        force_float32_reductions,
+    )
+    return _fused_normalize(static, x, scale, bias, mask)
+  statistic, deviation_sq = batch_statistics(
+      measure, x, reduction_axes, dtype=dtype, mask=mask, axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      force_float32_reductions=force_float32_reductions,
+  )
+  y = normalize(
+      x, statistic, deviation_sq, scale, bias, reduction_axes, feature_axes,
+      dtype, epsilon,
+  )
+  return y, statistic, deviation_sq
+
+
+class _Static(NamedTuple):
+  measure: Any
+  reduction_axes: tuple[int, ...]
+  feature_axes: tuple[int, ...]
+  dtype: Any
+  epsilon: float
+  force_float32_reductions: bool
+
+
+def _fused_forward(static: _Static, x, scale, bias, mask):
+  def stats(v):
+    return batch_statistics(
+        static.measure, v, static.reduction_axes, dtype=static.dtype, mask=mask,
+        axis_name=None, axis_index_groups=None,
+        force_float32_reductions=static.force_float32_reductions,
+    )
+
+  (statistic, deviation_sq), stats_vjp = jax.vjp(stats, x)
+  y = normalize(
+      x, statistic, deviation_sq, scale, bias, static.reduction_axes,
+      static.feature_axes, static.dtype, static.epsilon,
+  )
+  return (y, statistic, deviation_sq), stats_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_normalize(static: _Static, x, scale, bias, mask):
+  return _fused_forward(static, x, scale, bias, mask)[0]
+
+
+def _fused_normalize_fwd(static, x, scale, bias, mask):
+  out, stats_vjp = _fused_forward(static, x, scale, bias, mask)
+  _, statistic, deviation_sq = out
+  return out, (x, statistic, deviation_sq, scale, bias, mask, stats_vjp)
+
+
+def _fused_normalize_bwd(static, residuals, cotangents):
+  """BatchNorm's backward, generalized.
+
+  With ``xhat = (x - S) r``, ``r = (D^2 + eps)^-1/2`` and ``y = xhat * scale
+  + bias``, two reductions of the output cotangent ``g`` give everything:
+  ``dbias = sum g``, ``dscale = sum g xhat``, ``dS = -r scale sum g`` and
+  ``d(D^2) = -r^2 scale sum(g xhat) / 2``; the measure's own VJP turns
+  ``(dS, dD^2)`` into its share of ``dx``.
+  """
+  x, statistic, deviation_sq, scale, bias, mask, stats_vjp = residuals
+  g, g_statistic, g_deviation_sq = cotangents
+  axes = static.reduction_axes
+  expand = lambda v: jnp.expand_dims(v, axes)
+  r = lax.rsqrt(deviation_sq + static.epsilon)
+  g = g.astype(statistic.dtype)
+  xhat = (x - expand(statistic)) * expand(r)
+  sum_g = jnp.sum(g, axes)
+  sum_g_xhat = jnp.sum(g * xhat, axes)
+  gain = r if scale is None else r * scale.astype(r.dtype)
+  g_statistic = g_statistic - gain * sum_g
+  g_deviation_sq = g_deviation_sq - 0.5 * r * gain * sum_g_xhat
+  (dx_stats,) = stats_vjp((g_statistic, g_deviation_sq))
+  dx = (g * expand(gain) + dx_stats).astype(x.dtype)
+  dscale = None if scale is None else sum_g_xhat.astype(scale.dtype)
+  dbias = None if bias is None else sum_g.astype(bias.dtype)
+  return dx, dscale, dbias, None
+
+
+_fused_normalize.defvjp(_fused_normalize_fwd, _fused_normalize_bwd)

@@ -97,21 +97,34 @@ class GBatchNorm(nn.BatchNorm):
         "batch_stats", "var", lambda s: jnp.ones(s, stats_dtype), feature_shape
     )
 
-    if use_running_average:
-      statistic, deviation_sq = ra_mean.value, ra_var.value
+    scale = bias = None
+    if self.use_scale:
+      scale = self.param(
+          "scale", self.scale_init, tuple(feature_shape), self.param_dtype
+      )
       if not self.force_float32_reductions:
-        statistic = jnp.asarray(statistic, self.param_dtype)
-        deviation_sq = jnp.asarray(deviation_sq, self.param_dtype)
-    else:
+        scale = jnp.asarray(scale, self.param_dtype)
+    if self.use_bias:
+      bias = self.param(
+          "bias", self.bias_init, tuple(feature_shape), self.param_dtype
+      )
+      if not self.force_float32_reductions:
+        bias = jnp.asarray(bias, self.param_dtype)
+
+    if not use_running_average:
       measure = _normalization.bind_measure(
           self.measure, self.alpha, self.use_fast_variance
       )
       initializing = self.is_initializing()
-      statistic, deviation_sq = _normalization.batch_statistics(
+      y, statistic, deviation_sq = _normalization.normalize_batch(
           measure,
           x,
+          scale,
+          bias,
           reduction_axes,
+          feature_axes,
           dtype=self.dtype,
+          epsilon=self.epsilon,
           mask=mask,
           axis_name=None if initializing else self.axis_name,
           axis_index_groups=self.axis_index_groups,
@@ -124,21 +137,12 @@ class GBatchNorm(nn.BatchNorm):
         ra_var.value = (
             self.momentum * ra_var.value + (1 - self.momentum) * deviation_sq
         )
+      return y
 
-    scale = bias = None
-    reduced_feature_shape = tuple(feature_shape)
-    if self.use_scale:
-      scale = self.param(
-          "scale", self.scale_init, reduced_feature_shape, self.param_dtype
-      )
-      if not self.force_float32_reductions:
-        scale = jnp.asarray(scale, self.param_dtype)
-    if self.use_bias:
-      bias = self.param(
-          "bias", self.bias_init, reduced_feature_shape, self.param_dtype
-      )
-      if not self.force_float32_reductions:
-        bias = jnp.asarray(bias, self.param_dtype)
+    statistic, deviation_sq = ra_mean.value, ra_var.value
+    if not self.force_float32_reductions:
+      statistic = jnp.asarray(statistic, self.param_dtype)
+      deviation_sq = jnp.asarray(deviation_sq, self.param_dtype)
     return _normalization.normalize(
         x,
         statistic,

@@ -171,11 +171,11 @@ def bpoe(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   if where is not None:
     above = above & where
   total = jnp.sum(jnp.where(above, centered, 0), axes)
-  count = jnp.sum(above, axes, dtype=jnp.int32)
+  count = quantiles.count_true(above, axes)
   total, count = quantiles._global_sum(  # pylint: disable=protected-access
       (total, count), axis_name, axis_index_groups
   )
-  dev = jnp.where(count > 0, total / jnp.maximum(count, 1).astype(total.dtype), 0)
+  dev = jnp.where(count > 0, total / jnp.maximum(count, 1), 0)
   return mean, _keep_nan(mean, dev)
 
 

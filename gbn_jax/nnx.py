@@ -77,11 +77,15 @@ class GBatchNorm(nnx.BatchNorm):
       measure = _normalization.bind_measure(
           self.measure, self.alpha, self.use_fast_variance
       )
-      statistic, deviation_sq = _normalization.batch_statistics(
+      y, statistic, deviation_sq = _normalization.normalize_batch(
           measure,
           x,
+          scale,
+          bias,
           reduction_axes,
+          feature_axes,
           dtype=self.dtype,
+          epsilon=self.epsilon,
           mask=mask,
           axis_name=self.axis_name,
           axis_index_groups=self.axis_index_groups,
@@ -92,6 +96,7 @@ class GBatchNorm(nnx.BatchNorm):
       self.var[...] = jax.lax.stop_gradient(
           self.momentum * self.var[...] + (1 - self.momentum) * deviation_sq
       )
+      return y
     return _normalization.normalize(
         x,
         statistic,

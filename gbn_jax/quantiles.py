@@ -142,8 +142,19 @@ def _element_count(
   """Number of reduced elements per position: static unless masked."""
   if where is None:
     return math.prod(x.shape[a] for a in axes) * _axis_size(axis_name, groups)
-  local = jnp.sum(jnp.broadcast_to(where, x.shape), axes, dtype=jnp.int32)
+  local = count_true(jnp.broadcast_to(where, x.shape), axes).astype(jnp.int32)
   return _global_sum(local, axis_name, groups)
+
+
+def count_true(flags: Array, axes: tuple[int, ...]) -> Array:
+  """Number of true flags over ``axes``.
+
+  Summed in float32 while that is exact (fewer than 2**24 elements): XLA:CPU
+  vectorizes float reductions but runs int32 ones through a slow generic loop.
+  """
+  if math.prod(flags.shape[a] for a in axes) < 2**24:
+    return jnp.sum(flags, axes, dtype=jnp.float32)
+  return jnp.sum(flags, axes, dtype=jnp.int32)
 
 
 def _expand(value: Array, axes: tuple[int, ...]) -> Array:
@@ -170,7 +181,7 @@ def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   if where is not None:
     selected = selected & where
   moved = jnp.sum(jnp.where(selected, x_dot, 0), axes)
-  ties = jnp.sum(selected, axes, dtype=jnp.int32)
+  ties = count_true(selected, axes)
   moved, ties = _global_sum((moved, ties), axis_name, groups)
   return value, moved / jnp.maximum(ties, 1).astype(moved.dtype)
 
@@ -212,7 +223,7 @@ def _has_nan(x, axes, where, axis_name, groups) -> Array:
   nan = jnp.isnan(x)
   if where is not None:
     nan = nan & where
-  return _global_sum(jnp.sum(nan, axes, dtype=jnp.int32), axis_name, groups) > 0
+  return _global_sum(count_true(nan, axes), axis_name, groups) > 0
 
 
 def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
