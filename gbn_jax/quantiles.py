@@ -247,11 +247,27 @@ def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
   return jnp.where(invalid, jnp.nan, value)
 
 
+def _hashable_groups(groups: AxisIndexGroups) -> AxisIndexGroups:
+  return None if groups is None else tuple(tuple(g) for g in groups)
+
+
+@functools.lru_cache(maxsize=None)
+def _selector(kind: str, param: Any, axes, axis_name, groups) -> Callable:
+  # One object per configuration: JAX caches traces by function identity, so
+  # a fresh partial per call would recompile every eager call.
+  if kind == "quantile":
+    return functools.partial(
+        _select_quantile, alpha=param, axes=axes, axis_name=axis_name, groups=groups
+    )
+  return functools.partial(
+      _select_extreme, largest=param, axes=axes, axis_name=axis_name, groups=groups
+  )
+
+
 def _quantile(x, alpha, axes, where, axis_name, groups) -> Array:
   """Quantile of an already-prepared float array (no dtype handling)."""
-  select = functools.partial(
-      _select_quantile, alpha=alpha, axes=axes, axis_name=axis_name, groups=groups
-  )
+  groups = _hashable_groups(groups)
+  select = _selector("quantile", alpha, axes, axis_name, groups)
   return _tie_split(select, axes, axis_name, groups, x, where)
 
 
@@ -266,6 +282,18 @@ def _superquantile(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Arr
   excess = jnp.where(above, x - _expand(q, axes), 0)
   mean_excess = global_mean(excess, axes, where, axis_name, groups)
   return q, q + mean_excess / (1.0 - alpha)
+
+
+# jit so that eager calls do not dispatch the selection op by op; under an
+# outer jit/shard_map this inlines.
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _jitted_quantile(x, where, alpha, axes, axis_name, groups):
+  return _quantile(x, alpha, axes, where, axis_name, groups)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _jitted_superquantile(x, where, alpha, axes, axis_name, groups):
+  return _superquantile(x, alpha, axes, where, axis_name, groups)[1]
 
 
 def quantile(
@@ -304,8 +332,8 @@ def quantile(
   """
   alpha = validate_alpha(alpha)
   x_in, x, axes, where = _prepare(x, axis, where)
-  q = _quantile(x, alpha, axes, where, axis_name, axis_index_groups)
-  return q.astype(x_in.dtype)
+  groups = _hashable_groups(axis_index_groups)
+  return _jitted_quantile(x, where, alpha, axes, axis_name, groups).astype(x_in.dtype)
 
 
 def superquantile(
@@ -329,7 +357,8 @@ def superquantile(
   """
   alpha = validate_alpha(alpha)
   x_in, x, axes, where = _prepare(x, axis, where)
-  _, qbar = _superquantile(x, alpha, axes, where, axis_name, axis_index_groups)
+  groups = _hashable_groups(axis_index_groups)
+  qbar = _jitted_superquantile(x, where, alpha, axes, axis_name, groups)
   return qbar.astype(x_in.dtype)
 
 
@@ -359,11 +388,6 @@ def extreme(
 
   Differentiated like :func:`quantile`: the cotangent is split among ties.
   """
-  select = functools.partial(
-      _select_extreme,
-      largest=largest,
-      axes=axes,
-      axis_name=axis_name,
-      groups=axis_index_groups,
-  )
-  return _tie_split(select, axes, axis_name, axis_index_groups, x, where)
+  groups = _hashable_groups(axis_index_groups)
+  select = _selector("extreme", largest, axes, axis_name, groups)
+  return _tie_split(select, axes, axis_name, groups, x, where)
