@@ -1,9 +1,13 @@
-"""Forward+backward time of one GBatchNorm layer vs flax.linen.BatchNorm.
+"""GBatchNorm's speed as a ratio to flax.linen.BatchNorm, measured in one process.
 
-Each measure is timed against flax's BatchNorm on the same input, in the same
-process, interleaved run by run, and reported as the ratio of medians.
+1. Forward+backward of one normalization layer, for every measure and shape.
+2. A whole SGD train step with sqd2 against the same model with BatchNorm:
+   LeNet at batch 1000 on 28x28x1 and ResNet20 at batch 256 on 32x32x3.
 
-  python -m benchmarks.bench_layers --runs 20 --out results/bench_layers.json
+Every pair is timed interleaved, run by run, after warm-up; the ratio is of the
+medians. Timings on a shared machine are noisy: read the ratios, not the ms.
+
+  python -m benchmarks.bench_gbn --runs 20 --out results/bench_cpu.json
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
+import optax
 
 import gbn_jax
 
@@ -54,6 +58,37 @@ def layer_step(module: nn.Module, x: jax.Array):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
   return lambda: jax.block_until_ready(step(variables["params"], x))
+
+
+TRAIN_STEPS = {"lenet": (1000, (28, 28, 1)), "resnet20": (256, (32, 32, 3))}
+TRAIN_STEP_TARGET = 1.15
+
+
+def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
+  """jit'ed SGD step (forward, backward, update) of a training-suite model."""
+  from train import models  # the training suite's models, norm swapped by name
+
+  model = models.create_model(model_name, num_classes=10, norm=models.make_norm(norm))
+  x = jax.random.normal(jax.random.key(3), (batch, *image_shape))
+  y = jax.random.randint(jax.random.key(4), (batch,), 0, 10)
+  variables = model.init(jax.random.key(0), x, train=False)
+  tx = optax.sgd(0.01)
+  opt_state = tx.init(variables["params"])
+
+  def step(params, batch_stats, opt_state):
+    def loss_fn(p):
+      logits, updates = model.apply(
+          {"params": p, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+      )
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
+
+    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    changes, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, changes), updates["batch_stats"], opt_state, loss
+
+  step = jax.jit(step)
+  args = (variables["params"], variables["batch_stats"], opt_state)
+  return lambda: jax.block_until_ready(step(*args))
 
 
 def time_interleaved(fns: dict, runs: int, warmup: int = 3) -> dict[str, float]:
@@ -95,6 +130,9 @@ def main(argv=None) -> dict:
                       help="measure names, or sqd:<alpha>")
   parser.add_argument("--runs", type=int, default=20, help="timed runs per layer (median)")
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--train-steps", nargs="*", default=list(TRAIN_STEPS),
+                      help="models whose whole train step to time (lenet, resnet20); none to skip")
+  parser.add_argument("--train-norm", default="sqd2", help="norm to compare with bn in train steps")
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
 
@@ -113,7 +151,21 @@ def main(argv=None) -> dict:
       rows.append(row)
       print(f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
             f"  x{row['ratio']:.2f} (target <= {row['target']})", flush=True)
-  result = {"machine": machine_info(), "runs": args.runs, "layers": rows}
+  steps = []
+  for model_name in args.train_steps:
+    batch, image_shape = TRAIN_STEPS[model_name]
+    norm = args.train_norm
+    fns = {"bn": train_step(model_name, "bn", batch, image_shape),
+           norm: train_step(model_name, norm, batch, image_shape)}
+    med = time_interleaved(fns, args.runs, args.warmup)
+    row = {"model": model_name, "batch": batch, "measure": norm,
+           "bn_ms": med["bn"] * 1e3, "gbn_ms": med[norm] * 1e3,
+           "ratio": med[norm] / med["bn"], "target": TRAIN_STEP_TARGET}
+    steps.append(row)
+    print(f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
+          f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
+          flush=True)
+  result = {"machine": machine_info(), "runs": args.runs, "layers": rows, "train_steps": steps}
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)

@@ -1,0 +1,271 @@
+"""Tests of train/models.py: architectures, parameter counts, the norm factory."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import gbn_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train import models
+
+GBN_NORMS = ("sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe",
+             "sqd:0.9")
+ALL_NORMS = ("bn",) + GBN_NORMS
+
+
+def _init(model: nn.Module, shape, seed=0):
+  return model.init(jax.random.key(seed), jnp.zeros(shape), train=False)
+
+
+def _abstract_init(model: nn.Module, shape):
+  """Shapes of the variables, without computing them."""
+  return jax.eval_shape(lambda: _init(model, shape))
+
+
+def _count(tree) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda x: x.shape, tree)
+
+
+# --- parameter counts from the architecture formulas -------------------------
+
+
+def _conv(k, c_in, c_out):  # no bias: a norm follows every conv
+  return k * k * c_in * c_out
+
+
+def _norm(c):  # scale + bias
+  return 2 * c
+
+
+def _dense(n_in, n_out):
+  return n_in * n_out + n_out
+
+
+def resnet_cifar_params(n: int, channels, in_channels: int,
+                        num_classes: int) -> int:
+  """He et al.'s CIFAR ResNet (6n+2 layers) with parameter-free shortcuts."""
+  total = _conv(3, in_channels, channels[0]) + _norm(channels[0])
+  c_in = channels[0]
+  for c in channels:
+    for _ in range(n):
+      total += _conv(3, c_in, c) + _norm(c) + _conv(3, c, c) + _norm(c)
+      c_in = c
+  return total + _dense(channels[-1], num_classes)
+
+
+def lenet_params(height: int, width: int, channels: int,
+                 num_classes: int) -> int:
+  """Caffe LeNet: VALID 5x5 convs, 2x2 pools, dense 500."""
+  h, w = height, width
+  for _ in range(2):
+    h, w = (h - 4) // 2, (w - 4) // 2
+  return (_conv(5, channels, 20) + _norm(20) + _conv(5, 20, 50) + _norm(50) +
+          _dense(h * w * 50, 500) + _dense(500, num_classes))
+
+
+def test_resnet20_parameter_count_matches_he_et_al():
+  model = models.ResNet20(num_classes=10, norm=models.make_norm("bn"))
+  params = _abstract_init(model, (1, 32, 32, 3))["params"]
+  expected = resnet_cifar_params(3, (16, 32, 64), 3, 10)
+  assert _count(params) == expected
+  # He et al. (2016), Table 6: ResNet20 has 0.27M parameters.
+  assert round(expected / 1e6, 2) == 0.27
+
+
+@pytest.mark.parametrize("classes", [10, 100])
+def test_resnet20_parameter_count_other_heads(classes):
+  model = models.create_model("resnet20", num_classes=classes,
+                              norm=models.make_norm("mad"))
+  params = _abstract_init(model, (1, 32, 32, 3))["params"]
+  assert _count(params) == resnet_cifar_params(3, (16, 32, 64), 3, classes)
+
+
+@pytest.mark.parametrize("shape", [(28, 28, 1), (32, 32, 3)])
+def test_lenet_parameter_count(shape):
+  model = models.create_model("lenet", num_classes=10,
+                              norm=models.make_norm("bn"))
+  params = _abstract_init(model, (1, *shape))["params"]
+  assert _count(params) == lenet_params(*shape, 10)
+  # Caffe's MNIST LeNet: 4x4x50 = 800 inputs to the 500-unit layer.
+  if shape == (28, 28, 1):
+    assert params["fc1"]["kernel"].shape == (800, 500)
+
+
+@pytest.mark.parametrize("name,shape,classes", [
+    ("lenet", (28, 28, 1), 10), ("lenet", (32, 32, 3), 100),
+    ("resnet20", (32, 32, 3), 10), ("resnet20", (28, 28, 1), 10)])
+def test_output_shapes(name, shape, classes):
+  model = models.create_model(name, num_classes=classes,
+                              norm=models.make_norm("rbd"))
+  variables = _abstract_init(model, (3, *shape))
+  x = jax.ShapeDtypeStruct((5, *shape), jnp.float32)
+  logits, _ = jax.eval_shape(
+      lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]),
+      variables, x)
+  assert logits.shape == (5, classes)
+  logits = jax.eval_shape(lambda v, x: model.apply(v, x, train=False),
+                          variables, x)
+  assert logits.shape == (5, classes)
+
+
+def test_resnet_feature_map_sizes():
+  """Stages of 16/32/64 channels at 32/16/8 pixels, as in He et al."""
+  model = models.ResNet20(num_classes=10, norm=models.make_norm("bn"))
+  variables = _abstract_init(model, (1, 32, 32, 3))
+  _, state = jax.eval_shape(lambda v: model.apply(
+      v, jnp.ones((2, 32, 32, 3)), train=False, capture_intermediates=True,
+      mutable=["intermediates"]), variables)
+  inter = state["intermediates"]
+  for stage, (hw, c) in enumerate([(32, 16), (16, 32), (8, 64)], start=1):
+    for block in (1, 2, 3):
+      out = inter[f"stage{stage}_block{block}"]["__call__"][0]
+      assert out.shape == (2, hw, hw, c)
+
+
+def test_option_a_shortcut_matches_numpy():
+  x = np.random.default_rng(0).normal(size=(2, 8, 8, 16)).astype(np.float32)
+  got = np.asarray(models._option_a_shortcut(jnp.asarray(x), 32, 2))
+  expected = np.zeros((2, 4, 4, 32), np.float32)
+  expected[..., :16] = x[:, 0::2, 0::2, :]
+  np.testing.assert_array_equal(got, expected)
+  np.testing.assert_array_equal(
+      np.asarray(models._option_a_shortcut(jnp.asarray(x), 16, 1)), x)
+
+
+# --- the norm factory ----------------------------------------------------------
+
+
+def _norm_layers(model, variables, x):
+  """(path, class, measure, alpha) of every BatchNorm-like module called."""
+  seen = []
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == "__call__" and isinstance(module, nn.BatchNorm):
+      seen.append((module.path, type(module), getattr(module, "measure", None),
+                   getattr(module, "alpha", None)))
+    return next_fun(*args, **kwargs)
+
+  def apply(variables, x):
+    with nn.intercept_methods(interceptor):
+      return model.apply(variables, x, train=True, mutable=["batch_stats"])
+
+  jax.eval_shape(apply, variables, x)  # tracing is enough to see the calls
+  return seen
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20"])
+def test_norm_swap_changes_only_norm_layers(name):
+  shape = (32, 32, 3)
+  x = jax.ShapeDtypeStruct((4, *shape), jnp.float32)
+  ref_model = models.create_model(name, num_classes=10,
+                                  norm=models.make_norm("bn"))
+  ref = _abstract_init(ref_model, (1, *shape))
+  ref_layers = _norm_layers(ref_model, ref, x)
+  assert ref_layers and all(cls is nn.BatchNorm for _, cls, _, _ in ref_layers)
+  # A norm after every conv: as many norms as convolution kernels.
+  kernels = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+      ref["params"])[0] if "conv" in jax.tree_util.keystr(path)]
+  assert len(ref_layers) == len(kernels)
+  for norm in GBN_NORMS:
+    model = models.create_model(name, num_classes=10,
+                                norm=models.make_norm(norm))
+    variables = _abstract_init(model, (1, *shape))
+    # Same parameter and batch_stats trees.
+    assert _shapes(variables) == _shapes(ref)
+    layers = _norm_layers(model, variables, x)
+    spec = models.parse_norm(norm)
+    assert [p for p, *_ in layers] == [p for p, *_ in ref_layers]
+    for _, cls, measure, alpha in layers:
+      assert cls is gbn_jax.GBatchNorm
+      assert (measure, alpha) == (spec.measure, spec.alpha)
+
+
+def test_norm_swap_keeps_initial_values():
+  """The norm doesn't change what the other layers draw from the key."""
+  inits = [jax.jit(lambda key, norm=norm: _init(
+      models.create_model("lenet", num_classes=10,
+                          norm=models.make_norm(norm)), (1, 28, 28, 1)))(
+                              jax.random.key(5)) for norm in ("bn", "sqd:0.9")]
+  jax.tree.map(np.testing.assert_array_equal, *inits)
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20"])
+def test_sd_norm_equals_flax_batchnorm(name):
+  """GBN with the sd measure is BatchNorm: same outputs and statistics."""
+  x = jax.random.normal(jax.random.key(3), (8, 32, 32, 3))
+  outs = []
+  for norm in ("bn", "sd"):
+    model = models.create_model(name, num_classes=10,
+                                norm=models.make_norm(norm, momentum=0.5))
+    variables = _init(model, (1, 32, 32, 3))
+    logits, updates = model.apply(variables, x, train=True,
+                                  mutable=["batch_stats"])
+    eval_logits = model.apply({**variables, **updates}, x, train=False)
+    outs.append((logits, updates, eval_logits))
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4,
+                                 atol=2e-5), outs[0], outs[1])
+
+
+def test_norms_differ_in_training_mode():
+  """A non-sd measure really changes the computation."""
+  x = jax.random.normal(jax.random.key(4), (8, 28, 28, 1))
+  logits = {}
+  for norm in ("bn", "rbd", "sqd1"):
+    model = models.create_model("lenet", num_classes=10,
+                                norm=models.make_norm(norm))
+    logits[norm], _ = jax.jit(lambda x: model.apply(
+        _init(model, (1, 28, 28, 1)), x, train=True,
+        mutable=["batch_stats"]))(x)
+  assert not np.allclose(logits["bn"], logits["rbd"], atol=1e-3)
+  assert not np.allclose(logits["bn"], logits["sqd1"], atol=1e-3)
+
+
+def test_make_norm_passes_settings():
+  bn = models.make_norm("bn", momentum=0.8, epsilon=1e-3, axis_name="data")
+  assert bn.func is nn.BatchNorm
+  assert bn.keywords == dict(momentum=0.8, epsilon=1e-3, axis_name="data")
+  sqd = models.make_norm("sqd:0.3", momentum=0.7)
+  assert sqd.func is gbn_jax.GBatchNorm
+  assert sqd.keywords["measure"] == "sqd" and sqd.keywords["alpha"] == 0.3
+  assert sqd.keywords["momentum"] == 0.7
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("bn", models.NormSpec(None)), ("mad", models.NormSpec("mad")),
+    ("sqd2", models.NormSpec("sqd2")), ("sqd:0.9", models.NormSpec("sqd", 0.9)),
+    ("sqd:1e-3", models.NormSpec("sqd", 0.001)), (" wcd ", models.NormSpec("wcd"))])
+def test_parse_norm(spec, expected):
+  assert models.parse_norm(spec) == expected
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("batchnorm", "unknown norm"), ("", "unknown norm"), ("sqd", "needs a quantile"),
+    ("sqd:0", "strictly between 0 and 1"), ("sqd:1", "strictly between 0 and 1"),
+    ("sqd:1.5", "strictly between"), ("sqd:-0.1", "strictly between"),
+    ("sqd:nan", "strictly between"), ("sqd:x", "not a number"),
+    ("mad:0.5", "takes no alpha"), ("bn:0.5", "unknown norm")])
+def test_parse_norm_errors(spec, message):
+  with pytest.raises(ValueError, match=message):
+    models.parse_norm(spec)
+
+
+def test_norm_names_cover_every_measure():
+  names = models.norm_names()
+  assert names[0] == "bn"
+  for measure in gbn_jax.MEASURES:
+    assert measure in names or f"{measure}:<alpha>" in names
+
+
+def test_create_model_unknown():
+  with pytest.raises(ValueError, match="unknown model 'vgg'"):
+    models.create_model("vgg", num_classes=10, norm=models.make_norm("bn"))

@@ -1,0 +1,218 @@
+"""Command-line entry shared by ``python -m train.cifar`` and ``train.mnist``.
+
+The two CLI modules differ only in their defaults (:data:`train.configs.CIFAR`
+and :data:`train.configs.MNIST`); every flag overrides one field of
+:class:`train.configs.Config`.
+
+Multi-host: when the environment variable ``JAX_COORDINATOR_ADDRESS`` is set
+(with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or on a cluster that
+``jax.distributed`` detects: SLURM, Open MPI, Cloud TPU), or when
+``GBN_JAX_DISTRIBUTED=1`` requests cluster auto-detection, the process calls
+``jax.distributed.initialize`` before anything else and the batch is split
+over the devices of all hosts. Launch the same command on every host; only
+process 0 writes ``config.json`` and ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from train import configs
+from train import models
+
+_EXIT_ERROR = 1
+_EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+
+
+def _norm_arg(value: str) -> str:
+  try:
+    models.parse_norm(value)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return value.strip()
+
+
+def _positive_int(value: str) -> int:
+  try:
+    number = int(value)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+  if number < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+  return number
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, except the uninformative None/False ones."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    if action.default is None or action.default is False:
+      return action.help or ""
+    return super()._get_help_string(action)
+
+
+def build_parser(defaults: configs.Config, prog: str,
+                 about: str = "") -> argparse.ArgumentParser:
+  """The argument parser; ``defaults`` supplies every default value.
+
+  Args:
+    defaults: Default config.
+    prog: Program name for usage lines.
+    about: Extra description (what the defaults reproduce).
+  """
+  norms = ", ".join(models.norm_names())
+  parser = argparse.ArgumentParser(
+      prog=prog,
+      description=(
+          "Train a classifier with BatchNorm or a Generalized Batch "
+          "Normalization (Yuan et al., AAAI 2019) in every norm layer. "
+          "Data-parallel over all local devices (and all hosts, see "
+          "train/main.py). Rerunning the same command in the same --workdir "
+          "resumes from the last per-epoch checkpoint. " + about),
+      epilog=(
+          "Outputs in --workdir: config.json, metrics.jsonl (one row per "
+          "epoch: train/test loss and error, best test error, seconds, "
+          "data seconds, images/s) and checkpoints/. Plot runs with "
+          "`python -m train.plot RUN_DIR...`. Training uses a constant "
+          "learning rate and drops the last partial batch of each epoch; "
+          "the test error is over the whole test set, with the norms' "
+          "running averages."),
+      formatter_class=_HelpFormatter)
+  add = parser.add_argument
+  add("--norm", type=_norm_arg, default=defaults.norm,
+      help=f"normalization layer: 'bn' is flax.linen.BatchNorm (the "
+      f"baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
+      f"with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: {norms}")
+  add("--dataset", choices=configs.DATASET_NAMES, default=defaults.dataset,
+      help="dataset; looked up in --data-dir, then $GBN_DATA_DIR, "
+      "~/.cache/gbn_jax, /usr/share/datasets (see train/datasets.py)")
+  add("--model", choices=tuple(models.MODELS), default=defaults.model,
+      help="lenet: Caffe LeNet (VALID 5x5 convs 20/50, dense 500) with a "
+      "norm after each conv; resnet20: He et al.'s CIFAR ResNet20 with "
+      "parameter-free (option A) shortcuts")
+  add("--epochs", type=_positive_int, default=defaults.epochs,
+      help="total epochs; raise it and rerun to extend a finished run")
+  add("--batch-size", type=_positive_int, default=defaults.batch_size,
+      help="global batch size, split over all devices (must divide evenly)")
+  add("--lr", type=float, default=defaults.learning_rate,
+      help="constant SGD learning rate")
+  add("--momentum", type=float, default=defaults.momentum,
+      help="SGD momentum (0 = plain SGD, as in the paper)")
+  add("--weight-decay", type=float, default=defaults.weight_decay,
+      help="L2 penalty on all parameters, added to the gradients")
+  add("--augment", action=argparse.BooleanOptionalAction, default=None,
+      help="random crop (pad 4) + horizontal flip of training images; "
+      "default: on for cifar10/cifar100/svhn, off for mnist/fashion_mnist")
+  add("--seed", type=int, default=defaults.seed,
+      help="seeds initialization, shuffling and augmentation; the same seed "
+      "on the same machine gives the same metrics")
+  add("--eval-every", type=_positive_int, default=defaults.eval_every,
+      help="evaluate on the test set every N epochs (and after the last)")
+  add("--norm-momentum", type=float, default=defaults.norm_momentum,
+      help="momentum of the norms' running averages")
+  add("--data-dir", default=None,
+      help="folder with the dataset's canonical files (e.g. the four MNIST "
+      "IDX files, or cifar-10-batches-bin/)")
+  add("--workdir", default=None,
+      help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED)")
+  add("--overwrite", action="store_true",
+      help="delete an existing run in --workdir (config.json, metrics.jsonl, "
+      "checkpoints/) instead of refusing a different config")
+  add("--no-progress", action="store_true",
+      help="no progress bar on stderr")
+  return parser
+
+
+def config_from_args(args: argparse.Namespace,
+                     defaults: configs.Config) -> configs.Config:
+  """The config that the parsed flags describe."""
+  return defaults.replace(
+      dataset=args.dataset, model=args.model, norm=args.norm,
+      epochs=args.epochs, batch_size=args.batch_size,
+      learning_rate=args.lr, momentum=args.momentum,
+      weight_decay=args.weight_decay, augment=args.augment, seed=args.seed,
+      eval_every=args.eval_every, norm_momentum=args.norm_momentum)
+
+
+def default_workdir(config: configs.Config) -> str:
+  norm = config.norm.replace(":", "_")
+  return os.path.join(
+      "workdir", f"{config.dataset}-{config.model}-{norm}-seed{config.seed}")
+
+
+def maybe_initialize_distributed() -> bool:
+  """Calls ``jax.distributed.initialize`` when the environment asks for it.
+
+  Returns:
+    Whether it was called.
+  """
+  if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or
+          os.environ.get("GBN_JAX_DISTRIBUTED") == "1"):
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+
+  env_int = lambda name: (int(os.environ[name]) if os.environ.get(name)
+                          else None)
+  jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"),
+                             process_id=env_int("JAX_PROCESS_ID"))
+  return True
+
+
+def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
+        about: str = "") -> int:
+  """Parses ``argv``, trains, prints a one-line summary; returns the exit code."""
+  parser = build_parser(defaults, prog, about)
+  args = parser.parse_args(argv)
+  config = config_from_args(args, defaults)
+  try:
+    configs.validate(config)
+  except ValueError as e:
+    parser.error(str(e))
+  workdir = args.workdir or default_workdir(config)
+
+  maybe_initialize_distributed()
+  # Imported here so that `--help` and flag errors stay fast.
+  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  from train import input_pipeline  # pylint: disable=g-import-not-at-top
+  from train import train  # pylint: disable=g-import-not-at-top
+
+  start = time.perf_counter()
+  try:
+    history = train.train_and_evaluate(
+        config, workdir, data_dir=args.data_dir, overwrite=args.overwrite,
+        progress=not args.no_progress)
+  except (ValueError, checkpointing.RunDirError, checkpointing.CheckpointError,
+          train.NonFiniteLossError, input_pipeline.DataNotFoundError) as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return _EXIT_ERROR
+  except KeyboardInterrupt:
+    print(f"\n{prog}: interrupted; rerun the same command to resume from the "
+          f"last checkpoint in {workdir}", file=sys.stderr)
+    return _EXIT_INTERRUPTED
+  seconds = time.perf_counter() - start
+  if train.jax.process_index() == 0:
+    print(summary(history, config, workdir, seconds))
+  return 0
+
+
+def summary(history: Sequence[dict], config: configs.Config, workdir: str,
+            seconds: float) -> str:
+  """The one-line summary printed at the end of a run."""
+  head = f"{config.dataset} {config.model} norm={config.norm} seed={config.seed}"
+  if not history:
+    return f"{head}: no epochs trained ({workdir})"
+  last = history[-1]
+  evaluated = [r for r in history if r["test_error"] is not None]
+  best = min(evaluated, key=lambda r: r["test_error"]) if evaluated else None
+  test = (f"test error {100 * last['test_error']:.2f}%"
+          if last["test_error"] is not None else "not evaluated")
+  best_text = (f", best {100 * best['test_error']:.2f}% (epoch "
+               f"{best['epoch']})" if best else "")
+  return (f"{head}: {last['epoch']} epochs, train loss "
+          f"{last['train_loss']:.4f}, {test}{best_text}; "
+          f"{last['elapsed_seconds']:.1f}s training in total, this command "
+          f"{seconds:.1f}s; {workdir}")

@@ -1,0 +1,27 @@
+"""``python -m train.mnist``: LeNet on MNIST (the paper's setting) by default.
+
+Defaults: LeNet, MNIST, batch 1000, constant learning rate 0.01, plain SGD
+(momentum 0), weight decay 5e-4, 20 epochs, no augmentation, ``--norm bn``.
+Same flags as ``python -m train.cifar`` (e.g. ``--dataset fashion_mnist``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from train import configs
+from train import main as train_main
+
+_ABOUT = ("Defaults: the GBN paper's LeNet MNIST setting (batch 1000, learning "
+          "rate 0.01, plain SGD); 20 epochs and weight decay 5e-4 (Caffe's LeNet "
+          "solver) are this project's choice.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return train_main.run(argv, configs.MNIST, prog="python -m train.mnist",
+                         about=_ABOUT)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

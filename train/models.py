@@ -1,0 +1,256 @@
+"""LeNet and ResNet20 with a swappable normalization layer.
+
+Both models build every normalization layer through one factory, the ``norm``
+field: a ``functools.partial`` of ``flax.linen.BatchNorm`` (``--norm bn``, the
+baseline) or of ``gbn_jax.GBatchNorm(measure=...)``. That factory is the only
+thing that differs between norms, and every norm layer has an explicit name,
+so the parameter and ``batch_stats`` trees are identical for all norms.
+
+Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
+
+* LeNet (Caffe's MNIST LeNet with a norm after each conv): conv 5x5x20 ->
+  norm -> ReLU -> max-pool 2 -> conv 5x5x50 -> norm -> ReLU -> max-pool 2 ->
+  dense 500 -> ReLU -> dense(classes). Convolutions use VALID padding, as in
+  Caffe's LeNet, so a 28x28 input gives a 4x4x50 feature map before the dense
+  layers (5x5x50 for 32x32 inputs).
+* ResNet20 (He et al. 2016, CIFAR variant): 3x3 conv 16 -> norm -> ReLU, then
+  3 stages x 3 basic blocks with 16/32/64 channels (stride 2 at the start of
+  stages 2 and 3), global average pooling and a dense classifier. Shortcuts
+  are He et al.'s option A: identity, and where the shape changes, spatial
+  subsampling by 2 with zero-padded extra channels. Option A has no
+  parameters, so "a norm after every conv" holds without a projection conv,
+  and the CIFAR-10 model has 0.27M parameters as in the paper.
+
+Convolutions followed by a norm have no bias: every GBN statistic S is
+translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
+translation-invariant, so a conv bias would be cancelled by the norm and the
+norm's own learned bias takes its place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from gbn_jax import MEASURES, GBatchNorm
+
+ModuleDef = Callable[..., nn.Module]
+
+#: The ``--norm`` value that selects ``flax.linen.BatchNorm`` itself.
+BASELINE_NORM = "bn"
+#: GBN measures that need an ``alpha`` (spelled ``sqd:<alpha>`` on the CLI).
+_ALPHA_MEASURES = ("sqd",)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+  """A parsed ``--norm`` value.
+
+  Attributes:
+    measure: ``None`` for ``flax.linen.BatchNorm``, else a GBN measure name.
+    alpha: The quantile level for ``sqd``, else ``None``.
+  """
+
+  measure: str | None
+  alpha: float | None = None
+
+
+def norm_names() -> tuple[str, ...]:
+  """Returns the accepted ``--norm`` spellings (``sqd`` as ``sqd:<alpha>``)."""
+  names = [BASELINE_NORM]
+  for name in MEASURES:
+    names.append(f"{name}:<alpha>" if name in _ALPHA_MEASURES else name)
+  return tuple(names)
+
+
+def parse_norm(spec: str) -> NormSpec:
+  """Parses a ``--norm`` value such as ``bn``, ``mad`` or ``sqd:0.9``.
+
+  Args:
+    spec: The value to parse.
+
+  Returns:
+    The parsed specification.
+
+  Raises:
+    ValueError: If ``spec`` names no known norm, or an alpha is missing,
+      unexpected, not a number or outside (0, 1).
+  """
+  if not isinstance(spec, str):
+    raise ValueError(f"norm must be a string, got {spec!r}")
+  name, sep, alpha_text = spec.strip().partition(":")
+  choices = ", ".join(norm_names())
+  if name == BASELINE_NORM and not sep:
+    return NormSpec(measure=None)
+  if name not in MEASURES:
+    raise ValueError(f"unknown norm {spec!r}; choose one of: {choices}")
+  if name not in _ALPHA_MEASURES:
+    if sep:
+      raise ValueError(f"norm {name!r} takes no alpha (got {spec!r}); "
+                       f"choose one of: {choices}")
+    return NormSpec(measure=name)
+  if not sep:
+    raise ValueError(
+        f"norm {name!r} needs a quantile level: write {name}:<alpha> with "
+        f"0 < alpha < 1, e.g. {name}:0.9 (sqd1/sqd2/sqd3 are alpha "
+        "0.25/0.5/0.75)")
+  try:
+    alpha = float(alpha_text)
+  except ValueError:
+    raise ValueError(f"alpha in {spec!r} is not a number") from None
+  if not 0.0 < alpha < 1.0:  # also rejects nan
+    raise ValueError(f"alpha in {spec!r} must be strictly between 0 and 1")
+  return NormSpec(measure=name, alpha=alpha)
+
+
+def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
+              epsilon: float = 1e-5,
+              axis_name: str | None = None) -> ModuleDef:
+  """The single norm factory used by every model.
+
+  Args:
+    spec: A ``--norm`` string or a parsed :class:`NormSpec`.
+    momentum: Running-average momentum (flax convention: new = momentum *
+      old + (1 - momentum) * batch).
+    epsilon: Added to D(x)^2 before the square root.
+    axis_name: Mapped axis to reduce statistics over; only needed inside
+      ``shard_map``/``pmap`` (under ``jit`` over a sharded batch XLA already
+      computes global-batch statistics).
+
+  Returns:
+    A partial of ``flax.linen.BatchNorm`` or ``gbn_jax.GBatchNorm`` that the
+    models call as ``norm(use_running_average=..., name=...)``.
+  """
+  if isinstance(spec, str):
+    spec = parse_norm(spec)
+  common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
+  if spec.measure is None:
+    return functools.partial(nn.BatchNorm, **common)
+  return functools.partial(GBatchNorm, measure=spec.measure, alpha=spec.alpha,
+                           **common)
+
+
+class LeNet(nn.Module):
+  """Caffe-style LeNet with a norm after each convolution.
+
+  Attributes:
+    num_classes: Number of output logits.
+    norm: Norm factory from :func:`make_norm`.
+  """
+
+  num_classes: int
+  norm: ModuleDef
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    norm = functools.partial(self.norm, use_running_average=not train)
+    for i, features in enumerate((20, 50), start=1):
+      x = nn.Conv(features, (5, 5), padding="VALID", use_bias=False,
+                  name=f"conv{i}")(x)
+      x = norm(name=f"norm{i}")(x)
+      x = nn.relu(x)
+      x = nn.max_pool(x, (2, 2), strides=(2, 2))
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(500, name="fc1")(x))
+    return nn.Dense(self.num_classes, name="fc2")(x)
+
+
+def _option_a_shortcut(x: jax.Array, features: int,
+                       strides: int) -> jax.Array:
+  """He et al.'s parameter-free shortcut: subsample, zero-pad channels."""
+  if strides != 1:
+    x = x[:, ::strides, ::strides, :]
+  extra = features - x.shape[-1]
+  if extra:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra)))
+  return x
+
+
+class BasicBlock(nn.Module):
+  """3x3 conv -> norm -> ReLU -> 3x3 conv -> norm, + shortcut, ReLU.
+
+  Attributes:
+    features: Output channels.
+    strides: Stride of the first convolution (and of the shortcut).
+    norm: Norm factory with ``use_running_average`` already bound.
+  """
+
+  features: int
+  strides: int
+  norm: ModuleDef
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    conv = functools.partial(nn.Conv, self.features, (3, 3), use_bias=False,
+                             kernel_init=nn.initializers.kaiming_normal())
+    y = conv(strides=self.strides, name="conv1")(x)
+    y = nn.relu(self.norm(name="norm1")(y))
+    y = conv(name="conv2")(y)
+    y = self.norm(name="norm2")(y)
+    return nn.relu(y + _option_a_shortcut(x, self.features, self.strides))
+
+
+class ResNet(nn.Module):
+  """CIFAR ResNet of He et al. (2016): 6n + 2 layers.
+
+  Attributes:
+    num_classes: Number of output logits.
+    norm: Norm factory from :func:`make_norm`.
+    blocks_per_stage: n (3 for ResNet20).
+    stage_features: Channels of the three stages.
+  """
+
+  num_classes: int
+  norm: ModuleDef
+  blocks_per_stage: int = 3
+  stage_features: Sequence[int] = (16, 32, 64)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    norm = functools.partial(self.norm, use_running_average=not train)
+    x = nn.Conv(self.stage_features[0], (3, 3), use_bias=False,
+                kernel_init=nn.initializers.kaiming_normal(), name="conv1")(x)
+    x = nn.relu(norm(name="norm1")(x))
+    for stage, features in enumerate(self.stage_features):
+      for block in range(self.blocks_per_stage):
+        strides = 2 if stage > 0 and block == 0 else 1
+        x = BasicBlock(features, strides, norm,
+                       name=f"stage{stage + 1}_block{block + 1}")(x)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, name="fc")(x)
+
+
+ResNet20 = functools.partial(ResNet, blocks_per_stage=3)
+
+#: ``--model`` name -> constructor taking ``num_classes`` and ``norm``.
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "lenet": LeNet,
+    "resnet20": ResNet20,
+}
+
+
+def create_model(name: str, *, num_classes: int, norm: ModuleDef,
+                 **kwargs: Any) -> nn.Module:
+  """Builds a model by ``--model`` name.
+
+  Args:
+    name: One of :data:`MODELS`.
+    num_classes: Number of output logits.
+    norm: Norm factory from :func:`make_norm`.
+    **kwargs: Extra module fields.
+
+  Returns:
+    The (unbound) flax module.
+
+  Raises:
+    ValueError: For an unknown name.
+  """
+  if name not in MODELS:
+    raise ValueError(
+        f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+  return MODELS[name](num_classes=num_classes, norm=norm, **kwargs)
