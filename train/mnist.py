@@ -10,6 +10,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from train import host_devices
+
+if __name__ == "__main__":  # before JAX starts: one host device per core
+  host_devices.configure()
+
+# pylint: disable=g-import-not-at-top
 from train import configs
 from train import main as train_main
 

@@ -110,6 +110,20 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
                        devices=devices)
 
 
+def data_parallel_devices(batch_size: int) -> list[jax.Device]:
+  """All devices, or on one host the most that split the batch evenly.
+
+  ``python -m train.*`` splits the CPU into one device per core
+  (:mod:`train.host_devices`); a batch size that some of them do not divide
+  then runs on fewer rather than failing. Several hosts always use them all.
+  """
+  devices = jax.devices()
+  if jax.process_count() > 1:
+    return devices
+  count = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
+  return devices[:count]
+
+
 def epoch_key(seed: int, epoch: int) -> jax.Array:
   """The key of ``epoch``: a function of ``(seed, epoch)`` only."""
   return jax.random.fold_in(
@@ -438,7 +452,7 @@ def train_and_evaluate(
                                 is_primary=primary)
   if dataset is None:
     dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
-  mesh = make_mesh()
+  mesh = make_mesh(data_parallel_devices(config.batch_size))
   _validate_sizes(config, dataset, mesh.size)
   train_data = place_train(dataset, mesh)
   test_data = place_test(dataset, mesh, config.batch_size)
