@@ -342,7 +342,7 @@ def _sorted_sample(rows: Array, mask: Array | None, per_device: int, comm: _Comm
   else:
     smask = lax.slice_in_dim(mask, 0, stride * (count - 1) + 1, stride)
     valid = jnp.sum(smask, axis=0, dtype=_I32)
-  sample = comm.gather_keys(_float_to_key(sample))
+  sample = _replicate_explicit(comm.gather_keys(_float_to_key(sample)))
   return lax.sort(sample, dimension=0), comm.psum(valid)
 
 
@@ -444,7 +444,7 @@ def _resolve_from_fold(fold, lo, hi, below, k):
   in the bracket (``below < k <= below + width``) and the bracket's exact
   extreme keys.
   """
-  mn, mx, cnt = fold
+  mn, mx, cnt = (_replicate_explicit(a) for a in fold)  # small: (buckets, F)
   width = jnp.sum(cnt, axis=0).astype(_I32)
   # Below +inf only: the masked-out elements are +inf.
   inside = (hi <= _KEY_POS_INF) & (below <= k - 1) & (k <= below + width)
@@ -620,6 +620,23 @@ def _prepare_k(k: Any, kept_shape: tuple[int, ...]) -> Array:
   return jnp.broadcast_to(k.astype(_I32), kept_shape).reshape(-1)
 
 
+def _replicate_explicit(a: Array) -> Array:
+  """Gathers an array sharded over an Explicit mesh axis onto every device.
+
+  Under Explicit axes (``jax.make_mesh``'s default) a sort along a sharded
+  dimension is a type error, not an implicit all-gather as with Auto axes.
+  """
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(s is None for s in spec):
+    return a
+  explicit = jax.sharding.AxisType.Explicit
+  if explicit not in getattr(sharding.mesh, "axis_types", ()):
+    return a
+  replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.reshard(a, replicated)
+
+
 def kth_smallest_reference(
     x: Array,
     k: int | Array,
@@ -641,7 +658,7 @@ def kth_smallest_reference(
   rows = comm.gather_rows(_float_to_key(lax.stop_gradient(rows)))
   k = _prepare_k(k, kept_shape)
   # Sorting int keys, not floats: XLA:CPU's float compare flushes denormals.
-  ordered = jnp.sort(rows, axis=0)
+  ordered = jnp.sort(_replicate_explicit(rows), axis=0)
   value = _key_to_output(_take_rows(ordered, jnp.clip(k - 1, 0, rows.shape[0] - 1)))
   return value.reshape(kept_shape)
 

@@ -188,3 +188,17 @@ def test_flax_batchnorm_and_sd_agree_across_devices():
     )(x)
 
   _close(run(GBatchNorm(axis_name="batch")), run(nn.BatchNorm(axis_name="batch")))
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_large_sharded_batch_quantiles_are_exact(explicit):
+  # >= 16384 rows: the sampled (adaptive) selection path, not bisection.
+  mesh = jax.make_mesh((NDEV,), ("batch",)) if explicit else _auto_mesh()
+  x = _batch((2048, 4, 4, 2), seed=12)
+  xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
+  f = jax.jit(lambda v: gbn_jax.superquantile(v, 0.3, (0, 1, 2)))
+  g = jax.jit(jax.grad(lambda v: gbn_jax.superquantile(v, 0.3, (0, 1, 2)).sum()))
+  q = jax.jit(lambda v: gbn_jax.quantile(v, 0.7, (0, 1, 2)))
+  np.testing.assert_array_equal(q(xs), q(x))
+  _close(f(xs), f(x))
+  _close(g(xs), g(x))
