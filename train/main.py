@@ -97,7 +97,8 @@ def build_parser(defaults: configs.Config, prog: str,
   add("--epochs", type=_positive_int, default=defaults.epochs,
       help="total epochs; raise it and rerun to extend a finished run")
   add("--batch-size", type=_positive_int, default=defaults.batch_size,
-      help="global batch size, split over all devices (must divide evenly)")
+      help="global batch size, split evenly over the devices (on one host "
+           "the most devices that divide it; on several hosts all of them)")
   add("--lr", type=float, default=defaults.learning_rate,
       help="constant SGD learning rate")
   add("--momentum", type=float, default=defaults.momentum,
