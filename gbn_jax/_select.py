@@ -507,6 +507,34 @@ def _fold_current(state) -> Array:
   return ready | (state["stuck"] & (width < state["fold_below"]))
 
 
+def _varying_like(tree, data: Array):
+  """Types constant loop carries as device-varying when ``data`` is.
+
+  Inside ``shard_map`` with no ``axis_name`` here (e.g. a user measure on an
+  all-gathered batch), everything the loop computes from ``data`` varies per
+  device, so carries built from constants must too, or ``while_loop`` rejects
+  the mismatch.
+  """
+  names = _varying_axes(data)
+  if not names:
+    return tree
+
+  def cast(a):
+    missing = tuple(n for n in names if n not in _varying_axes(a))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+  return jax.tree.map(cast, tree)
+
+
+def _varying_axes(a) -> tuple[str, ...]:
+  """Manual mesh axes along which ``a`` differs per device (shard_map typing)."""
+  aval = jax.typeof(a)
+  names = getattr(aval, "vma", None)  # jax releases that name it so
+  if names is None:
+    names = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return tuple(sorted(names or ()))
+
+
 def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets):
   """Runs the passes; returns the answer keys and which features finished.
 
@@ -529,6 +557,8 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets):
       passes=jnp.int32(0),
       k=k,
   )
+  if comm.axis_name is None:
+    state = _varying_like(state, rows)
   if method == "adaptive":
     total = max(1, min(_SAMPLE_ROWS, rows.shape[0] * comm.size() // _SAMPLE_FRACTION))
     per_device = max(1, total // comm.size())
