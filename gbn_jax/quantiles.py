@@ -230,9 +230,11 @@ def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
   n = _element_count(x, axes, where, axis_name, groups)
   k = quantile_rank(alpha, n)
   nan = _has_nan(x, axes, where, axis_name, groups)
-  finite_or_inf = jnp.where(jnp.isnan(x), jnp.inf, x)
+  # NaN is not replaced before selecting (that costs a full-size copy): its
+  # bits order it beyond +-inf, the selection stays bounded, and the result
+  # is overwritten with NaN below anyway.
   value = _select.kth_smallest(
-      finite_or_inf,
+      x,
       k,
       axes,
       where=where,
