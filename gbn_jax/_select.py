@@ -577,7 +577,7 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets):
     # Fold the current bracket where the target sits at an end of it or it is
     # stuck (usually one atom of tied values); elsewhere the proposed one,
     # which the counts of this same pass then confirm or reject.
-    klo, khi, clo, chi = state["klo"], state["khi"], state["clo"], state["chi"]
+    klo, khi = state["klo"], state["khi"]
     keys = _adaptive_proposals(state, k, sample, sample_valid)
     keys = jnp.clip(keys, klo + 1, jnp.maximum(khi - 1, klo + 1))
     current = _fold_current(state) & (khi <= _KEY_POS_INF)
