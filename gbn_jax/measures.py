@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from gbn_jax import quantiles
-from gbn_jax.quantiles import Axis, canonicalize_axes, extreme, global_mean
+from gbn_jax.quantiles import extreme, global_mean, prepare_reduction
 
 Array = jax.Array
 MeasureFn = Callable[..., tuple[Array, Array]]
@@ -52,16 +52,6 @@ __all__ = [
 ]
 
 _REQUIRED = object()
-
-
-def _reduction(x: Array, axis: Axis, where: Array | None):
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    x = x.astype(jnp.float32)
-  axes = canonicalize_axes(x.ndim, axis)
-  if where is not None:
-    where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-  return x, axes, where
 
 
 def _keep_nan(mean: Array, dev: Array) -> Array:
@@ -84,7 +74,7 @@ def sd(
   in one pass (flax's ``use_fast_variance``). ``squared=True`` returns the
   variance itself, which is what normalization layers use.
   """
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   # Square before the first mean, as flax does: XLA:CPU fuses the backward
   # pass differently (and slower) when the mean comes first.
   x_sq = jnp.square(x) if fast_variance else None
@@ -102,7 +92,7 @@ def sd(
 
 def mad(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Mean and mean absolute deviation ``E|x - E x|``."""
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   dev = global_mean(
       jnp.abs(_centered(x, mean, axes)), axes, where, axis_name, axis_index_groups
@@ -112,7 +102,7 @@ def mad(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
 
 def rsd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Mean and upper semideviation ``E[(x - E x)^+]``."""
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   dev = global_mean(
@@ -131,7 +121,7 @@ def sqd(
   ``alpha`` of the batch (ties aside).
   """
   alpha = quantiles.validate_alpha(alpha)
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   q, qbar = quantiles._superquantile(  # pylint: disable=protected-access
       x, alpha, axes, where, axis_name, axis_index_groups
@@ -141,7 +131,7 @@ def sqd(
 
 def rbd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Mid-range ``(max + min)/2`` and range ``max - min``."""
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   kw = dict(where=where, axis_name=axis_name, axis_index_groups=axis_index_groups)
   hi = extreme(x, axes, largest=True, **kw)
   lo = extreme(x, axes, largest=False, **kw)
@@ -150,7 +140,7 @@ def rbd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
 
 def wcd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Maximum and worst-case deviation ``max - E[x]``."""
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   hi = extreme(
       x, axes, largest=True, where=where, axis_name=axis_name,
       axis_index_groups=axis_index_groups,
@@ -164,7 +154,7 @@ def bpoe(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   This is SQD at the level where the quantile sits at the mean: GBN with it,
   followed by ReLU, is the paper's empirical bPOE transform.
   """
-  x, axes, where = _reduction(x, axis, where)
+  x, axes, where = prepare_reduction(x, axis, where)
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   above = centered > 0

@@ -208,15 +208,15 @@ def _tie_split(
 _tie_split.defjvp(_tie_split_jvp_rule)
 
 
-def _prepare(x: Array, axis: Axis, where: Array | None):
+def prepare_reduction(x: Array, axis: Axis, where: Array | None):
+  """``(x, axes, where)`` ready to reduce: floating ``x``, canonical axes, full mask."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     x = x.astype(jnp.float32)
-  compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
   axes = canonicalize_axes(x.ndim, axis)
   if where is not None:
     where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-  return x, x.astype(compute_dtype), axes, where
+  return x, axes, where
 
 
 def _has_nan(x, axes, where, axis_name, groups) -> Array:
@@ -333,7 +333,8 @@ def quantile(
   Array(3., dtype=float32)
   """
   alpha = validate_alpha(alpha)
-  x_in, x, axes, where = _prepare(x, axis, where)
+  x_in, axes, where = prepare_reduction(x, axis, where)
+  x = x_in.astype(jnp.promote_types(x_in.dtype, jnp.float32))
   groups = _hashable_groups(axis_index_groups)
   return _jitted_quantile(x, where, alpha, axes, axis_name, groups).astype(x_in.dtype)
 
@@ -358,7 +359,8 @@ def superquantile(
   Array(3.5, dtype=float32)
   """
   alpha = validate_alpha(alpha)
-  x_in, x, axes, where = _prepare(x, axis, where)
+  x_in, axes, where = prepare_reduction(x, axis, where)
+  x = x_in.astype(jnp.promote_types(x_in.dtype, jnp.float32))
   groups = _hashable_groups(axis_index_groups)
   qbar = _jitted_superquantile(x, where, alpha, axes, axis_name, groups)
   return qbar.astype(x_in.dtype)
