@@ -17,6 +17,7 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 
 import flax
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 import gbn_jax
+from gbn_jax import _select
 
 DEFAULT_SHAPES = ("256x32x32x16", "1024x32x32x16", "1000x8x8x50", "512x256")
 DEFAULT_MEASURES = ("sd", "mad", "rsd", "bpoe", "rbd", "wcd", "sqd1", "sqd2", "sqd3", "sqd:0.05", "sqd:0.99")
@@ -57,7 +59,7 @@ def layer_step(module: nn.Module, x: jax.Array):
     return jnp.vdot(y, cotangent), updates
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-  return lambda: jax.block_until_ready(step(variables["params"], x))
+  return lambda: step(variables["params"], x)
 
 
 TRAIN_STEPS = {"lenet": (1000, (28, 28, 1)), "resnet20": (256, (32, 32, 3))}
@@ -88,20 +90,30 @@ def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
 
   step = jax.jit(step)
   args = (variables["params"], variables["batch_stats"], opt_state)
-  return lambda: jax.block_until_ready(step(*args))
+  return lambda: step(*args)
 
 
-def time_interleaved(fns: dict, runs: int, warmup: int = 3) -> dict[str, float]:
-  """Median seconds per call of each fn, calling them round-robin."""
+def time_interleaved(
+    fns: dict, runs: int, warmup: int = 3, inner: int = 1
+) -> dict[str, float]:
+  """Median seconds per call of each fn, calling them round-robin.
+
+  Each fn dispatches one step and returns its (unblocked) result. A sample
+  times ``inner`` back-to-back dispatches and blocks on the last: on an
+  accelerator, where one step can take less than its dispatch, ``inner > 1``
+  keeps the device busy and measures device time rather than Python overhead.
+  """
   for fn in fns.values():
     for _ in range(warmup):
-      fn()
+      jax.block_until_ready(fn())
   samples = {name: [] for name in fns}
   for _ in range(runs):
     for name, fn in fns.items():
       start = time.perf_counter()
-      fn()
-      samples[name].append(time.perf_counter() - start)
+      for _ in range(inner):
+        out = fn()
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - start) / inner)
   return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -122,6 +134,19 @@ def machine_info() -> dict:
   }
 
 
+_RUN_INFO: dict = {}
+
+
+def write_partial(path, rows, steps, complete=False) -> dict:
+  """The results so far (written after every row, so a cut-off run keeps them)."""
+  result = {"machine": machine_info(), **_RUN_INFO, "complete": complete,
+            "layers": rows, "train_steps": steps}
+  if path:
+    with open(path, "w") as f:
+      json.dump(result, f, indent=2)
+  return result
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
@@ -133,8 +158,15 @@ def main(argv=None) -> dict:
   parser.add_argument("--train-steps", nargs="*", default=list(TRAIN_STEPS),
                       help="models whose whole train step to time (lenet, resnet20); none to skip")
   parser.add_argument("--train-norm", default="sqd2", help="norm to compare with bn in train steps")
+  parser.add_argument("--inner", type=int, default=1,
+                      help="dispatches per timed sample (use ~10 on a GPU/TPU)")
+  parser.add_argument("--select-method", choices=_select.METHODS,
+                      help="force this k-th smallest method (default: by size)")
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
+  _select.DEFAULT_METHOD = args.select_method
+  _RUN_INFO.update(runs=args.runs, inner=args.inner, select_method=args.select_method,
+                   command=" ".join(["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]))
 
   rows = []
   for shape_text in args.shapes:
@@ -142,13 +174,14 @@ def main(argv=None) -> dict:
     x = jax.random.normal(jax.random.key(2), shape, jnp.float32)
     for norm in args.measures:
       fns = {"bn": layer_step(make_module("bn"), x), norm: layer_step(make_module(norm), x)}
-      med = time_interleaved(fns, args.runs, args.warmup)
+      med = time_interleaved(fns, args.runs, args.warmup, args.inner)
       row = {
           "shape": shape_text, "measure": norm,
           "bn_ms": med["bn"] * 1e3, "gbn_ms": med[norm] * 1e3,
           "ratio": med[norm] / med["bn"], "target": target_for(norm),
       }
       rows.append(row)
+      write_partial(args.out, rows, [])
       print(f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
             f"  x{row['ratio']:.2f} (target <= {row['target']})", flush=True)
   steps = []
@@ -157,19 +190,16 @@ def main(argv=None) -> dict:
     norm = args.train_norm
     fns = {"bn": train_step(model_name, "bn", batch, image_shape),
            norm: train_step(model_name, norm, batch, image_shape)}
-    med = time_interleaved(fns, args.runs, args.warmup)
+    med = time_interleaved(fns, args.runs, args.warmup, args.inner)
     row = {"model": model_name, "batch": batch, "measure": norm,
            "bn_ms": med["bn"] * 1e3, "gbn_ms": med[norm] * 1e3,
            "ratio": med[norm] / med["bn"], "target": TRAIN_STEP_TARGET}
     steps.append(row)
+    write_partial(args.out, rows, steps)
     print(f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
           f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
           flush=True)
-  result = {"machine": machine_info(), "runs": args.runs, "layers": rows, "train_steps": steps}
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=2)
-  return result
+  return write_partial(args.out, rows, steps, complete=True)
 
 
 if __name__ == "__main__":

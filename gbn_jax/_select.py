@@ -47,16 +47,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gbn_jax import _native
+
 Array = jax.Array
 AxisIndexGroups = Any
 
 __all__ = ["METHODS", "kth_smallest", "kth_smallest_reference"]
 
 #: Exact methods accepted by ``kth_smallest(..., method=...)``.
+#: ``"native"``: the compiled C++ kernel (XLA:CPU, one sweep; see
+#: ``gbn_jax._native``), where it applies: built, CPU backend, no
+#: ``axis_name``; elsewhere it means ``"adaptive"``.
 #: ``"adaptive"``: sample + interpolating counting passes + fold.
 #: ``"bisect"``: counting passes that split the int32 key range in four (17
 #: passes, data-independent cost). ``"sort"``: sorts int keys (the reference).
-METHODS = ("adaptive", "bisect", "sort")
+METHODS = ("native", "adaptive", "bisect", "sort")
 
 #: Overrides the size-based default of ``kth_smallest`` when not ``None``.
 DEFAULT_METHOD: str | None = None
@@ -81,8 +86,13 @@ _INTERP_EPS = 1.0  # later brackets: +-eps*sqrt(width) ranks around the target
 _FIRST_INTERP_EPS = 5.0  # first interpolation: the CDF's curvature still shows
 _FOLD_MAX_WIDTH = 128  # fold once at most this many elements remain in a bracket
 _ADAPTIVE_MIN_ROWS = 16384  # default method: "bisect" below this many rows
+_ACCELERATOR_LARGE_METHOD = "adaptive"  # default at least that many rows, GPU/TPU
 _MAX_PASSES = 96  # >= 2 * 33 bisections; beyond it the sort fallback runs
-_CHUNK_ELEMENTS = 1 << 16  # elements per chunk of a CPU counting pass
+_CHUNK_ELEMENTS = 1 << 18  # elements per chunk of a CPU counting pass
+# Thresholds per adaptive counting pass: each costs a compare-and-add per
+# element on a CPU, while an accelerator's pass costs its launch and sync.
+_COUNT_THRESHOLDS_CPU = 2
+_COUNT_THRESHOLDS_ACCELERATOR = 8
 _FOLD_ELEMENTS = 1 << 18  # elements per chunk (= buckets) of a CPU fold pass
 
 
@@ -274,14 +284,18 @@ def _count_pass(rows: Array, thresholds: Array, chunk: int, comm: _Comm) -> Arra
   return comm.psum(local)
 
 
-def _fold_pass(rows: Array, lo: Array, hi: Array, buckets: int, comm: _Comm):
+def _fold_pass(
+    rows: Array, lo: Array, hi: Array, buckets: int, comm: _Comm, loop: bool = True
+):
   """Folds the keys in ``[lo, hi)`` into buckets; also counts keys below ``lo``.
 
   Row ``i`` goes to bucket ``i % buckets``, which keeps the min, max and count
   of its in-bracket keys. Returns ``((mins, maxs, counts), below)``: three
   ``(buckets, F)`` arrays (counts as float32, exact as a bucket holds fewer
   than 2**24 rows) and ``#{key < lo}`` per feature. Across devices, buckets
-  of the same index are merged and the counts summed.
+  of the same index are merged and the counts summed. ``loop``: a loop over
+  blocks of rows (XLA:CPU), else one reduction over all of them (one kernel
+  on an accelerator).
   """
   n = rows.shape[0]
   n_full, tail = divmod(n, buckets)
@@ -304,15 +318,34 @@ def _fold_pass(rows: Array, lo: Array, hi: Array, buckets: int, comm: _Comm):
       jnp.zeros(shape, _F32),
       jnp.zeros(shape[1:], _I32),
   )
-  # The first block seeds the accumulators (under shard_map it makes them
-  # device-varying, as the loop body's outputs are).
-  acc = update(acc, lax.slice_in_dim(rows, 0, buckets))
-  acc = lax.fori_loop(
-      1,
-      n_full,
-      lambda i, a: update(a, lax.dynamic_slice_in_dim(rows, i * buckets, buckets)),
-      acc,
-  )
+  if not loop and n_full > 1:
+    keys = _float_to_key(lax.slice_in_dim(rows, 0, n_full * buckets))
+    keys = keys.reshape(n_full, buckets, rows.shape[1])
+    inside = (keys >= lo) & (keys < hi)
+    mn, mx, cnt, below = lax.reduce(
+        (
+            jnp.where(inside, keys, _INT_MAX),
+            jnp.where(inside, keys, _INT_MIN),
+            jnp.where(inside, 1, 0),
+            jnp.where(keys < lo, 1, 0),
+        ),
+        (_I32(_INT_MAX), _I32(_INT_MIN), _I32(0), _I32(0)),
+        lambda a, b: (
+            jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1]), a[2] + b[2], a[3] + b[3]
+        ),
+        (0,),
+    )
+    acc = (mn, mx, cnt.astype(_F32), jnp.sum(below, axis=0))
+  else:
+    # The first block seeds the accumulators (under shard_map it makes them
+    # device-varying, as the loop body's outputs are).
+    acc = update(acc, lax.slice_in_dim(rows, 0, buckets))
+    acc = lax.fori_loop(
+        1,
+        n_full,
+        lambda i, a: update(a, lax.dynamic_slice_in_dim(rows, i * buckets, buckets)),
+        acc,
+    )
   if tail:
     head = update(
         tuple(a[:tail] for a in acc[:3]) + (acc[3],), lax.slice_in_dim(rows, n_full * buckets, n)
@@ -369,9 +402,15 @@ def _interpolate(klo, khi, clo, chi, rank):
   return jnp.where(use_value, by_value, by_key)
 
 
-def _adaptive_proposals(state, k, sample, sample_valid):
-  """Two threshold keys per feature, ``(2, F)``, for the next pass."""
+def _adaptive_proposals(state, k, sample, sample_valid, n_thresholds):
+  """``n_thresholds`` keys per feature for the next pass, and where they test a tie.
+
+  Returns ``(keys, tied)``: keys ``(T, F)`` spread evenly over the predicted
+  bracket (its two ends for ``T == 2``); ``tied`` marks features whose first
+  two keys test a tied sample value exactly instead.
+  """
   klo, khi, clo, chi = state["klo"], state["khi"], state["clo"], state["chi"]
+  spread = jnp.asarray(np.linspace(-1.0, 1.0, n_thresholds), _F32)[:, None]
   kf = k.astype(_F32)
   width = (chi - clo).astype(_F32)
   m = sample.shape[0]
@@ -385,32 +424,30 @@ def _adaptive_proposals(state, k, sample, sample_valid):
 
   def sample_key(pos):
     idx = jnp.clip(jnp.floor(pos).astype(_I32), s_lo, last)
-    return _take_rows(sample, jnp.clip(idx, 0, m - 1))
+    return jnp.take_along_axis(sample, jnp.clip(idx, 0, m - 1), axis=0)
 
-  # (1) First pass: sample quantiles +-z standard deviations around the target.
+  # (1) First pass: sample quantiles over +-z standard deviations of the target.
   half = _SAMPLE_Z * jnp.sqrt(s_in * rel * (1.0 - rel)) + 1.0
-  first_a = sample_key(centre - half)
-  first_b = sample_key(centre + half) + 1
+  first = sample_key(centre + half * spread)
+  first = first.at[-1].add(1)  # the top sample value itself falls inside
   # (2) Later passes: interpolate the counts linearly in value.
   eps = jnp.where(state["passes"] == 1, _FIRST_INTERP_EPS, _INTERP_EPS) * jnp.sqrt(width)
-  interp_a = _interpolate(klo, khi, clo, chi, kf - 0.5 - eps)
-  interp_b = _interpolate(klo, khi, clo, chi, kf + 0.5 + eps)
-  # Ties in the sample at the target: test that value exactly (<v and <=v).
+  interp = _interpolate(klo, khi, clo, chi, kf + (0.5 + eps) * spread)
+  # An atom (a value repeated in the sample, e.g. the zeros after a ReLU) at
+  # the target: test that value exactly (<v and <=v). Two equal samples can
+  # be chance (float32 data repeats values), three are taken as an atom.
   j = jnp.clip(jnp.floor(centre).astype(_I32), 0, m - 1)
   v = _take_rows(sample, j)
-  tied = (v == _take_rows(sample, jnp.clip(j + 1, 0, m - 1))) | (
-      v == _take_rows(sample, jnp.clip(j - 1, 0, m - 1))
-  )
-  tied &= (j >= s_lo) & (j < s_hi) & (s_in >= 2)
-  tie_key = v
-  first = state["passes"] == 0
-  ta = jnp.where(first, first_a, jnp.where(tied, tie_key, interp_a))
-  tb = jnp.where(first, first_b, jnp.where(tied, tie_key + 1, interp_b))
+  tied = (jnp.sum(sample == v, axis=0) >= 3) & (j >= s_lo) & (j < s_hi)
+  is_first = state["passes"] == 0
+  keys = jnp.where(is_first, first, interp)
+  keys = keys.at[0].set(jnp.where(tied & ~is_first, v, keys[0]))
+  keys = keys.at[1].set(jnp.where(tied & ~is_first, v + 1, keys[1]))
   # (3) No halving last time: bisect the key range (bounds the pass count).
-  tb = jnp.where(state["stalled"] & ~tied, _key_midpoint(klo, khi), tb)
+  top = jnp.where(state["stalled"] & ~tied, _key_midpoint(klo, khi), keys[-1])
   # Interpolation needs a finite top: after the first pass, test +inf itself.
-  tb = jnp.where((khi == _KEY_BEYOND) & ~first, _KEY_POS_INF, tb)
-  return jnp.stack([ta, tb])
+  top = jnp.where((khi == _KEY_BEYOND) & ~is_first, _KEY_POS_INF, top)
+  return keys.at[-1].set(top), tied & ~is_first
 
 
 def _bisect_proposals(state):
@@ -535,7 +572,7 @@ def _varying_axes(a) -> tuple[str, ...]:
   return tuple(sorted(names or ()))
 
 
-def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets):
+def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, n_thresholds):
   """Runs the passes; returns the answer keys and which features finished.
 
   State per feature: the bracket ``[klo, khi)`` with ``clo = #{key < klo}``
@@ -567,23 +604,26 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets):
   def count_step(state):
     klo, khi = state["klo"], state["khi"]
     if method == "adaptive":
-      keys = _adaptive_proposals(state, k, sample, sample_valid)
+      keys, tied = _adaptive_proposals(state, k, sample, sample_valid, n_thresholds)
     else:
-      keys = _bisect_proposals(state)
+      keys, tied = _bisect_proposals(state), jnp.zeros_like(state["stalled"])
     keys = jnp.clip(keys, klo + 1, jnp.maximum(khi - 1, klo + 1))
-    return _narrow(state, k, keys, _count_pass(rows, keys, chunk, comm))
+    state = _narrow(state, k, keys, _count_pass(rows, keys, chunk, comm))
+    # A tie test that misses leaves the bracket wide without being a stall:
+    # the next pass interpolates rather than bisects.
+    return dict(state, stalled=state["stalled"] & ~tied)
 
   def fold_step(state):
     # Fold the current bracket where the target sits at an end of it or it is
     # stuck (usually one atom of tied values); elsewhere the proposed one,
     # which the counts of this same pass then confirm or reject.
     klo, khi = state["klo"], state["khi"]
-    keys = _adaptive_proposals(state, k, sample, sample_valid)
+    keys, _ = _adaptive_proposals(state, k, sample, sample_valid, 2)
     keys = jnp.clip(keys, klo + 1, jnp.maximum(khi - 1, klo + 1))
     current = _fold_current(state) & (khi <= _KEY_POS_INF)
     lo = jnp.where(current, klo, jnp.min(keys, axis=0))
     hi = jnp.where(current, khi, jnp.maximum(jnp.max(keys, axis=0), lo + 1))
-    fold, below = _fold_pass(rows, lo, hi, buckets, comm)
+    fold, below = _fold_pass(rows, lo, hi, buckets, comm, loop=chunk < rows.shape[0])
     resolved, answer, inside, width, bmin, bmax = _resolve_from_fold(fold, lo, hi, below, k)
     # The bracket ends double as two counted thresholds.
     state = _narrow(state, k, jnp.stack([lo, hi]), jnp.stack([below, below + width]))
@@ -632,15 +672,31 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets):
 
 
 def _default_method(n_rows: int) -> str:
+  if _native_applies(None):
+    return "native"
+  large = n_rows >= _ADAPTIVE_MIN_ROWS
+  if not _on_cpu():
+    # Measured on an H200 (benchmarks/device_check.sh): each pass of a loop
+    # costs a launch and a host sync there, so small batches sort outright.
+    return _ACCELERATOR_LARGE_METHOD if large else "sort"
   # The adaptive method's fixed costs (sample sort, fold resolution) only pay
   # off once a pass over the rows costs more than they do.
-  return "adaptive" if n_rows >= _ADAPTIVE_MIN_ROWS else "bisect"
+  return "adaptive" if large else "bisect"
+
+
+def _on_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
+def _native_applies(axis_name) -> bool:
+  # The kernel sees one device's rows: pooling across devices stays in JAX.
+  return axis_name is None and _on_cpu() and _native.available()
 
 
 def _backend_chunking() -> bool:
   # XLA:CPU materialises compare/select temporaries of a reduction; blocks of
   # rows keep them in cache. GPU/TPU fuse the whole pass into one kernel.
-  return jax.default_backend() == "cpu"
+  return _on_cpu()
 
 
 def _prepare_k(k: Any, kept_shape: tuple[int, ...]) -> Array:
@@ -687,10 +743,16 @@ def kth_smallest_reference(
   comm = _Comm(axis_name, axis_index_groups)
   rows = comm.gather_rows(_float_to_key(lax.stop_gradient(rows)))
   k = _prepare_k(k, kept_shape)
+  index = jnp.clip(k - 1, 0, rows.shape[0] - 1)
+  rows = _replicate_explicit(rows)
   # Sorting int keys, not floats: XLA:CPU's float compare flushes denormals.
-  ordered = jnp.sort(_replicate_explicit(rows), axis=0)
-  value = _key_to_output(_take_rows(ordered, jnp.clip(k - 1, 0, rows.shape[0] - 1)))
-  return value.reshape(kept_shape)
+  if _on_cpu():
+    answer = _take_rows(jnp.sort(rows, axis=0), index)
+  else:
+    # Along the minor axis, where XLA:GPU sorts with a radix sort (CUB).
+    ordered = jnp.sort(rows.T, axis=1)
+    answer = jnp.take_along_axis(ordered, index[:, None], axis=1)[:, 0]
+  return _key_to_output(answer).reshape(kept_shape)
 
 
 def kth_smallest(
@@ -719,8 +781,9 @@ def kth_smallest(
       a 1024-row sample and per-bucket extremes cross devices).
     axis_index_groups: optional groups within ``axis_name``.
     method: one of :data:`METHODS`; default :data:`DEFAULT_METHOD` or else
-      ``"adaptive"`` for at least ``_ADAPTIVE_MIN_ROWS`` reduced rows (over
-      all devices) and ``"bisect"`` below.
+      ``"native"`` where it applies, otherwise ``"adaptive"`` for at least
+      ``_ADAPTIVE_MIN_ROWS`` reduced rows (over all devices) and ``"bisect"``
+      below.
 
   Returns:
     Array of the non-reduced shape, float32, holding elements of ``x``
@@ -744,16 +807,25 @@ def kth_smallest(
   rows, mask, kept_shape = _to_rows(x, axes, where)
   n_rows, n_cols = rows.shape
   method = method or _default_method(n_rows * comm.size())
+  if method == "native" and not _native_applies(axis_name):
+    method = "adaptive"
   k = _prepare_k(k, kept_shape)
   if mask is None:
     n = jnp.full((n_cols,), n_rows * comm.size(), _I32)
   else:
     n = comm.psum(jnp.sum(mask, axis=0, dtype=_I32))
+  bad_k = (k < 1) | (k > n)
+  if method == "native":
+    # Masked-out elements are +inf and k <= n: the answer is masked in.
+    answer = _native.kth_smallest_keys(_replicate_explicit(rows), k)
+    value = jnp.where(bad_k, jnp.nan, _key_to_output(answer))
+    return value.reshape(kept_shape)
   chunked = _backend_chunking()
   chunk = _chunk_rows(n_rows, n_cols, _CHUNK_ELEMENTS if chunked else None)
   buckets = _chunk_rows(n_rows, n_cols, _FOLD_ELEMENTS)
   answer, known = _select_loop(
-      rows, mask, k, n, comm, method=method, chunk=chunk, buckets=buckets
+      rows, mask, k, n, comm, method=method, chunk=chunk, buckets=buckets,
+      n_thresholds=_COUNT_THRESHOLDS_CPU if chunked else _COUNT_THRESHOLDS_ACCELERATOR,
   )
 
   def fallback(_):
@@ -765,7 +837,6 @@ def kth_smallest(
     # under shard_map, like the other branch.
     return jnp.where(known, _key_to_output(answer), comm.pmax(ref))
 
-  bad_k = (k < 1) | (k > n)
   value = lax.cond(jnp.all(known), lambda _: _key_to_output(answer), fallback, None)
   value = jnp.where(bad_k, jnp.nan, value)
   return value.reshape(kept_shape)

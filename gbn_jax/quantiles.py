@@ -226,10 +226,11 @@ def _has_nan(x, axes, where, axis_name, groups) -> Array:
   return _global_sum(count_true(nan, axes), axis_name, groups) > 0
 
 
-def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
+def _select_quantile(x, where, *, alpha, axes, axis_name, groups, check_nan):
   n = _element_count(x, axes, where, axis_name, groups)
   k = quantile_rank(alpha, n)
-  nan = _has_nan(x, axes, where, axis_name, groups)
+  # check_nan=False: the caller propagates NaN itself, saving this pass.
+  nan = _has_nan(x, axes, where, axis_name, groups) if check_nan else False
   # NaN is not replaced before selecting (that costs a full-size copy): its
   # bits order it beyond +-inf, the selection stays bounded, and the result
   # is overwritten with NaN below anyway.
@@ -246,7 +247,7 @@ def _select_quantile(x, where, *, alpha, axes, axis_name, groups):
     # visible to shard_map's replication typing, so stats can leave with P().
     value = lax.pmax(value, axis_name, axis_index_groups=groups)
   invalid = nan if where is None else nan | (n == 0)
-  return jnp.where(invalid, jnp.nan, value)
+  return value if invalid is False else jnp.where(invalid, jnp.nan, value)
 
 
 def _hashable_groups(groups: AxisIndexGroups) -> AxisIndexGroups:
@@ -254,36 +255,42 @@ def _hashable_groups(groups: AxisIndexGroups) -> AxisIndexGroups:
 
 
 @functools.lru_cache(maxsize=None)
-def _selector(kind: str, param: Any, axes, axis_name, groups) -> Callable:
+def _selector(
+    kind: str, param: Any, axes, axis_name, groups, check_nan: bool = True
+) -> Callable:
   # One object per configuration: JAX caches traces by function identity, so
   # a fresh partial per call would recompile every eager call.
   if kind == "quantile":
     return functools.partial(
-        _select_quantile, alpha=param, axes=axes, axis_name=axis_name, groups=groups
+        _select_quantile, alpha=param, axes=axes, axis_name=axis_name, groups=groups,
+        check_nan=check_nan,
     )
   return functools.partial(
       _select_extreme, largest=param, axes=axes, axis_name=axis_name, groups=groups
   )
 
 
-def _quantile(x, alpha, axes, where, axis_name, groups) -> Array:
+def _quantile(x, alpha, axes, where, axis_name, groups, check_nan=True) -> Array:
   """Quantile of an already-prepared float array (no dtype handling)."""
   groups = _hashable_groups(groups)
-  select = _selector("quantile", alpha, axes, axis_name, groups)
+  select = _selector("quantile", alpha, axes, axis_name, groups, check_nan)
   return _tie_split(select, axes, axis_name, groups, x, where)
 
 
 def _superquantile(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Array]:
   """Returns ``(q_alpha, qbar_alpha)`` of a prepared float array."""
-  q = _quantile(x, alpha, axes, where, axis_name, groups)
-  above = x > _expand(q, axes)
+  q = _quantile(x, alpha, axes, where, axis_name, groups, check_nan=False)
+  # "Not at most q" rather than "above q": a NaN element makes the excess,
+  # hence qbar, NaN, which replaces the quantile's own NaN check (a pass).
+  above = ~(x <= _expand(q, axes))
   if where is not None:
     above = above & where
   # where(), not maximum(): maximum's derivative at a tie is 1/2, which would
   # break the tie rule of the quantile's gradient.
   excess = jnp.where(above, x - _expand(q, axes), 0)
   mean_excess = global_mean(excess, axes, where, axis_name, groups)
-  return q, q + mean_excess / (1.0 - alpha)
+  qbar = q + mean_excess / (1.0 - alpha)
+  return jnp.where(jnp.isnan(qbar), jnp.nan, q), qbar
 
 
 # jit so that eager calls do not dispatch the selection op by op; under an

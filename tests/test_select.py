@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax import _select
+from gbn_jax import _native, _select
 
 METHODS = _select.METHODS
 TINY = np.finfo(np.float32).tiny
@@ -198,6 +198,62 @@ def test_default_method_and_reference_agree_with_numpy():
   assert_bitwise(_select.kth_smallest(x16, 100, (0, 1, 2)), want)
 
 
+def test_native_kernel_is_built_where_expected():
+  # .ci/run sets GBN_EXPECT_NATIVE=1 when a C++ compiler is present, so a
+  # kernel that silently failed to build or load fails here, not in timings.
+  if os.environ.get("GBN_EXPECT_NATIVE") != "1":
+    pytest.skip("GBN_EXPECT_NATIVE is not set")
+  assert _native.available()
+  assert _select._default_method(10**6) == "native"
+
+
+needs_native = pytest.mark.skipif(not _native.available(), reason="C++ kernel not built")
+
+
+@needs_native
+@pytest.mark.parametrize("sigmas", [3.0, 0.0])
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
+  # Over 16384 rows the kernel brackets the target from a sample and gathers;
+  # sigmas=0 makes brackets miss often, exercising its radix-select fallback.
+  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
+  # A fresh jit: the setting is read when tracing.
+  select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0, 1, 2), method="native"))
+  x = data(kind, (41, 25, 20, 3), seed=10 + KINDS.index(kind))
+  for k in ranks(41 * 25 * 20):
+    want = numpy_kth(x, k, (0, 1, 2))
+    assert_bitwise(select(x, jnp.full((3,), k, jnp.int32)), want)
+
+
+@needs_native
+def test_native_large_batch_mask_per_feature_k_and_vmap():
+  rng = np.random.default_rng(11)
+  x = data("relu", (30000, 4), seed=11)
+  where = rng.random(x.shape) < 0.7
+  where[:, 3] = rng.random(30000) < 0.001  # 30-odd elements: k within them
+  n = where.sum(axis=0)
+  k = np.array([1, n[1] // 2, n[2], n[3] // 2], np.int32)
+  assert_bitwise(jit_select(x, jnp.asarray(k), (0,), "native", where), numpy_kth(x, k, (0,), where))
+  xs = data("normal", (2, 20000, 3), seed=12)
+  got = jax.vmap(lambda v: _select.kth_smallest(v, 4321, (0,), method="native"))(xs)
+  assert_bitwise(got, np.stack([numpy_kth(v, 4321, (0,)) for v in xs]))
+
+
+@pytest.mark.parametrize("method", ["adaptive", "sort"])
+@pytest.mark.parametrize("kind", ["normal", "relu", "halves", "inf", "denormal"])
+def test_accelerator_code_paths_on_cpu(kind, method, monkeypatch):
+  # GPU/TPU take other branches (8 thresholds per pass, one-kernel fold,
+  # sort along the minor axis); force them here so CI checks them too.
+  monkeypatch.setattr(_select, "_on_cpu", lambda: False)
+  select = jax.jit(lambda v, k, w: _select.kth_smallest(v, k, (0, 1), where=w, method=method))
+  x = data(kind, (300, 90, 3), seed=20 + len(kind))
+  where = np.random.default_rng(1).random(x.shape) < 0.9
+  n = where.sum(axis=(0, 1))
+  for frac in (0.001, 0.25, 0.5, 0.99, 1.0):
+    k = np.maximum(np.ceil(frac * n), 1).astype(np.int32)
+    assert_bitwise(select(x, jnp.asarray(k), where), numpy_kth(x, k, (0, 1), where))
+
+
 @pytest.mark.parametrize(
     "axis,err", [((), ValueError), ((1, 0), ValueError), ((0, 0), ValueError), ((3,), ValueError)]
 )
@@ -219,7 +275,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent(
     """
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
-    from gbn_jax import _select
+    from gbn_jax import _native, _select
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("b",))
     rng = np.random.default_rng(0)

@@ -1,0 +1,24 @@
+"""Builds the optional C++ CPU kernel; everything else is in pyproject.toml.
+
+``gbn_jax._kth_cpu`` is an XLA FFI handler (not a Python module) that
+``gbn_jax._native`` loads with ctypes. ``optional=True``: without a C++17
+compiler the install still succeeds and gbn_jax uses its pure-JAX selection.
+The XLA FFI headers are vendored (gbn_jax/csrc/third_party), so the build
+needs no jaxlib.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "gbn_jax._kth_cpu",
+            sources=["gbn_jax/csrc/kth_smallest_cpu.cc"],
+            include_dirs=["gbn_jax/csrc/third_party"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O3"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)
