@@ -33,7 +33,17 @@ three on continuous data, one or two with heavy ties). A fallback to the
 sort-based reference runs if ``_MAX_PASSES`` is exceeded, which bisection
 makes impossible in practice. ``"bisect"`` is counting passes alone, a 4-way
 split of the key range per pass (17 passes): data-independent, no fixed
-costs, the default for small batches.
+costs, the default for small batches on a CPU without the native kernel.
+
+On a GPU/TPU each pass of the loop costs a kernel launch and a host sync
+rather than memory traffic, so passes there test eight thresholds instead of
+two and the fold is one reduction instead of a loop over blocks; batches under
+``_ADAPTIVE_MIN_ROWS`` rows are sorted (along the minor axis).
+
+``"native"`` is the C++ kernel of ``gbn_jax/csrc`` (``gbn_jax._native``),
+the default on a CPU when it was built: one sweep that counts below a sampled
+bracket and gathers the few keys inside it. It does not pool devices, so with
+``axis_name`` the pure-JAX methods run.
 """
 
 from __future__ import annotations
