@@ -774,7 +774,8 @@ def kth_smallest(
     axis_name: str | None = None,
     axis_index_groups: AxisIndexGroups = None,
     method: str | None = None,
-) -> Array:
+    return_ties: bool = False,
+) -> Array | tuple[Array, Array | None]:
   """Exact k-th smallest (1-based) of ``x`` over ``axis``, without sorting.
 
   Args:
@@ -790,6 +791,10 @@ def kth_smallest(
       over the union of the rows of all devices along it (exact: only counts,
       a 1024-row sample and per-bucket extremes cross devices).
     axis_index_groups: optional groups within ``axis_name``.
+    return_ties: also return, per position, how many masked-in elements
+      equal the answer, where the native kernel knows it at no cost: a
+      float32 count, or ``-1`` where the answer is not a normal nonzero float
+      (count those yourself); ``None`` from the other methods.
     method: one of :data:`METHODS`; default :data:`DEFAULT_METHOD` or else
       ``"native"`` where it applies, otherwise ``"adaptive"`` for at least
       ``_ADAPTIVE_MIN_ROWS`` reduced rows (over all devices) and ``"bisect"``
@@ -797,8 +802,8 @@ def kth_smallest(
 
   Returns:
     Array of the non-reduced shape, float32, holding elements of ``x``
-    (``-0.0`` returned as ``+0.0``). Not differentiable (gradient zero): the
-    caller defines the derivative.
+    (``-0.0`` returned as ``+0.0``), and the tie counts if ``return_ties``.
+    Not differentiable (gradient zero): the caller defines the derivative.
   """
   x = _check_input(x)
   axes = _check_axes(x.ndim, axis)
@@ -810,9 +815,10 @@ def kth_smallest(
     where = lax.stop_gradient(jnp.asarray(where, bool))
   if method == "sort" or x.dtype != _F32:
     # Other dtypes (the caller upcasts half precision) take the exact sort.
-    return kth_smallest_reference(
+    value = kth_smallest_reference(
         x, k, axes, where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
     )
+    return (value, None) if return_ties else value
   comm = _Comm(axis_name, axis_index_groups)
   rows, mask, kept_shape = _to_rows(x, axes, where)
   n_rows, n_cols = rows.shape
@@ -827,9 +833,11 @@ def kth_smallest(
   bad_k = (k < 1) | (k > n)
   if method == "native":
     # Masked-out elements are +inf and k <= n: the answer is masked in.
-    answer = _native.kth_smallest_keys(_replicate_explicit(rows), k)
-    value = jnp.where(bad_k, jnp.nan, _key_to_output(answer))
-    return value.reshape(kept_shape)
+    answer, ties = _native.kth_smallest_keys(_replicate_explicit(rows), k)
+    value = jnp.where(bad_k, jnp.nan, _key_to_output(answer)).reshape(kept_shape)
+    if return_ties:
+      return value, ties.astype(_F32).reshape(kept_shape)
+    return value
   chunked = _backend_chunking()
   chunk = _chunk_rows(n_rows, n_cols, _CHUNK_ELEMENTS if chunked else None)
   buckets = _chunk_rows(n_rows, n_cols, _FOLD_ELEMENTS)
@@ -848,5 +856,5 @@ def kth_smallest(
     return jnp.where(known, _key_to_output(answer), comm.pmax(ref))
 
   value = lax.cond(jnp.all(known), lambda _: _key_to_output(answer), fallback, None)
-  value = jnp.where(bad_k, jnp.nan, value)
-  return value.reshape(kept_shape)
+  value = jnp.where(bad_k, jnp.nan, value).reshape(kept_shape)
+  return (value, None) if return_ties else value

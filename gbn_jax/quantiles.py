@@ -176,12 +176,21 @@ def global_mean(
 def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   x, where = primals
   x_dot, _ = tangents
-  value = _tie_split(select, axes, axis_name, groups, x, where)
+  value, known_ties = select(x, where)
   selected = x == _expand(value, axes)
   if where is not None:
     selected = selected & where
   moved = jnp.sum(jnp.where(selected, x_dot, 0), axes)
-  ties = count_true(selected, axes)
+  count = lambda: count_true(selected, axes)
+  if known_ties is None:
+    ties = count()
+  else:
+    # The selection counted the ties (all devices' already) except where it
+    # says -1; counting here is a pass over x, so only then.
+    dtype = jax.eval_shape(count).dtype
+    ties = lax.cond(
+        jnp.all(known_ties >= 0), lambda: known_ties.astype(dtype), count
+    )
   moved, ties = _global_sum((moved, ties), axis_name, groups)
   return value, moved / jnp.maximum(ties, 1).astype(moved.dtype)
 
@@ -195,14 +204,16 @@ def _tie_split(
     x: Array,
     where: Array | None,
 ) -> Array:
-  """``select(x, where)``, an element of ``x``, differentiated as such.
+  """``select(x, where)[0]``, an element of ``x``, differentiated as such.
 
+  ``select`` returns ``(value, ties)``, ``ties`` the number of elements equal
+  to ``value`` where the selection knew it (``-1`` elsewhere) or ``None``.
   The tangent is the mean tangent of the elements equal to the selected value,
   so the cotangent is split equally among tied elements. Collectives in the
   tangent are JAX's own ``psum``, so pmap and shard_map transpose them correctly.
   """
   del axes, axis_name, groups
-  return select(x, where)
+  return select(x, where)[0]
 
 
 _tie_split.defjvp(_tie_split_jvp_rule)
@@ -234,20 +245,23 @@ def _select_quantile(x, where, *, alpha, axes, axis_name, groups, check_nan):
   # NaN is not replaced before selecting (that costs a full-size copy): its
   # bits order it beyond +-inf, the selection stays bounded, and the result
   # is overwritten with NaN below anyway.
-  value = _select.kth_smallest(
+  value, ties = _select.kth_smallest(
       x,
       k,
       axes,
       where=where,
       axis_name=axis_name,
       axis_index_groups=groups,
+      return_ties=True,
   )
   if axis_name is not None:
     # Every device already holds the same value; pmax (C floats) makes that
     # visible to shard_map's replication typing, so stats can leave with P().
     value = lax.pmax(value, axis_name, axis_index_groups=groups)
   invalid = nan if where is None else nan | (n == 0)
-  return value if invalid is False else jnp.where(invalid, jnp.nan, value)
+  if invalid is not False:
+    value = jnp.where(invalid, jnp.nan, value)
+  return value, ties
 
 
 def _hashable_groups(groups: AxisIndexGroups) -> AxisIndexGroups:
@@ -383,7 +397,7 @@ def _select_extreme(x, where, *, largest, axes, axis_name, groups):
   if where is not None:
     n = _element_count(x, axes, where, axis_name, groups)
     value = jnp.where(n == 0, jnp.nan, value)
-  return value
+  return value, None
 
 
 def extreme(

@@ -226,6 +226,26 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("sigmas", [3.0, 0.0])
+@pytest.mark.parametrize("rows", [3000, 41000])  # whole-column and sampled-bracket paths
+@pytest.mark.parametrize("kind", ["halves", "relu", "inf", "denormal", "tiny_set"])
+def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
+  # The kernel reports how many elements equal the answer where that is a
+  # normal nonzero float, -1 elsewhere; quantile gradients divide by it.
+  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
+  select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0,), method="native", return_ties=True))
+  x = data(kind, (rows, 4), seed=rows + len(kind))
+  for frac in (0.0, 0.3, 0.5, 0.9, 1.0):
+    k = max(1, int(np.ceil(frac * rows)))
+    value, ties = select(x, jnp.full((4,), k, jnp.int32))
+    want = numpy_kth(x, k, (0,))
+    assert_bitwise(value, want)
+    normal = np.isfinite(want) & (np.abs(want) >= TINY)
+    want_ties = np.where(normal, (x == want[None]).sum(axis=0), -1)
+    np.testing.assert_array_equal(np.asarray(ties), want_ties)
+
+
+@needs_native
 def test_native_large_batch_mask_per_feature_k_and_vmap():
   rng = np.random.default_rng(11)
   x = data("relu", (30000, 4), seed=11)

@@ -15,8 +15,10 @@
 // an exact radix select. Work is spread over XLA's intra-op thread pool.
 //
 // Inputs: x (N, F) float32, k (F,) int32 (1-based, clamped to [1, N]).
-// Output: (F,) int32, the signed key (unsigned key ^ 0x80000000) of the answer,
-// which is what gbn_jax._select works with.
+// Outputs: (F,) int32, the signed key (unsigned key ^ 0x80000000) of the
+// answer, which is what gbn_jax._select works with; (F,) int32, how many
+// elements equal the answer when it is a normal nonzero float (where float
+// equality is bit equality, whatever a compiler does with denormals), else -1.
 
 #include <algorithm>
 #include <atomic>
@@ -54,6 +56,20 @@ inline uint32_t Key(float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof(u));
   return (u & kSign) ? ~u : (u | kSign);
+}
+
+// Whether the float behind a key is normal and nonzero (not 0, denormal,
+// inf or NaN): its exponent bits are neither all zeros nor all ones.
+inline bool NormalNonzero(uint32_t key) {
+  const uint32_t bits = (key & kSign) ? (key ^ kSign) : ~key;
+  const uint32_t exponent = (bits >> 23) & 0xFFu;
+  return exponent != 0 && exponent != 0xFFu;
+}
+
+template <class It>
+int32_t TiesOf(uint32_t answer, It begin, It end) {
+  if (!NormalNonzero(answer)) return -1;
+  return int32_t(std::count(begin, end, answer));
 }
 
 // Runs fn(i) for i in [0, n_items) on the caller and the pool's threads.
@@ -199,10 +215,11 @@ __attribute__((target("avx2"))) int64_t SweepAvx2(
 // The selection proper, for any pool with num_threads() and Schedule(task).
 template <class Pool>
 void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32_t* k_in,
-                double bracket_sigmas, int32_t* out) {
+                double bracket_sigmas, int32_t* out, int32_t* ties) {
   if (F == 0) return;
   if (N == 0) {  // no answer exists; the caller turns k > n into NaN
     std::fill(out, out + F, 0);
+    std::fill(ties, ties + F, -1);
     return;
   }
   std::vector<int64_t> k(F);
@@ -213,7 +230,9 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
       std::vector<uint32_t> column(N);
       for (int64_t r = 0; r < N; ++r) column[r] = Key(data[r * F + f]);
       std::nth_element(column.begin(), column.begin() + (k[f] - 1), column.end());
-      out[f] = int32_t(column[k[f] - 1] ^ kSign);
+      const uint32_t answer = column[k[f] - 1];
+      out[f] = int32_t(answer ^ kSign);
+      ties[f] = TiesOf(answer, column.begin(), column.end());
     });
     return;
   }
@@ -281,17 +300,21 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
     const int64_t rank = k[f] - below;
     uint32_t answer;
     if (rank >= 1 && rank <= inside && !gather[f]) {
-      answer = lo[f];
+      answer = lo[f];  // every key in the bracket is this one
+      ties[f] = NormalNonzero(answer) ? int32_t(inside) : -1;
     } else if (rank >= 1 && rank <= inside) {
+      // Every copy of the answer lies inside the bracket, so among these keys.
       std::vector<uint32_t> keys;
       keys.reserve(size_t(inside));
       for (const Sweep& s : sweeps) keys.insert(keys.end(), s.keys[f].begin(), s.keys[f].end());
       std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end());
       answer = keys[rank - 1];
+      ties[f] = TiesOf(answer, keys.begin(), keys.end());
     } else {  // the bracket missed: exact select over the whole column
       std::vector<uint32_t> keys(N);
       for (int64_t r = 0; r < N; ++r) keys[r] = Key(data[r * F + f]);
-      answer = RadixSelect(std::move(keys), k[f]);
+      answer = RadixSelect(keys, k[f]);
+      ties[f] = TiesOf(answer, keys.begin(), keys.end());
     }
     out[f] = int32_t(answer ^ kSign);
   });
@@ -299,15 +322,16 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
 
 ffi::Error KthSmallest(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::S32> k_buffer, double bracket_sigmas,
-                       ffi::ResultBuffer<ffi::S32> result) {
+                       ffi::ResultBuffer<ffi::S32> result, ffi::ResultBuffer<ffi::S32> ties) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x must have shape (N, F)");
   const int64_t N = dims[0], F = dims[1];
-  if (k_buffer.element_count() != size_t(F) || result->element_count() != size_t(F))
-    return ffi::Error::InvalidArgument("k and the result must have shape (F,)");
+  if (k_buffer.element_count() != size_t(F) || result->element_count() != size_t(F) ||
+      ties->element_count() != size_t(F))
+    return ffi::Error::InvalidArgument("k and the results must have shape (F,)");
   if (!(bracket_sigmas >= 0.0)) return ffi::Error::InvalidArgument("bracket_sigmas must be >= 0");
   SelectKeys(pool, x.typed_data(), N, F, k_buffer.typed_data(), bracket_sigmas,
-             result->typed_data());
+             result->typed_data(), ties->typed_data());
   return ffi::Error::Success();
 }
 
@@ -319,4 +343,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnKthSmallestF32, KthSmallest,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<double>("bracket_sigmas")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
