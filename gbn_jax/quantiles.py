@@ -185,8 +185,8 @@ def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   if known_ties is None:
     ties = count()
   else:
-    # The selection counted the ties (all devices' already) except where it
-    # says -1; counting here is a pass over x, so only then.
+    # The native kernel (one device, no axis_name) counted the ties except
+    # where it says -1; counting here is a pass over x, so only then.
     dtype = jax.eval_shape(count).dtype
     ties = lax.cond(
         jnp.all(known_ties >= 0), lambda: known_ties.astype(dtype), count
