@@ -6,8 +6,8 @@
 // one; XLA:CPU's float compares flush denormals, ours do not.
 //
 // Short columns (at most kDirectRows) are gathered whole and nth_element
-// picks the answer. Otherwise one sweep over the data in the common case: a
-// strided sample's order statistics bracket each column's target rank, the
+// picks the answer. Otherwise one sweep over the data in the common case: the
+// order statistics of a sample of rows bracket each column's target rank, the
 // sweep counts the keys below the bracket and gathers those inside it (a few
 // per cent of the data), and nth_element finishes on the gathered keys. A
 // bracket holding a single key (an atom such as the zeros after a ReLU) is
@@ -133,7 +133,7 @@ uint32_t RadixSelect(std::vector<uint32_t> keys, int64_t k) {
   return keys[0];
 }
 
-// Per-thread results of the sweep over rows [r0, r1).
+// One task's results of the sweep over rows [r0, r1).
 struct Sweep {
   std::vector<int64_t> below;                // #{key < lo}
   std::vector<int64_t> inside;               // #{lo <= key < lo + width}
