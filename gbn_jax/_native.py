@@ -42,16 +42,21 @@ def available() -> bool:
   return True
 
 
-def kth_smallest_keys(rows: Array, k: Array) -> tuple[Array, Array]:
+#: Values of the kernel's per-column ``path`` output.
+PATHS = ("whole_column", "single_key", "gathered", "radix_fallback")
+
+
+def kth_smallest_keys(rows: Array, k: Array) -> tuple[Array, Array, Array]:
   """Per column of float32 ``rows`` ``(N, F)``, the key of the ``k``-th smallest.
 
-  ``k``: ``(F,)`` int32, clamped to ``[1, N]`` by the kernel. Returns the
-  order-preserving int32 keys of :mod:`gbn_jax._select`, and per column how
-  many elements equal the answer when it is a normal nonzero float (-1 for
-  zeros, denormals and infinities, whose float equality depends on the
-  backend's denormal flushing or on masked-out ``+inf``). CPU only; call
+  ``k``: ``(F,)`` int32, clamped to ``[1, N]`` by the kernel. Returns three
+  ``(F,)`` int32 arrays: the order-preserving keys of :mod:`gbn_jax._select`;
+  how many elements equal the answer when it is a normal nonzero float (-1
+  for zeros, denormals and infinities, whose float equality depends on the
+  backend's denormal flushing or on masked-out ``+inf``); and the index in
+  :data:`PATHS` of the way each column was solved. CPU only; call
   :func:`available` first.
   """
   out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
-  call = jax.ffi.ffi_call(_TARGET, (out, out), vmap_method="sequential")
+  call = jax.ffi.ffi_call(_TARGET, (out, out, out), vmap_method="sequential")
   return call(rows, k, bracket_sigmas=np.float64(BRACKET_SIGMAS))

@@ -833,7 +833,7 @@ def kth_smallest(
   bad_k = (k < 1) | (k > n)
   if method == "native":
     # Masked-out elements are +inf and k <= n: the answer is masked in.
-    answer, ties = _native.kth_smallest_keys(_replicate_explicit(rows), k)
+    answer, ties, _ = _native.kth_smallest_keys(_replicate_explicit(rows), k)
     value = jnp.where(bad_k, jnp.nan, _key_to_output(answer)).reshape(kept_shape)
     if return_ties:
       return value, ties.astype(_F32).reshape(kept_shape)

@@ -216,13 +216,28 @@ needs_native = pytest.mark.skipif(not _native.available(), reason="C++ kernel no
 def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
   # Over 16384 rows the kernel brackets the target from a sample and gathers;
   # sigmas=0 makes brackets miss often, exercising its radix-select fallback.
+  # 19 features: two groups of eight take the AVX2 sweep, three the scalar one.
   monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
   # A fresh jit: the setting is read when tracing.
   select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0, 1, 2), method="native"))
-  x = data(kind, (41, 25, 20, 3), seed=10 + KINDS.index(kind))
+  x = data(kind, (41, 25, 20, 19), seed=10 + KINDS.index(kind))
+  fallbacks = 0
   for k in ranks(41 * 25 * 20):
     want = numpy_kth(x, k, (0, 1, 2))
-    assert_bitwise(select(x, jnp.full((3,), k, jnp.int32)), want)
+    assert_bitwise(select(x, jnp.full((19,), k, jnp.int32)), want)
+    keys, _, path = _native.kth_smallest_keys(
+        jnp.asarray(x).reshape(-1, 19), jnp.full((19,), k, jnp.int32)
+    )
+    assert_bitwise(_select._key_to_output(keys), want)
+    fallbacks += int(np.sum(np.asarray(path) == _native.PATHS.index("radix_fallback")))
+  # The radix select must stay the exception (a bracket misses ~0.3% of the
+  # time at 3 sigmas): a wrong count in the sweep would send columns there and
+  # still answer right. At 0 sigmas brackets on continuous data must miss, or
+  # the fallback would go untested (with atoms they still often hit).
+  if sigmas > 0:
+    assert fallbacks <= 4, fallbacks
+  elif kind in ("normal", "wide"):
+    assert fallbacks >= 19, fallbacks
 
 
 @needs_native
@@ -234,10 +249,10 @@ def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
   # normal nonzero float, -1 elsewhere; quantile gradients divide by it.
   monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
   select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0,), method="native", return_ties=True))
-  x = data(kind, (rows, 4), seed=rows + len(kind))
+  x = data(kind, (rows, 11), seed=rows + len(kind))  # AVX2 (8) and scalar (3) columns
   for frac in (0.0, 0.3, 0.5, 0.9, 1.0):
     k = max(1, int(np.ceil(frac * rows)))
-    value, ties = select(x, jnp.full((4,), k, jnp.int32))
+    value, ties = select(x, jnp.full((11,), k, jnp.int32))
     want = numpy_kth(x, k, (0,))
     assert_bitwise(value, want)
     normal = np.isfinite(want) & (np.abs(want) >= TINY)
@@ -248,11 +263,12 @@ def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
 @needs_native
 def test_native_large_batch_mask_per_feature_k_and_vmap():
   rng = np.random.default_rng(11)
-  x = data("relu", (30000, 4), seed=11)
+  x = data("relu", (30000, 9), seed=11)
   where = rng.random(x.shape) < 0.7
   where[:, 3] = rng.random(30000) < 0.001  # 30-odd elements: k within them
+  where[:, 8] = rng.random(30000) < 0.001  # the same in the scalar column
   n = where.sum(axis=0)
-  k = np.array([1, n[1] // 2, n[2], n[3] // 2], np.int32)
+  k = np.maximum(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]) * n // 9, 1).astype(np.int32)
   assert_bitwise(jit_select(x, jnp.asarray(k), (0,), "native", where), numpy_kth(x, k, (0,), where))
   xs = data("normal", (2, 20000, 3), seed=12)
   got = jax.vmap(lambda v: _select.kth_smallest(v, 4321, (0,), method="native"))(xs)

@@ -18,7 +18,8 @@
 // Outputs: (F,) int32, the signed key (unsigned key ^ 0x80000000) of the
 // answer, which is what gbn_jax._select works with; (F,) int32, how many
 // elements equal the answer when it is a normal nonzero float (where float
-// equality is bit equality, whatever a compiler does with denormals), else -1.
+// equality is bit equality, whatever a compiler does with denormals), else -1;
+// (F,) int32, the path each column took (a Path), for tests and diagnostics.
 
 #include <algorithm>
 #include <atomic>
@@ -51,6 +52,8 @@ constexpr int64_t kMaxSample = 16384;
 constexpr int64_t kDirectRows = 16384;
 constexpr double kGolden = 0.6180339887498949;
 constexpr int64_t kElementsPerTask = 1 << 17;
+
+enum Path : int32_t { kWholeColumn = 0, kSingleKey = 1, kGathered = 2, kRadixFallback = 3 };
 
 inline uint32_t Key(float v) {
   uint32_t u;
@@ -215,11 +218,12 @@ __attribute__((target("avx2"))) int64_t SweepAvx2(
 // The selection proper, for any pool with num_threads() and Schedule(task).
 template <class Pool>
 void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32_t* k_in,
-                double bracket_sigmas, int32_t* out, int32_t* ties) {
+                double bracket_sigmas, int32_t* out, int32_t* ties, int32_t* path) {
   if (F == 0) return;
   if (N == 0) {  // no answer exists; the caller turns k > n into NaN
     std::fill(out, out + F, 0);
     std::fill(ties, ties + F, -1);
+    std::fill(path, path + F, kWholeColumn);
     return;
   }
   std::vector<int64_t> k(F);
@@ -233,6 +237,7 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
       const uint32_t answer = column[k[f] - 1];
       out[f] = int32_t(answer ^ kSign);
       ties[f] = TiesOf(answer, column.begin(), column.end());
+      path[f] = kWholeColumn;
     });
     return;
   }
@@ -265,9 +270,11 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
     }
     if (b < M) {
       std::nth_element(first, sample.begin() + b, sample.end());
-      high = sample[b];
+      // The top sample value itself falls inside: with repeated values (an
+      // atom such as ReLU's zeros) the target is often that very value.
+      high = sample[b] == 0xFFFFFFFFu ? sample[b] : sample[b] + 1;
     }
-    // hi <= lo: the sample has one value across the bracket; test it alone.
+    // One value across the bracket (an atom): [v, v + 1) holds just that key.
     width[f] = high > low ? high - low : 1;
     lo[f] = low;
     gather[f] = width[f] > 1;
@@ -302,6 +309,7 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
     if (rank >= 1 && rank <= inside && !gather[f]) {
       answer = lo[f];  // every key in the bracket is this one
       ties[f] = NormalNonzero(answer) ? int32_t(inside) : -1;
+      path[f] = kSingleKey;
     } else if (rank >= 1 && rank <= inside) {
       // Every copy of the answer lies inside the bracket, so among these keys.
       std::vector<uint32_t> keys;
@@ -310,11 +318,13 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
       std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end());
       answer = keys[rank - 1];
       ties[f] = TiesOf(answer, keys.begin(), keys.end());
+      path[f] = kGathered;
     } else {  // the bracket missed: exact select over the whole column
       std::vector<uint32_t> keys(N);
       for (int64_t r = 0; r < N; ++r) keys[r] = Key(data[r * F + f]);
       answer = RadixSelect(keys, k[f]);
       ties[f] = TiesOf(answer, keys.begin(), keys.end());
+      path[f] = kRadixFallback;
     }
     out[f] = int32_t(answer ^ kSign);
   });
@@ -322,16 +332,17 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
 
 ffi::Error KthSmallest(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::S32> k_buffer, double bracket_sigmas,
-                       ffi::ResultBuffer<ffi::S32> result, ffi::ResultBuffer<ffi::S32> ties) {
+                       ffi::ResultBuffer<ffi::S32> result, ffi::ResultBuffer<ffi::S32> ties,
+                       ffi::ResultBuffer<ffi::S32> path) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x must have shape (N, F)");
   const int64_t N = dims[0], F = dims[1];
   if (k_buffer.element_count() != size_t(F) || result->element_count() != size_t(F) ||
-      ties->element_count() != size_t(F))
+      ties->element_count() != size_t(F) || path->element_count() != size_t(F))
     return ffi::Error::InvalidArgument("k and the results must have shape (F,)");
   if (!(bracket_sigmas >= 0.0)) return ffi::Error::InvalidArgument("bracket_sigmas must be >= 0");
   SelectKeys(pool, x.typed_data(), N, F, k_buffer.typed_data(), bracket_sigmas,
-             result->typed_data(), ties->typed_data());
+             result->typed_data(), ties->typed_data(), path->typed_data());
   return ffi::Error::Success();
 }
 
@@ -343,5 +354,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnKthSmallestF32, KthSmallest,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<double>("bracket_sigmas")
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
