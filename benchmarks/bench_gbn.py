@@ -134,12 +134,9 @@ def machine_info() -> dict:
   }
 
 
-_RUN_INFO: dict = {}
-
-
-def write_partial(path, rows, steps, complete=False) -> dict:
+def write_partial(path, run: dict, rows, steps, complete=False) -> dict:
   """The results so far (written after every row, so a cut-off run keeps them)."""
-  result = {"machine": machine_info(), **_RUN_INFO, "complete": complete,
+  result = {"machine": machine_info(), **run, "complete": complete,
             "layers": rows, "train_steps": steps}
   if path:
     with open(path, "w") as f:
@@ -165,8 +162,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
   _select.DEFAULT_METHOD = args.select_method
-  _RUN_INFO.update(runs=args.runs, inner=args.inner, select_method=args.select_method,
-                   command=" ".join(["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]))
+  run = dict(runs=args.runs, inner=args.inner, select_method=args.select_method,
+             command=" ".join(["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]))
 
   rows = []
   for shape_text in args.shapes:
@@ -181,7 +178,7 @@ def main(argv=None) -> dict:
           "ratio": med[norm] / med["bn"], "target": target_for(norm),
       }
       rows.append(row)
-      write_partial(args.out, rows, [])
+      write_partial(args.out, run, rows, [])
       print(f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
             f"  x{row['ratio']:.2f} (target <= {row['target']})", flush=True)
   steps = []
@@ -195,11 +192,11 @@ def main(argv=None) -> dict:
            "bn_ms": med["bn"] * 1e3, "gbn_ms": med[norm] * 1e3,
            "ratio": med[norm] / med["bn"], "target": TRAIN_STEP_TARGET}
     steps.append(row)
-    write_partial(args.out, rows, steps)
+    write_partial(args.out, run, rows, steps)
     print(f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
           f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
           flush=True)
-  return write_partial(args.out, rows, steps, complete=True)
+  return write_partial(args.out, run, rows, steps, complete=True)
 
 
 if __name__ == "__main__":
