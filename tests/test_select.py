@@ -311,7 +311,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent(
     """
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
-    from gbn_jax import _native, _select
+    from gbn_jax import _select
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("b",))
     rng = np.random.default_rng(0)
