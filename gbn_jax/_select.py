@@ -183,20 +183,19 @@ class _Comm:
     self.axis_name = axis_name
     self.groups = groups
 
-  def psum(self, v):
+  def _reduce(self, collective, v):
     if self.axis_name is None:
       return v
-    return lax.psum(v, self.axis_name, axis_index_groups=self.groups)
+    return collective(v, self.axis_name, axis_index_groups=self.groups)
+
+  def psum(self, v):
+    return self._reduce(lax.psum, v)
 
   def pmin(self, v):
-    if self.axis_name is None:
-      return v
-    return lax.pmin(v, self.axis_name, axis_index_groups=self.groups)
+    return self._reduce(lax.pmin, v)
 
   def pmax(self, v):
-    if self.axis_name is None:
-      return v
-    return lax.pmax(v, self.axis_name, axis_index_groups=self.groups)
+    return self._reduce(lax.pmax, v)
 
   def gather_rows(self, v):
     if self.axis_name is None:
@@ -582,14 +581,18 @@ def _varying_axes(a) -> tuple[str, ...]:
   return tuple(sorted(names or ()))
 
 
-def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, n_thresholds):
+def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, on_cpu):
   """Runs the passes; returns the answer keys and which features finished.
+
+  ``on_cpu`` picks the CPU's pass shapes (two thresholds per count, the fold
+  as a loop over blocks) over the accelerators' (eight, one reduction).
 
   State per feature: the bracket ``[klo, khi)`` with ``clo = #{key < klo}``
   and ``chi = #{key < khi}``, ``clo < k <= chi`` (``khi`` starts beyond
   ``+inf`` with ``chi = n``), plus flags steering the proposals.
   """
   n_cols = rows.shape[1]
+  n_thresholds = _COUNT_THRESHOLDS_CPU if on_cpu else _COUNT_THRESHOLDS_ACCELERATOR
   bad_k = (k < 1) | (k > n)
   state = dict(
       klo=jnp.full((n_cols,), _KEY_NEG_INF, _I32),
@@ -633,7 +636,7 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, n_thresholds
     current = _fold_current(state) & (khi <= _KEY_POS_INF)
     lo = jnp.where(current, klo, jnp.min(keys, axis=0))
     hi = jnp.where(current, khi, jnp.maximum(jnp.max(keys, axis=0), lo + 1))
-    fold, below = _fold_pass(rows, lo, hi, buckets, comm, loop=chunk < rows.shape[0])
+    fold, below = _fold_pass(rows, lo, hi, buckets, comm, loop=on_cpu)
     resolved, answer, inside, width, bmin, bmax = _resolve_from_fold(fold, lo, hi, below, k)
     # The bracket ends double as two counted thresholds.
     state = _narrow(state, k, jnp.stack([lo, hi]), jnp.stack([below, below + width]))
@@ -701,12 +704,6 @@ def _on_cpu() -> bool:
 def _native_applies(axis_name) -> bool:
   # The kernel sees one device's rows: pooling across devices stays in JAX.
   return axis_name is None and _on_cpu() and _native.available()
-
-
-def _backend_chunking() -> bool:
-  # XLA:CPU materialises compare/select temporaries of a reduction; blocks of
-  # rows keep them in cache. GPU/TPU fuse the whole pass into one kernel.
-  return _on_cpu()
 
 
 def _prepare_k(k: Any, kept_shape: tuple[int, ...]) -> Array:
@@ -838,12 +835,13 @@ def kth_smallest(
     if return_ties:
       return value, ties.astype(_F32).reshape(kept_shape)
     return value
-  chunked = _backend_chunking()
-  chunk = _chunk_rows(n_rows, n_cols, _CHUNK_ELEMENTS if chunked else None)
+  # XLA:CPU materialises compare/select temporaries of a reduction; blocks of
+  # rows keep them in cache. GPU/TPU fuse the whole pass into one kernel.
+  on_cpu = _on_cpu()
+  chunk = _chunk_rows(n_rows, n_cols, _CHUNK_ELEMENTS if on_cpu else None)
   buckets = _chunk_rows(n_rows, n_cols, _FOLD_ELEMENTS)
   answer, known = _select_loop(
-      rows, mask, k, n, comm, method=method, chunk=chunk, buckets=buckets,
-      n_thresholds=_COUNT_THRESHOLDS_CPU if chunked else _COUNT_THRESHOLDS_ACCELERATOR,
+      rows, mask, k, n, comm, method=method, chunk=chunk, buckets=buckets, on_cpu=on_cpu
   )
 
   def fallback(_):
