@@ -20,8 +20,9 @@ Array = jax.Array
 
 _LIBRARY = "gbn_jax._kth_cpu"
 _TARGET = "gbn_kth_smallest_f32"
+_SUMS_TARGET = "gbn_kth_smallest_sums_f32"
 # Half-width of the kernel's sampled bracket, in binomial standard deviations:
-# a column misses it with probability ~0.3% (then an exact radix select runs).
+# a column misses it with probability ~0.3% (then it is selected whole).
 # Measured fastest of 3 and 4 on the development CPU; 0 makes misses common
 # (the tests use that to exercise the fallback).
 BRACKET_SIGMAS = 3.0
@@ -35,15 +36,16 @@ def available() -> bool:
     return False
   try:
     library = ctypes.CDLL(spec.origin)
-    handler = library.GbnKthSmallestF32
+    handlers = {_TARGET: library.GbnKthSmallestF32, _SUMS_TARGET: library.GbnKthSmallestSumsF32}
   except (OSError, AttributeError):
     return False
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+  for target, handler in handlers.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
   return True
 
 
 #: Values of the kernel's per-column ``path`` output.
-PATHS = ("whole_column", "single_key", "gathered", "radix_fallback")
+PATHS = ("whole_column", "single_key", "gathered", "missed_bracket")
 
 
 def kth_smallest_keys(rows: Array, k: Array) -> tuple[Array, Array, Array]:
@@ -58,5 +60,23 @@ def kth_smallest_keys(rows: Array, k: Array) -> tuple[Array, Array, Array]:
   :func:`available` first.
   """
   out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
-  call = jax.ffi.ffi_call(_TARGET, (out, out, out), vmap_method="sequential")
+  none = (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((0,), jnp.int32),)
+  call = jax.ffi.ffi_call(_TARGET, (out, out, out) + none, vmap_method="sequential")
+  return call(rows, k, bracket_sigmas=np.float64(BRACKET_SIGMAS))[:3]
+
+
+def kth_smallest_sums(rows: Array, k: Array) -> tuple[Array, ...]:
+  """:func:`kth_smallest_keys` plus what a superquantile needs, in the same sweep.
+
+  Returns ``(keys, ties, path, mean, mean_excess, above)``: the first three as
+  in :func:`kth_smallest_keys`; per column, float32, the mean of all ``N``
+  rows and ``E[(x - q)^+]`` (summed in float64; NaN if any element is NaN),
+  ``q`` the selected value; and, int32, how many elements exceed ``q`` where
+  that is exact as a float comparison (as for ``ties``), else -1.
+  """
+  out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
+  value = jax.ShapeDtypeStruct(k.shape, jnp.float32)
+  call = jax.ffi.ffi_call(
+      _SUMS_TARGET, (out, out, out, value, value, out), vmap_method="sequential"
+  )
   return call(rows, k, bracket_sigmas=np.float64(BRACKET_SIGMAS))

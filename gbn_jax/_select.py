@@ -730,6 +730,37 @@ def _replicate_explicit(a: Array) -> Array:
   return jax.sharding.reshard(a, replicated)
 
 
+def native_sums_apply(x: Array, where: Array | None, axis_name: str | None) -> bool:
+  """Whether :func:`kth_smallest_with_sums` serves this call: the kernel applies,
+  nothing is masked, ``x`` is float32 and no method other than native is forced."""
+  return (
+      where is None
+      and jnp.result_type(x) == _F32
+      and DEFAULT_METHOD in (None, "native")
+      and _native_applies(axis_name)
+  )
+
+
+def kth_smallest_with_sums(x: Array, k: int, axis: tuple[int, ...]) -> tuple[Array, ...]:
+  """The ``k``-th smallest and a superquantile's sums, in one native sweep.
+
+  For unmasked float32 ``x`` where :func:`native_sums_apply`; ``1 <= k <= n``.
+  Returns, each of the non-reduced shape: the value (as :func:`kth_smallest`),
+  the tie count (int32, -1 where unknown, as ``return_ties``), the mean, the
+  mean of ``(x - value)^+`` (NaN if any element is NaN), and how many elements
+  exceed the value (int32, -1 where unknown). Not differentiable.
+  """
+  x = _check_input(lax.stop_gradient(x))
+  axes = _check_axes(x.ndim, axis)
+  rows, _, kept_shape = _to_rows(x, axes, None)
+  k = _prepare_k(k, kept_shape)
+  keys, ties, _, mean, mean_excess, above = _native.kth_smallest_sums(
+      _replicate_explicit(rows), k
+  )
+  value = _key_to_output(keys)
+  return tuple(a.reshape(kept_shape) for a in (value, ties, mean, mean_excess, above))
+
+
 def kth_smallest_reference(
     x: Array,
     k: int | Array,

@@ -122,8 +122,7 @@ def sqd(
   """
   alpha = quantiles.validate_alpha(alpha)
   x, axes, where = prepare_reduction(x, axis, where)
-  mean = global_mean(x, axes, where, axis_name, axis_index_groups)
-  q, qbar = quantiles._superquantile(  # pylint: disable=protected-access
+  q, qbar, mean = quantiles._superquantile_and_mean(  # pylint: disable=protected-access
       x, alpha, axes, where, axis_name, axis_index_groups
   )
   return q, qbar - mean

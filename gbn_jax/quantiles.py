@@ -173,24 +173,34 @@ def global_mean(
   return total / _element_count(x, axes, where, axis_name, axis_index_groups)
 
 
+def _known_or_counted(
+    known: Array | None, flags: Callable[[], Array], axes: tuple[int, ...]
+) -> Array:
+  """Per position, how many of ``flags()`` are true: ``known`` where it is (>= 0).
+
+  The native kernel (one device, no axis_name) knows such counts except where
+  it says -1; counting here is a pass over the data, so only then. ``flags``
+  is a function so that the flags are computed inside the branch that counts:
+  a full-size operand of ``lax.cond`` would be materialized on every call.
+  """
+  count = lambda: count_true(flags(), axes)
+  if known is None:
+    return count()
+  dtype = jax.eval_shape(count).dtype
+  return lax.cond(jnp.all(known >= 0), lambda: known.astype(dtype), count)
+
+
 def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   x, where = primals
   x_dot, _ = tangents
   value, known_ties = select(x, where)
-  selected = x == _expand(value, axes)
-  if where is not None:
-    selected = selected & where
-  moved = jnp.sum(jnp.where(selected, x_dot, 0), axes)
-  count = lambda: count_true(selected, axes)
-  if known_ties is None:
-    ties = count()
-  else:
-    # The native kernel (one device, no axis_name) counted the ties except
-    # where it says -1; counting here is a pass over x, so only then.
-    dtype = jax.eval_shape(count).dtype
-    ties = lax.cond(
-        jnp.all(known_ties >= 0), lambda: known_ties.astype(dtype), count
-    )
+
+  def selected():
+    equal = x == _expand(value, axes)
+    return equal if where is None else equal & where
+
+  moved = jnp.sum(jnp.where(selected(), x_dot, 0), axes)
+  ties = _known_or_counted(known_ties, selected, axes)
   moved, ties = _global_sum((moved, ties), axis_name, groups)
   return value, moved / jnp.maximum(ties, 1).astype(moved.dtype)
 
@@ -291,6 +301,53 @@ def _quantile(x, alpha, axes, where, axis_name, groups, check_nan=True) -> Array
   return _tie_split(select, axes, axis_name, groups, x, where)
 
 
+def _native_sums(alpha, axes, x):
+  n = math.prod(x.shape[a] for a in axes)
+  return _select.kth_smallest_with_sums(x, quantile_rank(alpha, n), axes)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _native_superquantile_parts(alpha, axes, x) -> tuple[Array, Array, Array]:
+  """``(q_alpha, E[x], E[(x - q_alpha)^+])`` of unmasked float32 ``x``, one sweep.
+
+  Differentiated as the separate computation would be: the quantile's tangent
+  split among its ties, the excess's over the elements above ``q``.
+  """
+  q, _, mean, mean_excess, _ = _native_sums(alpha, axes, x)
+  return q, mean, mean_excess
+
+
+@_native_superquantile_parts.defjvp
+def _native_superquantile_parts_jvp(alpha, axes, primals, tangents):
+  (x,), (x_dot,) = primals, tangents
+  q, known_ties, mean, mean_excess, known_above = _native_sums(alpha, axes, x)
+  n = math.prod(x.shape[a] for a in axes)
+  selected = lambda: x == _expand(q, axes)
+  above = lambda: ~(x <= _expand(q, axes))  # as in _superquantile: NaN is above
+  ties = _known_or_counted(known_ties, selected, axes)
+  n_above = _known_or_counted(known_above, above, axes)
+  q_dot = jnp.sum(jnp.where(selected(), x_dot, 0), axes) / jnp.maximum(ties, 1).astype(x.dtype)
+  mean_dot = jnp.sum(x_dot, axes) / n
+  excess_dot = (
+      jnp.sum(jnp.where(above(), x_dot, 0), axes) - q_dot * n_above.astype(x.dtype)
+  ) / n
+  return (q, mean, mean_excess), (q_dot, mean_dot, excess_dot)
+
+
+def _superquantile_and_mean(x, alpha, axes, where, axis_name, groups) -> tuple[Array, ...]:
+  """``(q_alpha, qbar_alpha, E[x])`` of a prepared float array.
+
+  One sweep of the native kernel where it applies (see
+  ``_select.native_sums_apply``), otherwise the selection and two means.
+  """
+  if not _select.native_sums_apply(x, where, axis_name):
+    q, qbar = _superquantile(x, alpha, axes, where, axis_name, groups)
+    return q, qbar, global_mean(x, axes, where, axis_name, groups)
+  q, mean, mean_excess = _native_superquantile_parts(alpha, axes, x)
+  qbar = q + mean_excess / (1.0 - alpha)
+  return jnp.where(jnp.isnan(qbar), jnp.nan, q), qbar, mean
+
+
 def _superquantile(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Array]:
   """Returns ``(q_alpha, qbar_alpha)`` of a prepared float array."""
   q = _quantile(x, alpha, axes, where, axis_name, groups, check_nan=False)
@@ -316,7 +373,7 @@ def _jitted_quantile(x, where, alpha, axes, axis_name, groups):
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _jitted_superquantile(x, where, alpha, axes, axis_name, groups):
-  return _superquantile(x, alpha, axes, where, axis_name, groups)[1]
+  return _superquantile_and_mean(x, alpha, axes, where, axis_name, groups)[1]
 
 
 def quantile(

@@ -1,5 +1,7 @@
 """Measures vs numpy definitions; registry and custom measures."""
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,36 @@ def test_gradients_match_finite_differences(name):
     fd = (float(f(jnp.asarray(x + eps * d, jnp.float32)))
           - float(f(jnp.asarray(x - eps * d, jnp.float32)))) / (2 * eps)
     np.testing.assert_allclose(np.sum(g * d), fd, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu"])
+@pytest.mark.parametrize("alpha", [0.25, 0.5, 0.9])
+def test_sqd_on_a_large_batch_values_and_gradient_formula(kind, alpha):
+  # Over 16384 rows the native CPU kernel selects q from a sampled bracket and
+  # returns sqd's sums from the same sweep: check both statistics and the
+  # gradient against the definitions. ReLU zeros put q at 0 for small alpha,
+  # where the tie counts come from JAX, not the kernel.
+  rng = np.random.default_rng(int(alpha * 100))
+  x = rng.standard_normal((20000, 3)).astype(np.float32)
+  if kind == "relu":
+    x = np.maximum(x, 0)
+  n = x.shape[0]
+  k = int(np.ceil(fractions.Fraction(repr(alpha)) * n))
+  q = np.sort(x, axis=0)[k - 1].astype(np.float64)
+  x64 = x.astype(np.float64)
+  above, tied = x64 > q, x64 == q
+  qbar = q + np.where(above, x64 - q, 0).mean(axis=0) / (1 - alpha)
+  s, d = gbn_jax.get_measure("sqd", alpha=alpha)(x, 0)
+  np.testing.assert_array_equal(s, q.astype(np.float32))
+  np.testing.assert_allclose(d, qbar - x64.mean(axis=0), rtol=1e-5, atol=1e-6)
+  w_s, w_d = rng.standard_normal(3), rng.standard_normal(3)
+  f = lambda v: jnp.sum(w_s * gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[0]) + jnp.sum(
+      w_d * gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[1]
+  )
+  g = np.asarray(jax.grad(f)(jnp.asarray(x)), np.float64)
+  dq = tied / tied.sum(axis=0)
+  dqbar = above / (n * (1 - alpha)) + (1 - above.mean(axis=0) / (1 - alpha)) * dq
+  np.testing.assert_allclose(g, w_s * dq + w_d * (dqbar - 1 / n), rtol=1e-4, atol=1e-9)
 
 
 def test_sd_fast_and_two_pass_variance_agree_and_squared_is_variance():

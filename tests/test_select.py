@@ -215,7 +215,7 @@ needs_native = pytest.mark.skipif(not _native.available(), reason="C++ kernel no
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
   # Over 16384 rows the kernel brackets the target from a sample and gathers;
-  # sigmas=0 makes brackets miss often, exercising its radix-select fallback.
+  # sigmas=0 makes brackets miss often, exercising its whole-column fallback.
   # 19 features: two groups of eight take the AVX2 sweep, three the scalar one.
   monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
   # A fresh jit: the setting is read when tracing.
@@ -229,8 +229,8 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
         jnp.asarray(x).reshape(-1, 19), jnp.full((19,), k, jnp.int32)
     )
     assert_bitwise(_select._key_to_output(keys), want)
-    fallbacks += int(np.sum(np.asarray(path) == _native.PATHS.index("radix_fallback")))
-  # The radix select must stay the exception (a bracket misses ~0.3% of the
+    fallbacks += int(np.sum(np.asarray(path) == _native.PATHS.index("missed_bracket")))
+  # The fallback must stay the exception (a bracket misses ~0.3% of the
   # time at 3 sigmas): a wrong count in the sweep would send columns there and
   # still answer right. At 0 sigmas brackets on continuous data must miss, or
   # the fallback would go untested (with atoms they still often hit).
@@ -273,6 +273,71 @@ def test_native_large_batch_mask_per_feature_k_and_vmap():
   xs = data("normal", (2, 20000, 3), seed=12)
   got = jax.vmap(lambda v: _select.kth_smallest(v, 4321, (0,), method="native"))(xs)
   assert_bitwise(got, np.stack([numpy_kth(v, 4321, (0,)) for v in xs]))
+
+
+def numpy_sums(x, q):
+  """Per column of (N, F) ``x`` and answer ``q``: the mean, the mean of
+  ``(x - q)^+`` (NaN if a NaN is present) and ``#{x > q}`` where the kernel
+  promises it (``q`` normal nonzero, no NaN), else -1: from the definitions."""
+  x = np.asarray(x, np.float64)
+  q = np.asarray(q, np.float64)[None]
+  nan = np.isnan(x).any(axis=0)
+  with np.errstate(invalid="ignore"):
+    above = x > q
+    excess = np.where(above, x - q, 0.0).mean(axis=0)
+  excess = np.where(nan, np.nan, excess)
+  normal = np.isfinite(q[0]) & (np.abs(q[0]) >= TINY)
+  count = np.where(normal & ~nan, above.sum(axis=0), -1)
+  return x.mean(axis=0), excess, count
+
+
+@needs_native
+@pytest.mark.parametrize("sigmas", [3.0, 0.0])
+@pytest.mark.parametrize("rows", [3000, 41000])  # whole-column and sampled-bracket paths
+@pytest.mark.parametrize("kind", KINDS + ["offset", "nan"])
+def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
+  # The kernel's second entry point also returns E[x], E[(x - q)^+] and
+  # #{x > q}, summed in the sweep that selects q; sqd takes its statistics
+  # from there. 11 features: the last AVX2 group overlaps the one before.
+  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
+  select = jax.jit(lambda v, k: _select.kth_smallest_with_sums(v, k, (0,)))
+  if kind == "offset":  # cancellation: E[(x - q)^+] is small next to x
+    x = (1000 + data("normal", (rows, 11), seed=rows)).astype(np.float32)
+  elif kind == "nan":  # a NaN in some columns only
+    x = data("normal", (rows, 11), seed=rows)
+    x[np.random.default_rng(rows).integers(0, rows, 3), [1, 8, 10]] = np.nan
+  else:
+    x = data(kind, (rows, 11), seed=rows + len(kind))
+  finite = np.abs(x[np.isfinite(x)])
+  scale = float(finite.mean()) if finite.size else 1.0
+  for frac in (0.0, 0.25, 0.5, 0.9, 1.0):
+    k = max(1, int(np.ceil(frac * rows)))
+    value, ties, mean, excess, above = select(x, k)
+    want = numpy_kth(x, k, (0,))
+    if kind != "nan":
+      assert_bitwise(value, want)
+    want_mean, want_excess, want_above = numpy_sums(x, value)
+    # float32 sums in blocks of rows, float64 across blocks
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_array_equal(above, want_above)
+    normal = np.isfinite(want) & (np.abs(want) >= TINY)
+    if kind != "nan":
+      np.testing.assert_array_equal(ties, np.where(normal, (x == want[None]).sum(axis=0), -1))
+
+
+@needs_native
+def test_native_portable_code():
+  # The kernel runs AVX2 code where the CPU has it, portable code elsewhere;
+  # GBN_KTH_SCALAR=1 forces the portable code, for this machine's native tests.
+  env = dict(os.environ, GBN_KTH_SCALAR="1")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+       "-k", "native and not portable"],
+      env=env, capture_output=True, text=True, timeout=900,
+  )
+  assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("method", ["adaptive", "sort"])
