@@ -29,19 +29,37 @@ BRACKET_SIGMAS = 3.0
 
 
 @functools.lru_cache(maxsize=None)
-def available() -> bool:
-  """Whether the compiled kernel was found and registered with XLA (CPU)."""
+def _library() -> ctypes.CDLL | None:
+  """The compiled kernel, its targets registered with XLA (CPU); None if absent."""
   spec = importlib.util.find_spec(_LIBRARY)
   if spec is None or not spec.origin:
-    return False
+    return None
   try:
     library = ctypes.CDLL(spec.origin)
     handlers = {_TARGET: library.GbnKthSmallestF32, _SUMS_TARGET: library.GbnKthSmallestSumsF32}
+    library.GbnKthCountsAlwaysKnown.restype = ctypes.c_int
   except (OSError, AttributeError):
-    return False
+    return None
   for target, handler in handlers.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-  return True
+  return library
+
+
+def available() -> bool:
+  """Whether the compiled kernel was found and registered with XLA (CPU)."""
+  return _library() is not None
+
+
+def counts_always_known() -> bool:
+  """Whether the kernel's tie and above counts are never -1 on this machine.
+
+  True where it reads the CPU's denormal mode (x86): it then counts as the
+  caller's float comparisons do, zeros and denormals included, and the
+  callers skip their fallback count (a ``lax.cond`` costs tens of
+  microseconds on XLA:CPU, more than a small layer's selection).
+  """
+  library = _library()
+  return library is not None and bool(library.GbnKthCountsAlwaysKnown())
 
 
 #: Values of the kernel's per-column ``path`` output.
@@ -53,11 +71,11 @@ def kth_smallest_keys(rows: Array, k: Array) -> tuple[Array, Array, Array]:
 
   ``k``: ``(F,)`` int32, clamped to ``[1, N]`` by the kernel. Returns three
   ``(F,)`` int32 arrays: the order-preserving keys of :mod:`gbn_jax._select`;
-  how many elements equal the answer when it is a normal nonzero float (-1
-  for zeros, denormals and infinities, whose float equality depends on the
-  backend's denormal flushing or on masked-out ``+inf``); and the index in
-  :data:`PATHS` of the way each column was solved. CPU only; call
-  :func:`available` first.
+  how many elements equal the answer as XLA:CPU's float comparisons see it
+  (denormals read as zero where the CPU's flag says so; -1 for a zero or
+  denormal answer where the kernel cannot read that flag, see
+  :func:`counts_always_known`); and the index in :data:`PATHS` of the way
+  each column was solved. CPU only; call :func:`available` first.
   """
   out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
   none = (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((0,), jnp.int32),)
@@ -70,9 +88,10 @@ def kth_smallest_sums(rows: Array, k: Array) -> tuple[Array, ...]:
 
   Returns ``(keys, ties, path, mean, mean_excess, above)``: the first three as
   in :func:`kth_smallest_keys`; per column, float32, the mean of all ``N``
-  rows and ``E[(x - q)^+]`` (summed in float64; NaN if any element is NaN),
-  ``q`` the selected value; and, int32, how many elements exceed ``q`` where
-  that is exact as a float comparison (as for ``ties``), else -1.
+  rows and ``E[(x - q)^+]`` (float32 within blocks of rows, float64 across;
+  NaN if any element is NaN), ``q`` the selected value; and, int32, how many
+  elements are not ``<= q`` as float comparisons see them (NaN included; -1
+  where ``ties`` is).
   """
   out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
   value = jax.ShapeDtypeStruct(k.shape, jnp.float32)

@@ -746,9 +746,9 @@ def kth_smallest_with_sums(x: Array, k: int, axis: tuple[int, ...]) -> tuple[Arr
 
   For unmasked float32 ``x`` where :func:`native_sums_apply`; ``1 <= k <= n``.
   Returns, each of the non-reduced shape: the value (as :func:`kth_smallest`),
-  the tie count (int32, -1 where unknown, as ``return_ties``), the mean, the
-  mean of ``(x - value)^+`` (NaN if any element is NaN), and how many elements
-  exceed the value (int32, -1 where unknown). Not differentiable.
+  the tie count (int32, as ``return_ties``), the mean, the mean of
+  ``(x - value)^+`` (NaN if any element is NaN), and how many elements are not
+  ``<= value`` (int32, -1 where the tie count is). Not differentiable.
   """
   x = _check_input(lax.stop_gradient(x))
   axes = _check_axes(x.ndim, axis)
@@ -821,8 +821,10 @@ def kth_smallest(
     axis_index_groups: optional groups within ``axis_name``.
     return_ties: also return, per position, how many masked-in elements
       equal the answer, where the native kernel knows it at no cost: a
-      float32 count, or ``-1`` where the answer is not a normal nonzero float
-      (count those yourself); ``None`` from the other methods.
+      float32 count as ``x == answer`` counts it, or ``-1`` for a zero or
+      denormal answer where the kernel cannot read the CPU's denormal mode
+      (``_native.counts_always_known()`` is False; count those yourself);
+      ``None`` from the other methods.
     method: one of :data:`METHODS`; default :data:`DEFAULT_METHOD` or else
       ``"native"`` where it applies, otherwise ``"adaptive"`` for at least
       ``_ADAPTIVE_MIN_ROWS`` reduced rows (over all devices) and ``"bisect"``
@@ -860,8 +862,12 @@ def kth_smallest(
     n = comm.psum(jnp.sum(mask, axis=0, dtype=_I32))
   bad_k = (k < 1) | (k > n)
   if method == "native":
-    # Masked-out elements are +inf and k <= n: the answer is masked in.
+    # Masked-out elements are +inf and k <= n: the answer is masked in. The
+    # kernel counted them among the ties of a +inf answer.
     answer, ties, _ = _native.kth_smallest_keys(_replicate_explicit(rows), k)
+    if mask is not None:
+      masked_inf = (answer == _float_to_key(jnp.float32(jnp.inf))) & (ties >= 0)
+      ties = jnp.where(masked_inf, ties - (n_rows * comm.size() - n), ties)
     value = jnp.where(bad_k, jnp.nan, _key_to_output(answer)).reshape(kept_shape)
     if return_ties:
       return value, ties.astype(_F32).reshape(kept_shape)

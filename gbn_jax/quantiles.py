@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gbn_jax import _select
+from gbn_jax import _native, _select
 
 Array = jax.Array
 Axis = int | Sequence[int] | None
@@ -178,15 +178,20 @@ def _known_or_counted(
 ) -> Array:
   """Per position, how many of ``flags()`` are true: ``known`` where it is (>= 0).
 
-  The native kernel (one device, no axis_name) knows such counts except where
-  it says -1; counting here is a pass over the data, so only then. ``flags``
-  is a function so that the flags are computed inside the branch that counts:
-  a full-size operand of ``lax.cond`` would be materialized on every call.
+  The native kernel (one device, no axis_name) counts as ``flags`` would,
+  except where it says -1 (only on CPUs whose denormal mode it cannot read);
+  counting here is a pass over the data, so only then, behind a ``lax.cond``
+  that is left out where the kernel never says -1 (a cond costs tens of
+  microseconds on XLA:CPU). ``flags`` is a function so that the flags are
+  computed inside the branch that counts: a full-size operand of
+  ``lax.cond`` would be materialized on every call.
   """
   count = lambda: count_true(flags(), axes)
   if known is None:
     return count()
   dtype = jax.eval_shape(count).dtype
+  if _native.counts_always_known():
+    return known.astype(dtype)
   return lax.cond(jnp.all(known >= 0), lambda: known.astype(dtype), count)
 
 

@@ -240,24 +240,58 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
     assert fallbacks >= 19, fallbacks
 
 
+def as_xla_cpu_compares(x):
+  """``x`` as XLA:CPU's float comparisons read it: denormals as zero (DAZ)."""
+  x = np.asarray(x, np.float32)
+  return np.where(np.abs(x) < TINY, np.float32(0), x)
+
+
+def test_xla_cpu_reads_denormals_as_zero_in_comparisons():
+  # The kernel's counts promise XLA's comparison semantics, which it reads
+  # from the CPU's flag; this pins what that is here.
+  x = jnp.asarray(np.float32([1e-45, -3e-39, 0.0, -0.0, TINY, 1.0]))
+  got = jax.jit(lambda v: (v == 0, v <= 0))(x)
+  want = as_xla_cpu_compares(x)
+  np.testing.assert_array_equal(got[0], want == 0)
+  np.testing.assert_array_equal(got[1], want <= 0)
+
+
 @needs_native
 @pytest.mark.parametrize("sigmas", [3.0, 0.0])
 @pytest.mark.parametrize("rows", [3000, 41000])  # whole-column and sampled-bracket paths
-@pytest.mark.parametrize("kind", ["halves", "relu", "inf", "denormal", "tiny_set"])
+@pytest.mark.parametrize("kind", ["halves", "relu", "inf", "denormal", "signed_zero", "tiny_set"])
 def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
-  # The kernel reports how many elements equal the answer where that is a
-  # normal nonzero float, -1 elsewhere; quantile gradients divide by it.
+  # The kernel reports how many elements equal the answer as XLA:CPU's float
+  # comparison counts them (zeros and denormals all equal); quantile
+  # gradients divide by it. -1 only where it cannot read the denormal mode.
   monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
   select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0,), method="native", return_ties=True))
-  x = data(kind, (rows, 11), seed=rows + len(kind))  # AVX2 (8) and scalar (3) columns
+  x = data(kind, (rows, 11), seed=rows + len(kind))  # two AVX2 groups, overlapping
   for frac in (0.0, 0.3, 0.5, 0.9, 1.0):
     k = max(1, int(np.ceil(frac * rows)))
     value, ties = select(x, jnp.full((11,), k, jnp.int32))
     want = numpy_kth(x, k, (0,))
     assert_bitwise(value, want)
-    normal = np.isfinite(want) & (np.abs(want) >= TINY)
-    want_ties = np.where(normal, (x == want[None]).sum(axis=0), -1)
+    want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
+    if not _native.counts_always_known():
+      want_ties = np.where(np.abs(want) < TINY, -1, want_ties)
     np.testing.assert_array_equal(np.asarray(ties), want_ties)
+
+
+@needs_native
+def test_native_tie_count_of_inf_excludes_masked_out_elements():
+  # Masked-out elements reach the kernel as +inf: a +inf answer must not
+  # count them among its ties.
+  rng = np.random.default_rng(5)
+  x = data("normal", (30000, 9), seed=5)
+  x[rng.random(x.shape) < 0.05] = np.inf
+  where = rng.random(x.shape) < 0.7
+  n = where.sum(axis=0)
+  value, ties = jax.jit(
+      lambda v, k, w: _select.kth_smallest(v, k, (0,), where=w, return_ties=True)
+  )(x, jnp.asarray(n, jnp.int32), where)
+  assert np.all(np.isinf(value))
+  np.testing.assert_array_equal(ties, (np.isinf(x) & where).sum(axis=0))
 
 
 @needs_native
@@ -277,17 +311,18 @@ def test_native_large_batch_mask_per_feature_k_and_vmap():
 
 def numpy_sums(x, q):
   """Per column of (N, F) ``x`` and answer ``q``: the mean, the mean of
-  ``(x - q)^+`` (NaN if a NaN is present) and ``#{x > q}`` where the kernel
-  promises it (``q`` normal nonzero, no NaN), else -1: from the definitions."""
+  ``(x - q)^+`` (NaN if a NaN is present) and ``#{not x <= q}`` as XLA:CPU
+  compares (denormals as zero; NaN counts): from the definitions."""
+  above = ~(as_xla_cpu_compares(x) <= as_xla_cpu_compares(q)[None])
   x = np.asarray(x, np.float64)
   q = np.asarray(q, np.float64)[None]
   nan = np.isnan(x).any(axis=0)
   with np.errstate(invalid="ignore"):
-    above = x > q
-    excess = np.where(above, x - q, 0.0).mean(axis=0)
+    excess = np.where(x > q, x - q, 0.0).mean(axis=0)
   excess = np.where(nan, np.nan, excess)
-  normal = np.isfinite(q[0]) & (np.abs(q[0]) >= TINY)
-  count = np.where(normal & ~nan, above.sum(axis=0), -1)
+  count = above.sum(axis=0)
+  if not _native.counts_always_known():
+    count = np.where(np.abs(q[0]) < TINY, -1, count)
   return x.mean(axis=0), excess, count
 
 
@@ -303,9 +338,11 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
   select = jax.jit(lambda v, k: _select.kth_smallest_with_sums(v, k, (0,)))
   if kind == "offset":  # cancellation: E[(x - q)^+] is small next to x
     x = (1000 + data("normal", (rows, 11), seed=rows)).astype(np.float32)
-  elif kind == "nan":  # a NaN in some columns only
+  elif kind == "nan":  # NaNs of both signs (keys at both ends) in some columns
     x = data("normal", (rows, 11), seed=rows)
     x[np.random.default_rng(rows).integers(0, rows, 3), [1, 8, 10]] = np.nan
+    x[np.random.default_rng(rows + 1).integers(0, rows, 3), [1, 2, 10]] = np.copysign(np.nan, -1)
+    assert (np.isnan(x[:, 2]) & np.signbit(x[:, 2])).any()
   else:
     x = data(kind, (rows, 11), seed=rows + len(kind))
   finite = np.abs(x[np.isfinite(x)])
@@ -321,9 +358,9 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
     np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6 * scale)
     np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-6 * scale)
     np.testing.assert_array_equal(above, want_above)
-    normal = np.isfinite(want) & (np.abs(want) >= TINY)
-    if kind != "nan":
-      np.testing.assert_array_equal(ties, np.where(normal, (x == want[None]).sum(axis=0), -1))
+    if kind != "nan" and _native.counts_always_known():
+      want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
+      np.testing.assert_array_equal(ties, want_ties)
 
 
 @needs_native

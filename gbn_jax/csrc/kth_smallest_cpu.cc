@@ -19,9 +19,13 @@
 // Inputs: x (N, F) float32, k (F,) int32 (1-based, clamped to [1, N]).
 // Outputs: (F,) int32, the signed key (unsigned key ^ 0x80000000) of the
 // answer, which is what gbn_jax._select works with; (F,) int32, how many
-// elements equal the answer when it is a normal nonzero float (where float
-// equality is bit equality, whatever a compiler does with denormals), else -1;
+// elements equal the answer as float comparisons in the caller's code see it
+// (denormals read as zero where the CPU's DAZ flag is set, as XLA:CPU sets
+// it; -1 for a zero or denormal answer where this code cannot read the flag);
 // (F,) int32, the path each column took (a Path), for tests and diagnostics.
+// The sums entry point adds, per column, E[x], E[(x - answer)^+] and
+// #{not x <= answer} (as the ties). Sums are float32 within blocks of rows
+// and float64 across.
 
 #include <algorithm>
 #include <atomic>
@@ -66,19 +70,65 @@ inline uint32_t Key(float v) {
   return (u & kSign) ? ~u : (u | kSign);
 }
 
-// Whether the float behind a key is normal and nonzero (not 0, denormal,
-// inf or NaN): its exponent bits are neither all zeros nor all ones.
-inline bool NormalNonzero(uint32_t key) {
+inline float FloatOf(uint32_t key) {
   const uint32_t bits = (key & kSign) ? (key ^ kSign) : ~key;
-  const uint32_t exponent = (bits >> 23) & 0xFFu;
-  return exponent != 0 && exponent != 0xFFu;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
 }
 
-template <class It>
-int32_t TiesOf(uint32_t answer, It begin, It end) {
-  if (!NormalNonzero(answer)) return -1;
-  return int32_t(std::count(begin, end, answer));
+// Keys of -inf and +inf: smaller keys are negative NaNs, larger positive ones.
+constexpr uint32_t kNegInfKey = 0x007FFFFFu;
+// Keys of the largest denormal of each sign: all zeros and denormals lie
+// between them.
+constexpr uint32_t kNegTinyKey = 0x7F800000u, kPosTinyKey = 0x807FFFFFu;
+
+// How float comparisons treat denormal inputs on the thread that runs the
+// handler: as zero (XLA:CPU sets the DAZ flag while it runs), as themselves,
+// or unknown (architectures whose flag this code does not read).
+enum class Denormals { kZero, kExact, kUnknown };
+
+Denormals DenormalMode() {
+#ifdef GBN_X86
+  return (_mm_getcsr() & 0x40) ? Denormals::kZero : Denormals::kExact;
+#else
+  return Denormals::kUnknown;
+#endif
 }
+
+// The keys that a float comparison finds equal to the answer's value, a key
+// range [lo, hi]: empty (lo > hi) for NaN; every zero and denormal when
+// denormals are read as zero; -0.0 and +0.0 otherwise for a zero. `known` is
+// false for a zero or denormal under an unknown mode.
+struct EqualKeys {
+  EqualKeys(uint32_t answer, Denormals mode) : lo(answer), hi(answer), known(true) {
+    const float v = FloatOf(answer);
+    if (v != v) {
+      lo = 1;
+      hi = 0;
+    } else if (answer >= kNegTinyKey && answer <= kPosTinyKey) {
+      if (mode == Denormals::kZero) {
+        lo = kNegTinyKey;
+        hi = kPosTinyKey;
+      } else if (mode == Denormals::kExact && v == 0.0f) {
+        lo = Key(-0.0f);
+        hi = Key(0.0f);
+      } else {
+        known = mode == Denormals::kExact;
+      }
+    }
+  }
+  bool empty() const { return lo > hi; }
+  bool within(uint32_t a, uint32_t b) const { return empty() || (a <= lo && hi <= b); }
+  uint32_t lo, hi;
+  bool known;
+};
+
+// Per column, #{x == q} and #{x <= q} as the float comparisons of the
+// caller's JAX code count them (NaN is neither).
+struct Counts {
+  int64_t equal = 0, not_above = 0;
+};
 
 // Runs fn(i) for i in [0, n_items) on the caller and the pool's threads.
 // Items are claimed from a shared counter and the caller waits only for items
@@ -209,6 +259,50 @@ int64_t Pack(const uint32_t* keys, int64_t n, uint32_t lo, uint32_t hi, uint32_t
   if (HasAvx2()) return PackAvx2(keys, n, lo, hi, out);
 #endif
   return PackScalar(keys, n, lo, hi, out);
+}
+
+// How many keys lie in [lo, hi] (none if lo > hi).
+int64_t CountInScalar(const uint32_t* keys, int64_t n, uint32_t lo, uint32_t hi) {
+  if (lo > hi) return 0;
+  const uint32_t span = hi - lo;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) count += keys[i] - lo <= span;
+  return count;
+}
+
+#ifdef GBN_X86
+__attribute__((target("avx2"))) int64_t CountInAvx2(const uint32_t* keys, int64_t n, uint32_t lo,
+                                                    uint32_t hi) {
+  if (lo > hi) return 0;
+  const __m256i lo_v = _mm256_set1_epi32(int32_t(lo));
+  const __m256i span_v = _mm256_set1_epi32(int32_t(hi - lo));
+  __m256i outside = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i key = _mm256_loadu_si256((const __m256i*)(keys + i));
+    outside = _mm256_sub_epi32(outside, GreaterU32(_mm256_sub_epi32(key, lo_v), span_v));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256((__m256i*)lanes, outside);
+  int64_t count = i;
+  for (uint32_t lane : lanes) count -= lane;
+  return count + CountInScalar(keys + i, n - i, lo, hi);
+}
+#endif
+
+int64_t CountIn(const uint32_t* keys, int64_t n, uint32_t lo, uint32_t hi) {
+#ifdef GBN_X86
+  if (HasAvx2()) return CountInAvx2(keys, n, lo, hi);
+#endif
+  return CountInScalar(keys, n, lo, hi);
+}
+
+// The keys equal to the answer among keys that hold all of them (not_above
+// left at 0: only the sums entry point needs it, from Summarize).
+Counts EqualCount(const uint32_t* keys, int64_t n, const EqualKeys& e) {
+  Counts c;
+  c.equal = CountIn(keys, n, e.lo, e.hi);  // none for a NaN answer (lo > hi)
+  return c;
 }
 
 // Below this many keys, nth_element finishes a selection.
@@ -365,13 +459,6 @@ void Columns(const float* data, int64_t N, int64_t F, int64_t c, int64_t width, 
 // ----------------------------------------------------------------------------
 // Sums for the superquantile, taken in the same passes as the selection.
 
-inline float FloatOf(uint32_t key) {
-  const uint32_t bits = (key & kSign) ? (key ^ kSign) : ~key;
-  float v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
 // A finite reference point near a bracket's low key, for sums of x - lo that
 // do not cancel: lo's float, or 0 where that is infinite or NaN.
 inline double Offset(uint32_t lo_key) {
@@ -379,27 +466,35 @@ inline double Offset(uint32_t lo_key) {
   return std::isfinite(v) ? double(v) : 0.0;
 }
 
-// Over some keys: the sum of their floats, how many are NaN, how many equal
-// a key q, and over those above q the sum of (x - q) and their count.
-// Doubles: x - q must not cancel.
-struct Tail {
+// Over keys that hold every key of a column equal to or above the answer
+// (the whole column, or the keys of a bracket that holds the answer's equal
+// keys): the sum of their floats, how many are NaN, the sum of (x - q) over
+// those above the answer, and the answer's counts among them. Float sums
+// within blocks of kSumBlock keys, double across.
+constexpr int64_t kSumBlock = 2048;
+
+struct Summary {
   double total = 0, excess = 0;
-  int64_t above = 0, nan = 0, equal = 0;
+  int64_t nan = 0;
+  Counts counts;
 };
 
-Tail TailScalar(const uint32_t* keys, int64_t n, uint32_t answer) {
+Summary SummarizeScalar(const uint32_t* keys, int64_t n, uint32_t answer, const EqualKeys& e) {
   const double q = FloatOf(answer);
-  Tail t;
+  const uint32_t span = e.hi - e.lo, not_above_span = e.hi - kNegInfKey;
+  Summary s;
   for (int64_t i = 0; i < n; ++i) {
-    const double v = FloatOf(keys[i]);
-    const bool up = keys[i] > answer;
-    t.total += v;
-    t.excess += up ? v - q : 0.0;
-    t.above += up;
-    t.nan += v != v;
-    t.equal += keys[i] == answer;
+    const uint32_t key = keys[i];
+    const double v = FloatOf(key);
+    s.total += v;
+    s.excess += key > answer ? v - q : 0.0;
+    s.nan += v != v;
+    if (!e.empty()) {
+      s.counts.equal += key - e.lo <= span;
+      s.counts.not_above += key - kNegInfKey <= not_above_span;
+    }
   }
-  return t;
+  return s;
 }
 
 #ifdef GBN_X86
@@ -410,30 +505,12 @@ __attribute__((target("avx2"))) inline __m256 FloatsOf(__m256i key) {
   return _mm256_castsi256_ps(_mm256_xor_si256(key, flip));
 }
 
-// Adds eight floats less an offset, in doubles, to two accumulators of four
-// (lanes 0-3 and 4-7); where a lane of `mask` is 0 nothing is added.
-__attribute__((target("avx2"))) inline void AddMasked(__m256 v, __m256i mask, __m256d offset,
-                                                      __m256d* low, __m256d* high) {
-  const __m256d v_low = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), offset);
-  const __m256d v_high = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), offset);
-  const __m256d m_low = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(mask)));
-  const __m256d m_high = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(mask, 1)));
-  *low = _mm256_add_pd(*low, _mm256_and_pd(m_low, v_low));
-  *high = _mm256_add_pd(*high, _mm256_and_pd(m_high, v_high));
-}
-
 // sums[0, 8) += v, in doubles.
 __attribute__((target("avx2"))) inline void AddToDoubles(__m256 v, double* sums) {
   const __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
   const __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
   _mm256_storeu_pd(sums, _mm256_add_pd(_mm256_loadu_pd(sums), low));
   _mm256_storeu_pd(sums + 4, _mm256_add_pd(_mm256_loadu_pd(sums + 4), high));
-}
-
-__attribute__((target("avx2"))) inline double SumOf(__m256d a, __m256d b) {
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(a, b));
-  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
 __attribute__((target("avx2"))) inline int64_t SumOf(__m256i counts) {
@@ -444,38 +521,54 @@ __attribute__((target("avx2"))) inline int64_t SumOf(__m256i counts) {
   return total;
 }
 
-__attribute__((target("avx2"))) Tail TailAvx2(const uint32_t* keys, int64_t n, uint32_t answer) {
-  const __m256i all = _mm256_set1_epi32(-1), answer_v = _mm256_set1_epi32(int32_t(answer));
-  const __m256d zero = _mm256_setzero_pd(), q = _mm256_set1_pd(FloatOf(answer));
-  __m256d total_low = zero, total_high = zero, excess_low = zero, excess_high = zero;
-  __m256i above = _mm256_setzero_si256(), nan = _mm256_setzero_si256();
-  __m256i equal = _mm256_setzero_si256();
+__attribute__((target("avx2"))) Summary SummarizeAvx2(const uint32_t* keys, int64_t n,
+                                                      uint32_t answer, const EqualKeys& e) {
+  const __m256i answer_v = _mm256_set1_epi32(int32_t(answer)), one = _mm256_set1_epi32(1);
+  const __m256i equal_lo = _mm256_set1_epi32(int32_t(e.lo));
+  const __m256i equal_span = _mm256_set1_epi32(int32_t(e.hi - e.lo));
+  const __m256i neg_inf = _mm256_set1_epi32(int32_t(kNegInfKey));
+  const __m256i not_above_span = _mm256_set1_epi32(int32_t(e.hi - kNegInfKey));
+  const __m256 q = _mm256_set1_ps(FloatOf(answer));
+  alignas(32) double totals[8] = {0}, excesses[8] = {0};
+  __m256i nan = _mm256_setzero_si256(), equal = nan, not_above = nan;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i key = _mm256_loadu_si256((const __m256i*)(keys + i));
-    const __m256 v = FloatsOf(key);
-    const __m256i up = GreaterU32(key, answer_v);
-    AddMasked(v, all, zero, &total_low, &total_high);
-    AddMasked(v, up, q, &excess_low, &excess_high);
-    above = _mm256_sub_epi32(above, up);
-    nan = _mm256_sub_epi32(nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    equal = _mm256_sub_epi32(equal, _mm256_cmpeq_epi32(key, answer_v));
+  while (i + 8 <= n) {
+    const int64_t block_end = std::min(n - n % 8, i + kSumBlock);
+    __m256 total = _mm256_setzero_ps(), excess = total;
+    for (; i < block_end; i += 8) {
+      const __m256i key = _mm256_loadu_si256((const __m256i*)(keys + i));
+      const __m256 v = FloatsOf(key);
+      total = _mm256_add_ps(total, v);
+      const __m256 up = _mm256_castsi256_ps(GreaterU32(key, answer_v));
+      excess = _mm256_add_ps(excess, _mm256_and_ps(up, _mm256_sub_ps(v, q)));
+      nan = _mm256_sub_epi32(nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+      const __m256i off_equal = GreaterU32(_mm256_sub_epi32(key, equal_lo), equal_span);
+      equal = _mm256_add_epi32(equal, _mm256_andnot_si256(off_equal, one));
+      const __m256i off_not_above = GreaterU32(_mm256_sub_epi32(key, neg_inf), not_above_span);
+      not_above = _mm256_add_epi32(not_above, _mm256_andnot_si256(off_not_above, one));
+    }
+    AddToDoubles(total, totals);
+    AddToDoubles(excess, excesses);
   }
-  Tail t = TailScalar(keys + i, n - i, answer);
-  t.total += SumOf(total_low, total_high);
-  t.excess += SumOf(excess_low, excess_high);
-  t.above += SumOf(above);
-  t.nan += SumOf(nan);
-  t.equal += SumOf(equal);
-  return t;
+  Summary s = SummarizeScalar(keys + i, n - i, answer, e);
+  for (int lane = 0; lane < 8; ++lane) {
+    s.total += totals[lane];
+    s.excess += excesses[lane];
+  }
+  s.nan += SumOf(nan);
+  if (!e.empty()) {
+    s.counts.equal += SumOf(equal);
+    s.counts.not_above += SumOf(not_above);
+  }
+  return s;
 }
 #endif
 
-Tail TailOf(const uint32_t* keys, int64_t n, uint32_t answer) {
+Summary Summarize(const uint32_t* keys, int64_t n, uint32_t answer, const EqualKeys& e) {
 #ifdef GBN_X86
-  if (HasAvx2()) return TailAvx2(keys, n, answer);
+  if (HasAvx2()) return SummarizeAvx2(keys, n, answer, e);
 #endif
-  return TailScalar(keys, n, answer);
+  return SummarizeScalar(keys, n, answer, e);
 }
 
 // ----------------------------------------------------------------------------
@@ -500,9 +593,10 @@ struct Sweep {
   std::vector<std::vector<uint8_t>> group_lanes;
   std::vector<int64_t> group_size;
   // With sums, per column: sum of all floats; sum of (x - Offset(lo)) and
-  // count of the keys beyond the bracket; count of NaNs.
+  // count of the keys beyond the bracket; count of NaNs, and of those with
+  // the sign bit (their keys lie below every number's).
   std::vector<double> total, beyond_excess;
-  std::vector<int64_t> beyond, nan;
+  std::vector<int64_t> beyond, nan, neg_nan;
 };
 
 template <bool kSums>
@@ -525,6 +619,7 @@ void SweepScalar(const float* data, int64_t r0, int64_t r1, int64_t F,
       if (kSums) {
         out.total[f] += row[f];
         out.nan[f] += row[f] != row[f];
+        out.neg_nan[f] += key < kNegInfKey;
       }
     }
   }
@@ -543,7 +638,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
   const int64_t groups = items.count();
   const int64_t block = std::max<int64_t>(8, 16384 / F);
   std::vector<uint32_t> n_below(8 * groups, 0), n_inside(8 * groups, 0);
-  std::vector<uint32_t> n_beyond(8 * groups, 0), n_nan(8 * groups, 0);
+  std::vector<uint32_t> n_beyond(8 * groups, 0), n_nan(8 * groups, 0), n_neg_nan(8 * groups, 0);
   std::vector<double> totals(8 * groups, 0.0), excesses(8 * groups, 0.0);
   std::vector<float> offsets(8 * groups);
   for (int64_t g = 0; g < groups; ++g)
@@ -552,7 +647,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
   out.group_keys.resize(groups);
   out.group_lanes.resize(groups);
   out.group_size.assign(groups, 0);
-  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i one = _mm256_set1_epi32(1), neg_inf = _mm256_set1_epi32(int32_t(kNegInfKey));
   for (int64_t b0 = r0; b0 < r1; b0 += block) {
     const int64_t b1 = std::min(r1, b0 + block);
     for (int64_t g = 0; g < groups; ++g) {
@@ -564,6 +659,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
       __m256i inside_acc = _mm256_loadu_si256((const __m256i*)(n_inside.data() + slot));
       __m256i beyond_acc = _mm256_loadu_si256((const __m256i*)(n_beyond.data() + slot));
       __m256i nan_acc = _mm256_loadu_si256((const __m256i*)(n_nan.data() + slot));
+      __m256i neg_nan_acc = _mm256_loadu_si256((const __m256i*)(n_neg_nan.data() + slot));
       // Sums within a block in floats (a block is at most 2048 rows), added
       // to doubles after it: converting every element would cost more.
       __m256 total = _mm256_setzero_ps(), excess = _mm256_setzero_ps();
@@ -599,6 +695,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
           const __m256i beyond = _mm256_andnot_si256(below, outside);
           beyond_acc = _mm256_sub_epi32(beyond_acc, beyond);
           nan_acc = _mm256_sub_epi32(nan_acc, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+          neg_nan_acc = _mm256_sub_epi32(neg_nan_acc, GreaterU32(neg_inf, key));
           total = _mm256_add_ps(total, v);
           excess = _mm256_add_ps(excess, _mm256_and_ps(_mm256_castsi256_ps(beyond), _mm256_sub_ps(v, offset)));
         }
@@ -609,6 +706,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
       if (kSums) {
         _mm256_storeu_si256((__m256i*)(n_beyond.data() + slot), beyond_acc);
         _mm256_storeu_si256((__m256i*)(n_nan.data() + slot), nan_acc);
+        _mm256_storeu_si256((__m256i*)(n_neg_nan.data() + slot), neg_nan_acc);
         AddToDoubles(total, totals.data() + slot);
         AddToDoubles(excess, excesses.data() + slot);
       }
@@ -622,6 +720,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
       if (kSums) {
         out.beyond[f] += n_beyond[slot];
         out.nan[f] += n_nan[slot];
+        out.neg_nan[f] += n_neg_nan[slot];
         out.total[f] += totals[slot];
         out.beyond_excess[f] += excesses[slot];
       }
@@ -631,19 +730,38 @@ __attribute__((target("avx2"))) void SweepAvx2(
 
 // Where SelectKeys writes, per column. The sums are optional (null).
 struct Outputs {
-  int32_t* key;          // signed key of the answer
-  int32_t* ties;         // #{x == answer} where that is float equality, else -1
-  int32_t* path;         // a Path
+  int32_t* key;                  // signed key of the answer
+  int32_t* ties;                 // #{x == answer} as the caller's floats compare, or -1
+  int32_t* path;                 // a Path
   float* mean = nullptr;         // E[x]
   float* mean_excess = nullptr;  // E[(x - answer)^+], NaN if any x is NaN
-  int32_t* above = nullptr;      // #{x > answer} where exact as floats (as ties), else -1
+  int32_t* above = nullptr;      // #{not x <= answer} as the caller's floats compare, or -1
 };
 
-void WriteSums(const Outputs& o, int64_t f, int64_t N, uint32_t answer, double total,
-               double excess, int64_t above, int64_t nan) {
+// The counts of the answer's column (-1: the denormal mode is unknown and the
+// answer is a zero or denormal), and with sums the mean and excess.
+void WriteCounts(const Outputs& o, int64_t f, int64_t N, const EqualKeys& e, const Counts& c) {
+  o.ties[f] = e.known ? int32_t(c.equal) : -1;
+  if (o.above) o.above[f] = e.known ? int32_t(N - c.not_above) : -1;
+}
+
+void WriteSums(const Outputs& o, int64_t f, int64_t N, double total, double excess, int64_t nan) {
   o.mean[f] = float(total / double(N));
   o.mean_excess[f] = nan > 0 ? std::numeric_limits<float>::quiet_NaN() : float(excess / double(N));
-  o.above[f] = (nan == 0 && NormalNonzero(answer)) ? int32_t(above) : -1;
+}
+
+// Counts over column f of the input itself: for answers whose equal keys
+// reach outside the bracket (zeros and denormals read as zero).
+Counts CountsStrided(const float* data, int64_t N, int64_t F, int64_t f, const EqualKeys& e) {
+  Counts c;
+  if (e.empty()) return c;
+  const uint32_t span = e.hi - e.lo, not_above_span = e.hi - kNegInfKey;
+  for (int64_t r = 0; r < N; ++r) {
+    const uint32_t key = Key(data[r * F + f]);
+    c.equal += key - e.lo <= span;
+    c.not_above += key - kNegInfKey <= not_above_span;
+  }
+  return c;
 }
 
 // The selection proper, for any pool with num_threads() and Schedule(task).
@@ -654,15 +772,16 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
   const bool sums = o.mean != nullptr;
   if (N == 0) {  // no answer exists; the caller turns k > n into NaN
     std::fill(o.key, o.key + F, 0);
-    std::fill(o.ties, o.ties + F, -1);
+    std::fill(o.ties, o.ties + F, 0);
     std::fill(o.path, o.path + F, kWholeColumn);
     if (sums) {
       std::fill(o.mean, o.mean + F, std::numeric_limits<float>::quiet_NaN());
       std::fill(o.mean_excess, o.mean_excess + F, std::numeric_limits<float>::quiet_NaN());
-      std::fill(o.above, o.above + F, -1);
+      std::fill(o.above, o.above + F, 0);
     }
     return;
   }
+  const Denormals mode = DenormalMode();
   std::vector<int64_t> k(F);
   for (int64_t f = 0; f < F; ++f) k[f] = std::clamp<int64_t>(k_in[f], 1, N);
   const ColumnItems items(F, HasAvx2());
@@ -676,20 +795,20 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
       for (int64_t j = items.skip(item); j < width; ++j) {
         const uint32_t* column = columns.data() + j * stride;
         const uint32_t answer = SelectKth(column, N, k[c + j], scratch.data(), scratch.data() + N);
+        const EqualKeys equal(answer, mode);
         o.key[c + j] = int32_t(answer ^ kSign);
         o.path[c + j] = kWholeColumn;
         if (sums) {
-          const Tail t = TailOf(column, N, answer);
-          o.ties[c + j] = NormalNonzero(answer) ? int32_t(t.equal) : -1;
-          WriteSums(o, c + j, N, answer, t.total, t.excess, t.above, t.nan);
+          const Summary summary = Summarize(column, N, answer, equal);
+          WriteCounts(o, c + j, N, equal, summary.counts);
+          WriteSums(o, c + j, N, summary.total, summary.excess, summary.nan);
         } else {
-          o.ties[c + j] = TiesOf(answer, column, column + N);
+          WriteCounts(o, c + j, N, equal, EqualCount(column, N, equal));
         }
       }
     });
     return;
   }
-
   // Bracket [lo, lo + width) per column from a sample of M rows (jittered
   // strides), +-bracket_sigmas binomial standard deviations around the target.
   const int64_t M = std::clamp(N / kSampleFraction, kMinSample, kMaxSample);
@@ -744,6 +863,7 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
       s.beyond_excess.assign(F, 0.0);
       s.beyond.assign(F, 0);
       s.nan.assign(F, 0);
+      s.neg_nan.assign(F, 0);
     }
 #ifdef GBN_X86
     if (items.grouped) {
@@ -786,56 +906,75 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
     std::vector<uint32_t> scratch;
     for (int64_t j = items.skip(item); j < n_columns; ++j) {
       const int64_t f = c + j, rank = k[f] - below[j];
+      const bool hit = rank >= 1 && rank <= inside[j];
       uint32_t answer;
-      // Beyond the bracket, in case it held the answer: sum of (x - lo), count.
-      double beyond_excess = 0;
-      int64_t beyond = 0;
-      if (sums)
-        for (const Sweep& s : sweeps) {
-          beyond_excess += s.beyond_excess[f];
-          beyond += s.beyond[f];
-        }
-      Tail tail;  // of the keys inside the bracket, or of the whole column
-      if (rank >= 1 && rank <= inside[j] && !gather[f]) {
-        answer = lo[f];  // every key in the bracket is this one
-        o.ties[f] = NormalNonzero(answer) ? int32_t(inside[j]) : -1;
-        o.path[f] = kSingleKey;
-      } else if (rank >= 1 && rank <= inside[j]) {
-        // Every copy of the answer lies inside the bracket, so among these keys.
-        const std::vector<uint32_t>& column = keys[j];
-        scratch.resize(2 * column.size());
-        answer = SelectKth(column.data(), int64_t(column.size()), rank, scratch.data(),
-                           scratch.data() + column.size());
-        o.ties[f] = TiesOf(answer, column.begin(), column.end());
-        o.path[f] = kGathered;
-        if (sums) tail = TailOf(column.data(), int64_t(column.size()), answer);
-      } else {  // the bracket missed: select over the whole column
+      if (!hit) {  // the bracket missed: select over the whole column
         std::vector<uint32_t> column(N);
         Columns(data, N, F, f, 1, N, column.data());
         scratch.resize(2 * N);
         answer = SelectKth(column.data(), N, k[f], scratch.data(), scratch.data() + N);
-        o.ties[f] = TiesOf(answer, column.begin(), column.end());
+        const EqualKeys equal(answer, mode);
+        o.key[f] = int32_t(answer ^ kSign);
         o.path[f] = kMissedBracket;
         if (sums) {
-          const Tail t = TailOf(column.data(), N, answer);
-          WriteSums(o, f, N, answer, t.total, t.excess, t.above, t.nan);
+          const Summary summary = Summarize(column.data(), N, answer, equal);
+          WriteCounts(o, f, N, equal, summary.counts);
+          WriteSums(o, f, N, summary.total, summary.excess, summary.nan);
+        } else {
+          WriteCounts(o, f, N, equal, EqualCount(column.data(), N, equal));
         }
+        continue;
       }
+      // Every copy of the answer lies inside the bracket: a single key where
+      // the bracket holds just one, else among the gathered keys.
+      const std::vector<uint32_t>& column = keys[j];
+      if (gather[f]) {
+        scratch.resize(2 * column.size());
+        answer = SelectKth(column.data(), int64_t(column.size()), rank, scratch.data(),
+                           scratch.data() + column.size());
+      } else {
+        answer = lo[f];
+      }
+      const EqualKeys equal(answer, mode);
       o.key[f] = int32_t(answer ^ kSign);
-      if (sums && o.path[f] != kMissedBracket) {
-        double total = 0;
-        int64_t nan = 0;
+      o.path[f] = gather[f] ? kGathered : kSingleKey;
+      int64_t beyond = 0, nan = 0, neg_nan = 0;
+      double total = 0, beyond_excess = 0;
+      if (sums)
         for (const Sweep& s : sweeps) {
           total += s.total[f];
+          beyond_excess += s.beyond_excess[f];
+          beyond += s.beyond[f];
           nan += s.nan[f];
+          neg_nan += s.neg_nan[f];
         }
+      // Keys below the bracket are below every equal key and keys beyond it
+      // above, unless the equal keys reach outside it (zeros and denormals
+      // read as zero): then count over the column.
+      const bool equal_inside = equal.within(lo[f], lo[f] + (width[f] - 1));
+      Summary gathered;  // over the keys inside the bracket
+      if (gather[f] && sums) {
+        gathered = Summarize(column.data(), int64_t(column.size()), answer, equal);
+      } else if (gather[f] && equal_inside) {
+        gathered.counts = EqualCount(column.data(), int64_t(column.size()), equal);
+      } else if (!gather[f] && !equal.empty()) {
+        gathered.counts = Counts{inside[j], inside[j]};  // every one is the answer
+      }
+      Counts counts;
+      if (!equal_inside) {
+        counts = CountsStrided(data, N, F, f, equal);
+      } else if (!equal.empty()) {
+        counts = gathered.counts;
+        counts.not_above += below[j] - neg_nan;
+      }
+      WriteCounts(o, f, N, equal, counts);
+      if (sums) {
         // Keys beyond the bracket are above the answer: their sum of (x - q)
         // is their sum of (x - offset) less (q - offset) each (none: no term,
         // since an infinite q times zero would be NaN).
-        const double shift = double(FloatOf(answer)) - Offset(lo[f]);
-        double excess = tail.excess;
-        if (beyond > 0) excess += beyond_excess - shift * double(beyond);
-        WriteSums(o, f, N, answer, total, excess, beyond + tail.above, nan);
+        double excess = gathered.excess;
+        if (beyond > 0) excess += beyond_excess - (double(FloatOf(answer)) - Offset(lo[f])) * double(beyond);
+        WriteSums(o, f, N, total, excess, nan);
       }
     }
   });
@@ -887,3 +1026,13 @@ ffi::Error KthSmallest(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnKthSmallestF32, KthSmallest<false>, GBN_BIND_KTH_SMALLEST);
 // Outputs: key, ties, path, mean, mean_excess, above (all (F,)).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnKthSmallestSumsF32, KthSmallest<true>, GBN_BIND_KTH_SMALLEST);
+
+// 1 where the tie and above counts are never -1 (this code reads the CPU's
+// denormal mode), so that gbn_jax._native can drop JAX's fallback counting.
+extern "C" int GbnKthCountsAlwaysKnown() {
+#ifdef GBN_X86
+  return 1;
+#else
+  return 0;
+#endif
+}
