@@ -41,9 +41,12 @@ two and the fold is one reduction instead of a loop over blocks; batches under
 ``_ADAPTIVE_MIN_ROWS`` rows are sorted (along the minor axis).
 
 ``"native"`` is the C++ kernel of ``gbn_jax/csrc`` (``gbn_jax._native``),
-the default on a CPU when it was built: one sweep that counts below a sampled
-bracket and gathers the few keys inside it. It does not pool devices, so with
-``axis_name`` the pure-JAX methods run.
+the default on a CPU when it was built: for more than 16384 rows one sweep
+that counts below a sampled bracket and packs the few keys inside it, for
+fewer a radix select per transposed column. It does not pool devices, so with
+``axis_name`` the pure-JAX methods run. Its second entry point
+(:func:`kth_smallest_with_sums`) also returns a superquantile's sums from the
+same sweep, which is how ``sqd`` gets its statistics on a CPU.
 """
 
 from __future__ import annotations
