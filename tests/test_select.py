@@ -317,13 +317,14 @@ def numpy_sums(x, q):
   x = np.asarray(x, np.float64)
   q = np.asarray(q, np.float64)[None]
   nan = np.isnan(x).any(axis=0)
-  with np.errstate(invalid="ignore"):
+  with np.errstate(invalid="ignore"):  # inf - inf: NaN, as wanted
     excess = np.where(x > q, x - q, 0.0).mean(axis=0)
+    mean = x.mean(axis=0)
   excess = np.where(nan, np.nan, excess)
   count = above.sum(axis=0)
   if not _native.counts_always_known():
     count = np.where(np.abs(q[0]) < TINY, -1, count)
-  return x.mean(axis=0), excess, count
+  return mean, excess, count
 
 
 @needs_native
