@@ -210,3 +210,39 @@ def test_composes_with_jit_vmap_grad():
   mask = x[0] > 0.1
   gm = jax.jit(jax.grad(lambda v: gbn_jax.quantile(v, 0.5, 0, where=mask).sum()))(x[0])
   assert np.isfinite(np.asarray(gm)).all() and np.allclose(np.asarray(gm).sum(0), 1)
+
+
+@pytest.mark.parametrize("known", [[4, 0, 7], [4, -1, 7]])
+def test_unknown_kernel_counts_are_counted_where_the_mode_is_unreadable(known, monkeypatch):
+  # Off x86 the kernel cannot read the denormal mode and says -1 for a zero
+  # or denormal answer; the count then comes from the flags, behind a cond.
+  from gbn_jax import _native
+
+  monkeypatch.setattr(_native, "counts_always_known", lambda: False)
+  x = jnp.asarray(_inputs("relu", (50, 3), seed=2))
+  flags = lambda: x == 0
+  got = jax.jit(lambda k: quantiles._known_or_counted(k, flags, (0,)))(jnp.asarray(known))
+  # One unknown count sends every position to the counting branch.
+  want = known if min(known) >= 0 else (np.asarray(x) == 0).sum(axis=0)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_sqd_gradient_formula_with_and_without_the_fallback_count(trusted, monkeypatch):
+  # The kernel's counts used outright (x86) or behind the cond kept for CPUs
+  # whose denormal mode it cannot read: the gradient of D = qbar - mean must
+  # follow the definition either way. ReLU zeros put q_0.25 on a heavy tie.
+  from gbn_jax import _native
+
+  if not trusted:
+    monkeypatch.setattr(_native, "counts_always_known", lambda: False)
+  alpha, w = 0.25, np.arange(1.0, 5.0)
+  x = _inputs("relu", (300, 4), seed=3)
+  f = lambda v: jnp.sum(gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[1] * w)
+  g = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(x)), np.float64)
+  n = x.shape[0]
+  q = np.sort(x, axis=0)[math.ceil(alpha * n) - 1]
+  tied, above = x == q, x > q
+  dq = tied / tied.sum(axis=0)
+  dqbar = above / (n * (1 - alpha)) + (1 - above.mean(axis=0) / (1 - alpha)) * dq
+  np.testing.assert_allclose(g, w * (dqbar - 1 / n), rtol=1e-4, atol=1e-8)
