@@ -328,7 +328,7 @@ def _native_superquantile_parts_jvp(alpha, axes, primals, tangents):
   q, known_ties, mean, mean_excess, known_above = _native_sums(alpha, axes, x)
   n = math.prod(x.shape[a] for a in axes)
   selected = lambda: x == _expand(q, axes)
-  above = lambda: ~(x <= _expand(q, axes))  # as in _superquantile: NaN is above
+  above = lambda: ~(x <= _expand(q, axes))  # as in _quantile_and_mean_excess: NaN is above
   ties = _known_or_counted(known_ties, selected, axes)
   n_above = _known_or_counted(known_above, above, axes)
   q_dot = jnp.sum(jnp.where(selected(), x_dot, 0), axes) / jnp.maximum(ties, 1).astype(x.dtype)
@@ -344,29 +344,29 @@ def _superquantile_and_mean(x, alpha, axes, where, axis_name, groups) -> tuple[A
 
   One sweep of the native kernel where it applies (see
   ``_select.native_sums_apply``), otherwise the selection and two means.
+  A NaN element makes the excess, hence qbar, NaN, and then q too.
   """
-  if not _select.native_sums_apply(x, where, axis_name):
-    q, qbar = _superquantile(x, alpha, axes, where, axis_name, groups)
-    return q, qbar, global_mean(x, axes, where, axis_name, groups)
-  q, mean, mean_excess = _native_superquantile_parts(alpha, axes, x)
+  if _select.native_sums_apply(x, where, axis_name):
+    q, mean, mean_excess = _native_superquantile_parts(alpha, axes, x)
+  else:
+    q, mean_excess = _quantile_and_mean_excess(x, alpha, axes, where, axis_name, groups)
+    mean = global_mean(x, axes, where, axis_name, groups)
   qbar = q + mean_excess / (1.0 - alpha)
   return jnp.where(jnp.isnan(qbar), jnp.nan, q), qbar, mean
 
 
-def _superquantile(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Array]:
-  """Returns ``(q_alpha, qbar_alpha)`` of a prepared float array."""
+def _quantile_and_mean_excess(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Array]:
+  """``(q_alpha, E[(x - q_alpha)^+])`` of a prepared float array, in JAX."""
   q = _quantile(x, alpha, axes, where, axis_name, groups, check_nan=False)
-  # "Not at most q" rather than "above q": a NaN element makes the excess,
-  # hence qbar, NaN, which replaces the quantile's own NaN check (a pass).
+  # "Not at most q" rather than "above q": a NaN element makes the excess
+  # NaN, which replaces the quantile's own NaN check (a pass).
   above = ~(x <= _expand(q, axes))
   if where is not None:
     above = above & where
   # where(), not maximum(): maximum's derivative at a tie is 1/2, which would
   # break the tie rule of the quantile's gradient.
   excess = jnp.where(above, x - _expand(q, axes), 0)
-  mean_excess = global_mean(excess, axes, where, axis_name, groups)
-  qbar = q + mean_excess / (1.0 - alpha)
-  return jnp.where(jnp.isnan(qbar), jnp.nan, q), qbar
+  return q, global_mean(excess, axes, where, axis_name, groups)
 
 
 # jit so that eager calls do not dispatch the selection op by op; under an

@@ -77,6 +77,9 @@ inline float FloatOf(uint32_t key) {
   return v;
 }
 
+// Whether key lies in [lo, lo + span]: one unsigned compare.
+inline bool InRange(uint32_t key, uint32_t lo, uint32_t span) { return key - lo <= span; }
+
 // Keys of -inf and +inf: smaller keys are negative NaNs, larger positive ones.
 constexpr uint32_t kNegInfKey = 0x007FFFFFu;
 // Keys of the largest denormal of each sign: all zeros and denormals lie
@@ -196,7 +199,7 @@ int64_t PackScalar(const uint32_t* keys, int64_t n, uint32_t lo, uint32_t hi, ui
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t key = keys[i];
     out[inside] = key;
-    inside += key - lo <= span;
+    inside += InRange(key, lo, span);
   }
   return inside;
 }
@@ -230,6 +233,20 @@ __attribute__((target("avx2"))) inline __m256i GreaterU32(__m256i a, __m256i b) 
   return _mm256_cmpgt_epi32(_mm256_xor_si256(a, sign), _mm256_xor_si256(b, sign));
 }
 
+// Lanes whose key lies outside [lo, lo + span] (all ones there).
+__attribute__((target("avx2"))) inline __m256i OutsideRange(__m256i key, __m256i lo, __m256i span) {
+  return GreaterU32(_mm256_sub_epi32(key, lo), span);
+}
+
+// The sum of eight int32 lanes.
+__attribute__((target("avx2"))) inline int64_t SumOf(__m256i counts) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256((__m256i*)lanes, counts);
+  int64_t total = 0;
+  for (int32_t count : lanes) total += count;
+  return total;
+}
+
 // The order-preserving keys of eight floats.
 __attribute__((target("avx2"))) inline __m256i KeysOf(__m256i bits) {
   const __m256i sign = _mm256_set1_epi32(int32_t(kSign));
@@ -244,7 +261,7 @@ __attribute__((target("avx2"))) int64_t PackAvx2(const uint32_t* keys, int64_t n
   // out[inside .. inside + 8) never passes keys[i + 8): inside <= i.
   for (; i + 8 <= n; i += 8) {
     const __m256i key = _mm256_loadu_si256((const __m256i*)(keys + i));
-    const __m256i outside = GreaterU32(_mm256_sub_epi32(key, lo_v), span_v);
+    const __m256i outside = OutsideRange(key, lo_v, span_v);
     const int mask = ~_mm256_movemask_ps(_mm256_castsi256_ps(outside)) & 0xFF;
     const __m256i perm = _mm256_load_si256((const __m256i*)kCompress.lanes[mask]);
     _mm256_storeu_si256((__m256i*)(out + inside), _mm256_permutevar8x32_epi32(key, perm));
@@ -266,7 +283,7 @@ int64_t CountInScalar(const uint32_t* keys, int64_t n, uint32_t lo, uint32_t hi)
   if (lo > hi) return 0;
   const uint32_t span = hi - lo;
   int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) count += keys[i] - lo <= span;
+  for (int64_t i = 0; i < n; ++i) count += InRange(keys[i], lo, span);
   return count;
 }
 
@@ -280,13 +297,9 @@ __attribute__((target("avx2"))) int64_t CountInAvx2(const uint32_t* keys, int64_
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256i key = _mm256_loadu_si256((const __m256i*)(keys + i));
-    outside = _mm256_sub_epi32(outside, GreaterU32(_mm256_sub_epi32(key, lo_v), span_v));
+    outside = _mm256_sub_epi32(outside, OutsideRange(key, lo_v, span_v));
   }
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256((__m256i*)lanes, outside);
-  int64_t count = i;
-  for (uint32_t lane : lanes) count -= lane;
-  return count + CountInScalar(keys + i, n - i, lo, hi);
+  return i - SumOf(outside) + CountInScalar(keys + i, n - i, lo, hi);
 }
 #endif
 
@@ -490,8 +503,8 @@ Summary SummarizeScalar(const uint32_t* keys, int64_t n, uint32_t answer, const 
     s.excess += key > answer ? v - q : 0.0;
     s.nan += v != v;
     if (!e.empty()) {
-      s.counts.equal += key - e.lo <= span;
-      s.counts.not_above += key - kNegInfKey <= not_above_span;
+      s.counts.equal += InRange(key, e.lo, span);
+      s.counts.not_above += InRange(key, kNegInfKey, not_above_span);
     }
   }
   return s;
@@ -511,14 +524,6 @@ __attribute__((target("avx2"))) inline void AddToDoubles(__m256 v, double* sums)
   const __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
   _mm256_storeu_pd(sums, _mm256_add_pd(_mm256_loadu_pd(sums), low));
   _mm256_storeu_pd(sums + 4, _mm256_add_pd(_mm256_loadu_pd(sums + 4), high));
-}
-
-__attribute__((target("avx2"))) inline int64_t SumOf(__m256i counts) {
-  alignas(32) int32_t lanes[8];
-  _mm256_store_si256((__m256i*)lanes, counts);
-  int64_t total = 0;
-  for (int32_t count : lanes) total += count;
-  return total;
 }
 
 __attribute__((target("avx2"))) Summary SummarizeAvx2(const uint32_t* keys, int64_t n,
@@ -542,9 +547,9 @@ __attribute__((target("avx2"))) Summary SummarizeAvx2(const uint32_t* keys, int6
       const __m256 up = _mm256_castsi256_ps(GreaterU32(key, answer_v));
       excess = _mm256_add_ps(excess, _mm256_and_ps(up, _mm256_sub_ps(v, q)));
       nan = _mm256_sub_epi32(nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-      const __m256i off_equal = GreaterU32(_mm256_sub_epi32(key, equal_lo), equal_span);
+      const __m256i off_equal = OutsideRange(key, equal_lo, equal_span);
       equal = _mm256_add_epi32(equal, _mm256_andnot_si256(off_equal, one));
-      const __m256i off_not_above = GreaterU32(_mm256_sub_epi32(key, neg_inf), not_above_span);
+      const __m256i off_not_above = OutsideRange(key, neg_inf, not_above_span);
       not_above = _mm256_add_epi32(not_above, _mm256_andnot_si256(off_not_above, one));
     }
     AddToDoubles(total, totals);
@@ -609,7 +614,7 @@ void SweepScalar(const float* data, int64_t r0, int64_t r1, int64_t F,
       const uint32_t key = Key(row[f]);
       const bool below = key < lo[f];
       out.below[f] += below;
-      if (key - lo[f] < width[f]) {
+      if (InRange(key, lo[f], width[f] - 1)) {
         out.inside[f]++;
         if (gather[f]) out.keys[f].push_back(key);
       } else if (kSums && !below) {
@@ -682,7 +687,7 @@ __attribute__((target("avx2"))) void SweepAvx2(
         const __m256i key = KeysOf(bits);
         const __m256i below = GreaterU32(lo_v, key);
         below_acc = _mm256_sub_epi32(below_acc, below);
-        const __m256i outside = GreaterU32(_mm256_sub_epi32(key, lo_v), last_v);
+        const __m256i outside = OutsideRange(key, lo_v, last_v);
         const int in = ~_mm256_movemask_ps(_mm256_castsi256_ps(outside)) & 0xFF;
         inside_acc = _mm256_add_epi32(inside_acc, _mm256_andnot_si256(outside, one));
         const int hits = in & gather_lanes;
@@ -758,8 +763,8 @@ Counts CountsStrided(const float* data, int64_t N, int64_t F, int64_t f, const E
   const uint32_t span = e.hi - e.lo, not_above_span = e.hi - kNegInfKey;
   for (int64_t r = 0; r < N; ++r) {
     const uint32_t key = Key(data[r * F + f]);
-    c.equal += key - e.lo <= span;
-    c.not_above += key - kNegInfKey <= not_above_span;
+    c.equal += InRange(key, e.lo, span);
+    c.not_above += InRange(key, kNegInfKey, not_above_span);
   }
   return c;
 }
