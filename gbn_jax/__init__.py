@@ -18,6 +18,15 @@ from gbn_jax.linen import GBatchNorm
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+  # ``gbn_jax.nnx`` after a plain ``import gbn_jax``, imported on first use
+  # so that linen-only users don't pay for importing flax.nnx.
+  if name == "nnx":
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("gbn_jax.nnx")
+  raise AttributeError(f"module 'gbn_jax' has no attribute {name!r}")
+
 __all__ = [
     "GBatchNorm",
     "MEASURES",

@@ -4,7 +4,9 @@ A run directory (``--workdir``) holds:
 
 * ``config.json``: the run's :class:`train.configs.Config`. A later command
   with a different config (apart from ``epochs``) is refused rather than
-  resumed into, and nothing in the directory is changed.
+  resumed into, and nothing in the directory is changed; unless the earlier
+  run never finished an epoch (no metrics, no checkpoint), whose config is
+  then replaced.
 * ``checkpoints/<epoch>/``: orbax checkpoints after each epoch (the last
   :data:`MAX_TO_KEEP` are kept), each with the train state and the metrics
   history up to that epoch.
@@ -45,11 +47,19 @@ class CheckpointError(RuntimeError):
   """A checkpoint can't be restored (corrupt, or from another model)."""
 
 
+def _umask() -> int:
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
   """Writes via a temporary file + rename, so a kill leaves old or new."""
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                              suffix=".tmp")
   try:
+    # mkstemp makes the file 0600; a run's outputs are meant to be shared.
+    os.fchmod(fd, 0o666 & ~_umask())
     with os.fdopen(fd, "w") as f:
       f.write(text)
     os.replace(tmp, path)
@@ -124,7 +134,11 @@ def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
   elif config_path.exists():
     stored = read_config(workdir)
     diff = configs.differences(stored, config)
-    if diff:
+    started = read_metrics(workdir) or any((workdir / CHECKPOINT_DIR).glob("*"))
+    if diff and not started:  # the earlier run failed before its first epoch
+      if is_primary:
+        write_config(workdir, config)
+    elif diff:
       raise RunDirError(
           f"{workdir} holds a run with a different config, so it can't be "
           "resumed:\n  " + "\n  ".join(diff) + "\nChoose a new --workdir, or "

@@ -147,7 +147,7 @@ def validate(config: Config) -> Config:
   _check(is_int(config.eval_every) and config.eval_every >= 1,
          f"--eval-every must be a positive integer, got {config.eval_every!r}")
   _check(is_real(config.norm_momentum) and 0 <= config.norm_momentum < 1,
-         f"norm_momentum must be in [0, 1), got {config.norm_momentum!r}")
+         f"--norm-momentum must be in [0, 1), got {config.norm_momentum!r}")
   _check(is_real(config.norm_epsilon) and config.norm_epsilon > 0,
          f"norm_epsilon must be > 0, got {config.norm_epsilon!r}")
   return config

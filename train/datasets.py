@@ -41,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import contextlib
 import gzip
+import importlib.util
 import io
+import logging
 import math
 import os
 import struct
@@ -612,6 +615,18 @@ def _find_local(name: str, data_dir, notes: list[str]) -> _Found | None:
 # tensorflow-datasets.
 
 
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+  """Silences absl's warnings (tfds logs its search of empty folders)."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 class _TfdsUnavailable(Exception):
   """tensorflow-datasets could not provide the data (reason in message)."""
 
@@ -628,17 +643,24 @@ def _load_tfds(
   tfds_dir = None if data_dir is None else os.fspath(
       Path(data_dir).expanduser()
   )
+  # Preparing a dataset (downloading it) needs TensorFlow; without it tfds
+  # can only read data prepared earlier, so ask for nothing more.
+  can_prepare = importlib.util.find_spec("tensorflow") is not None
+  download = download and can_prepare
   call = (f"tfds.data_source({info.tfds_name!r}, data_dir={tfds_dir!r},"
           f" download={download})")
   try:
-    train, test = tfds.data_source(
-        info.tfds_name, split=["train", "test"], data_dir=tfds_dir,
-        download=download,
-    )
+    with _quiet_absl():
+      train, test = tfds.data_source(
+          info.tfds_name, split=["train", "test"], data_dir=tfds_dir,
+          download=download,
+      )
   except Exception as e:  # ImportError, NotImplementedError, OSError, ...
-    raise _TfdsUnavailable(
-        f"{call} failed: {type(e).__name__}: {e}"
-    ) from e
+    reason = f"{call} failed: {type(e).__name__}: {e}"
+    if not can_prepare:
+      reason = (f"no prepared {info.tfds_name!r} found, and downloading one "
+                "needs TensorFlow, which is not installed")
+    raise _TfdsUnavailable(reason) from e
   arrays = (*_tfds_split_to_arrays(train, info, "train"),
             *_tfds_split_to_arrays(test, info, "test"))
   where = (tfds_dir or os.environ.get("TFDS_DATA_DIR")

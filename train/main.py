@@ -16,6 +16,7 @@ process 0 writes ``config.json`` and ``metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -125,6 +126,15 @@ def build_parser(defaults: configs.Config, prog: str,
       "checkpoints/) instead of refusing a different config")
   add("--no-progress", action="store_true",
       help="no progress bar on stderr")
+  add("--record-activations", type=_positive_int, default=None, metavar="K",
+      help="every K steps, record percentiles (5/15/50/85/95) of one "
+      "feature before and after one norm layer to activations.jsonl "
+      "(plotted by `python -m train.report`, as the paper's Figure 1)")
+  add("--record-layer", default="norm2",
+      help="the norm layer to record, as its module path (LeNet: norm1, "
+      "norm2; ResNet20: norm1, stage2_block1/norm1, ...)")
+  add("--record-feature", type=int, default=0,
+      help="the channel of that layer to record")
   return parser
 
 
@@ -174,6 +184,10 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
   except ValueError as e:
     parser.error(str(e))
   workdir = args.workdir or default_workdir(config)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    print(f"{prog}: error: --workdir {workdir} exists and is not a folder",
+          file=sys.stderr)
+    return _EXIT_ERROR
 
   maybe_initialize_distributed()
   # Imported here so that `--help` and flag errors stay fast.
@@ -181,23 +195,68 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
   from train import input_pipeline  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
 
+  record = None
+  if args.record_activations:
+    record = train.ActivationRecording(every=args.record_activations,
+                                       layer=args.record_layer,
+                                       feature=args.record_feature)
   start = time.perf_counter()
   try:
     history = train.train_and_evaluate(
         config, workdir, data_dir=args.data_dir, overwrite=args.overwrite,
-        progress=not args.no_progress)
+        progress=not args.no_progress, record=record,
+        on_first_epoch=functools.partial(_first_epoch_notes, prog=prog))
   except (ValueError, checkpointing.RunDirError, checkpointing.CheckpointError,
           train.NonFiniteLossError, input_pipeline.DataNotFoundError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     return _EXIT_ERROR
+  except OSError as e:  # e.g. a --workdir that can't be created or written
+    print(f"{prog}: error: {e.strerror or e}: "
+          f"{e.filename or workdir}", file=sys.stderr)
+    return _EXIT_ERROR
   except KeyboardInterrupt:
-    print(f"\n{prog}: interrupted; rerun the same command to resume from the "
-          f"last checkpoint in {workdir}", file=sys.stderr)
+    print(f"\n{prog}: interrupted; {_resume_hint(workdir)}", file=sys.stderr)
     return _EXIT_INTERRUPTED
   seconds = time.perf_counter() - start
   if train.jax.process_index() == 0:
     print(summary(history, config, workdir, seconds))
   return 0
+
+
+def _resume_hint(workdir: str) -> str:
+  """What rerunning the command will do, given the checkpoints on disk."""
+  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  rows = checkpointing.read_metrics(workdir) if os.path.isdir(workdir) else []
+  if not rows:
+    return ("no epoch had finished, so nothing was saved; rerunning the same "
+            "command starts the run from the beginning")
+  return (f"epochs 1-{rows[-1]['epoch']} are saved in {workdir}; rerun the "
+          "same command to resume after the last one")
+
+
+def _first_epoch_notes(config: configs.Config, seconds: float, devices: list,
+                       *, prog: str) -> list[str]:
+  """Lines printed once after the first epoch: ETA, CPU advice."""
+  remaining = config.epochs - 1
+  lines = []
+  if remaining:
+    lines.append(f"{prog}: the first epoch took {seconds:.0f}s; the "
+                 f"remaining {remaining} epoch{'s' if remaining > 1 else ''} "
+                 f"should take about {_duration(seconds * remaining)}")
+  if (all(d.platform == "cpu" for d in devices) and config.model == "resnet20"
+      and remaining >= 5):
+    lines.append(
+        f"{prog}: note: this runs on the CPU; ResNet20 is meant for a GPU. "
+        "For a quick CPU run, --model lenet takes about a quarter of the time "
+        "per epoch on CIFAR-10 (about 100s on 2 cores).")
+  return lines
+
+
+def _duration(seconds: float) -> str:
+  minutes = seconds / 60
+  if minutes < 2:
+    return f"{seconds:.0f}s"
+  return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
 
 
 def summary(history: Sequence[dict], config: configs.Config, workdir: str,
@@ -213,7 +272,8 @@ def summary(history: Sequence[dict], config: configs.Config, workdir: str,
           if last["test_error"] is not None else "not evaluated")
   best_text = (f", best {100 * best['test_error']:.2f}% (epoch "
                f"{best['epoch']})" if best else "")
-  return (f"{head}: {last['epoch']} epochs, train loss "
+  epochs = f"{last['epoch']} epoch{'s' if last['epoch'] != 1 else ''}"
+  return (f"{head}: {epochs}, train loss "
           f"{last['train_loss']:.4f}, {test}{best_text}; "
           f"{last['elapsed_seconds']:.1f}s training in total, this command "
           f"{seconds:.1f}s; {workdir}")

@@ -1,17 +1,23 @@
 """``python -m train.plot RUN_DIR... [--out DIR]``: curves of several runs.
 
 Reads ``config.json`` and ``metrics.jsonl`` of each run directory and writes
-four PNGs to ``--out``, each overlaying all runs labelled by their norm:
+four PNGs to ``--out`` (default: ``plots/`` beside the runs, in the folder
+that holds them all), each overlaying all runs:
 
 * ``train_loss_vs_epoch.png``, ``test_error_vs_epoch.png``;
 * ``train_loss_vs_seconds.png``, ``test_error_vs_seconds.png`` (cumulative
   training wall-clock time, ``elapsed_seconds``).
+
+Runs are labelled by their norm plus every config field that differs between
+the plotted runs; a run with no finished epoch is skipped with a warning.
+The helpers that style an axis are shared with :mod:`train.report`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,14 +26,21 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import matplotlib.pyplot as plt
+from matplotlib import ticker
 
-_CURVES = (  # (metric, y label, x key, x label)
+#: (metric, y label, x key, x label) of the four curves.
+CURVES = (
     ("train_loss", "training loss", "epoch", "epoch"),
     ("test_error", "test error (%)", "epoch", "epoch"),
     ("train_loss", "training loss", "elapsed_seconds", "wall-clock seconds"),
     ("test_error", "test error (%)", "elapsed_seconds", "wall-clock seconds"),
 )
+#: How a config field is named in labels (the CLI flag, without dashes).
+FIELD_LABELS = {"learning_rate": "lr", "batch_size": "batch",
+                "weight_decay": "wd", "norm_momentum": "norm-momentum",
+                "norm_epsilon": "norm-eps", "eval_every": "eval-every"}
 
 
 class PlotError(ValueError):
@@ -48,37 +61,105 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict]]:
   except (OSError, ValueError) as e:
     raise PlotError(f"{run_dir} is not a readable run directory: {e}") from e
   if not rows:
-    raise PlotError(f"{run_dir}/metrics.jsonl has no epochs yet")
+    raise PlotError(f"{run_dir}/metrics.jsonl has no finished epoch yet")
   return config, rows
 
 
+def varying_fields(configs: Sequence[dict[str, Any]],
+                   exclude: Sequence[str] = ("norm",)) -> list[str]:
+  """Config fields whose values differ between ``configs``, in field order."""
+  fields: list[str] = []
+  for config in configs:
+    fields += [k for k in config if k not in fields]
+  return [k for k in fields if k not in exclude and
+          len({json.dumps(c.get(k)) for c in configs}) > 1]
+
+
+def describe(config: dict[str, Any], fields: Sequence[str]) -> str:
+  """``lr=0.1, seed=2``-style text of ``fields`` of ``config``."""
+  return ", ".join(f"{FIELD_LABELS.get(k, k)}={config.get(k)}" for k in fields)
+
+
 def run_labels(configs: Sequence[dict[str, Any]]) -> list[str]:
-  """Labels runs by norm, adding the other fields that tell them apart."""
-  keys = ("dataset", "model", "seed", "batch_size", "learning_rate",
-          "momentum")
-  varying = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+  """Labels runs by norm, adding every field that tells them apart.
+
+  >>> run_labels([{"norm": "bn", "seed": 0, "epochs": 3},
+  ...             {"norm": "bn", "seed": 0, "epochs": 5}])
+  ['bn (epochs=3)', 'bn (epochs=5)']
+  """
+  fields = varying_fields(configs)
   labels = []
   for config in configs:
-    extra = ", ".join(f"{k}={config.get(k)}" for k in varying)
+    extra = describe(config, fields)
     labels.append(config.get("norm", "?") + (f" ({extra})" if extra else ""))
   return labels
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+def style_axes(ax: plt.Axes, metric: str, xkey: str, xlabel: str,
+               ylabel: str) -> None:
+  """Axis labels, integer epoch ticks, readable loss ticks, a grid."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  if xkey == "epoch":
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+  if metric == "train_loss":
+    low, high = ax.get_ylim()
+    if low > 0 and high / low > 3:  # a log axis only where it helps
+      ax.set_yscale("log")
+      ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+      ax.yaxis.set_major_formatter(ticker.FuncFormatter(
+          lambda value, _: f"{value:g}"))
+      ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+  ax.grid(True, alpha=0.3)
+
+
+def outside_legend(ax: plt.Axes) -> None:
+  """A legend to the right of the axes, where it can't cover data."""
+  ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+            fontsize="small")
+
+
+def default_out(run_dirs: Sequence[str | Path]) -> Path:
+  """``plots/`` in the folder that holds all of ``run_dirs``."""
+  paths = [Path(d).absolute() for d in run_dirs]
+  common = Path(os.path.commonpath(paths))
+  if len(paths) == 1 or common in paths:
+    common = common.parent
+  return common / "plots"
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path,
+              warn=lambda message: print(message, file=sys.stderr)
+              ) -> list[Path]:
   """Writes the four PNGs for ``run_dirs`` into ``out_dir``.
+
+  Runs without a finished epoch are skipped, each with a ``warn`` message.
 
   Returns:
     The paths written.
+
+  Raises:
+    PlotError: If no run directories are given, one is unreadable, or none
+      has a finished epoch.
   """
   if not run_dirs:
     raise PlotError("no run directories given")
-  runs = [load_run(d) for d in run_dirs]
+  runs = []
+  for run_dir in run_dirs:
+    try:
+      runs.append(load_run(run_dir))
+    except PlotError as e:
+      if "no finished epoch" not in str(e):
+        raise
+      warn(f"warning: skipped {run_dir}: no finished epoch yet")
+  if not runs:
+    raise PlotError("none of the runs has a finished epoch")
   labels = run_labels([config for config, _ in runs])
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   written = []
-  for metric, ylabel, xkey, xlabel in _CURVES:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+  for metric, ylabel, xkey, xlabel in CURVES:
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for (_, rows), label in zip(runs, labels):
       points = [(r[xkey], r[metric]) for r in rows if r.get(metric) is not None]
       if not points:
@@ -87,17 +168,13 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
       if metric == "test_error":
         ys = [100 * y for y in ys]
       ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
-    if metric == "train_loss":
-      ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    style_axes(ax, metric, xkey, xlabel, ylabel)
+    outside_legend(ax)
     ax.set_title(f"{ylabel} vs {xlabel}")
     fig.tight_layout()
     suffix = "epoch" if xkey == "epoch" else "seconds"
     path = out_dir / f"{metric}_vs_{suffix}.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     written.append(path)
   return written
@@ -107,14 +184,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m train.plot",
       description="Plot training loss and test error of runs against epoch "
-      "and wall-clock seconds, one line per run, labelled by norm.")
+      "and wall-clock seconds, one line per run, labelled by norm and by "
+      "whatever else differs between the runs. For means over seeds and "
+      "tables, see `python -m train.report`.")
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                       help="--workdir of a train.cifar / train.mnist run")
-  parser.add_argument("--out", default=".",
-                      help="folder for the PNGs (default: current folder)")
+  parser.add_argument("--out", default=None,
+                      help="folder for the PNGs (default: plots/ in the "
+                      "folder that holds the runs)")
   args = parser.parse_args(argv)
+  out = Path(args.out) if args.out else default_out(args.run_dirs)
   try:
-    paths = plot_runs(args.run_dirs, args.out)
+    paths = plot_runs(args.run_dirs, out)
   except PlotError as e:
     print(f"python -m train.plot: error: {e}", file=sys.stderr)
     return 1

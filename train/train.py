@@ -32,6 +32,13 @@ training), ``data_seconds``, ``eval_seconds``, ``images_per_sec`` (training
 images / ``train_seconds``) and ``elapsed_seconds`` (cumulative ``seconds``,
 across resumptions).
 
+Activation recording (``--record-activations K``, the paper's Figure 1): every
+``K`` steps the train step also returns a few percentiles of one feature
+(channel) of one norm layer's input and output over the batch, captured with
+``flax.linen.intercept_methods`` inside the jitted step, so any model and any
+norm can be recorded without changing the model. Rows go to
+``activations.jsonl``; recording does not change training.
+
 Every random number is a function of ``(seed, epoch, step)``, and
 checkpoints hold the whole train state plus the metrics history, so a run
 resumed after a kill ends with the same metrics as an uninterrupted one.
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import sys
 import time
@@ -50,6 +58,7 @@ from typing import Any
 
 import flax
 import flax.linen as nn
+import gbn_jax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +100,29 @@ class Placed:
   images: jax.Array
   labels: jax.Array
   mask: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationRecording:
+  """What to record of one norm layer's activations during training.
+
+  Attributes:
+    every: Record at global steps 0, K, 2K, ...
+    layer: The norm layer's module path, ``/``-separated (``norm2``: LeNet's
+      second; ``stage2_block1/norm1`` in ResNet20).
+    feature: Which channel (last axis) of the layer's input and output.
+    percentiles: Percentiles (0-100) taken over the batch and any spatial
+      axes; each is the ``ceil(p/100 * N)``-th smallest value
+      (:func:`gbn_jax.quantile`).
+  """
+
+  every: int
+  layer: str = "norm2"
+  feature: int = 0
+  percentiles: tuple[float, ...] = (5.0, 15.0, 50.0, 85.0, 95.0)
+
+
+ACTIVATIONS_FILE = "activations.jsonl"
 
 
 def resolve(config: configs.Config) -> configs.Config:
@@ -160,8 +192,20 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+def _percentiles(values: jax.Array, percentiles: Sequence[float]
+                 ) -> jax.Array:
+  flat = jax.lax.stop_gradient(values).reshape(-1)
+  return jnp.stack([gbn_jax.quantile(flat, p / 100, axis=0)
+                    for p in percentiles])
+
+
+def _module_path(module: nn.Module) -> str:
+  return "/".join(module.scope.path) if module.scope is not None else ""
+
+
 def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
-               step: jax.Array, *, dataset: str
+               step: jax.Array, *, dataset: str,
+               record: ActivationRecording | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One SGD step on batch ``step`` of the epoch's batches.
 
@@ -171,25 +215,54 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
     labels: The epoch's labels, ``(steps, batch)``.
     step: Which batch.
     dataset: Dataset name, for its normalization constants.
+    record: Also return percentiles of one norm layer's input and output.
 
   Returns:
-    The new state and the batch's mean ``loss`` and ``errors`` count.
+    The new state and the batch's mean ``loss`` and ``errors`` count (and,
+    with ``record``, ``before``/``after`` percentiles).
+
+  Raises:
+    ValueError: If ``record.layer`` is not a module of the model.
   """
   x = input_pipeline.normalize_images(images[step], dataset)
   y = labels[step]
 
   def loss_fn(params):
-    logits, updates = state.apply_fn(
-        {"params": params, "batch_stats": state.batch_stats}, x, train=True,
-        mutable=["batch_stats"])
-    return jnp.mean(cross_entropy(logits, y)), (logits, updates)
+    captured = {}
+
+    def capture(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if (context.method_name == "__call__" and
+          _module_path(context.module) == record.layer):
+        captured["before"] = _percentiles(args[0][..., record.feature],
+                                          record.percentiles)
+        captured["after"] = _percentiles(out[..., record.feature],
+                                         record.percentiles)
+      return out
+
+    apply = functools.partial(
+        state.apply_fn, {"params": params, "batch_stats": state.batch_stats},
+        x, train=True, mutable=["batch_stats"])
+    if record is None:
+      logits, updates = apply()
+    else:
+      with nn.intercept_methods(capture):
+        logits, updates = apply()
+      if not captured:
+        raise ValueError(
+            f"--record-layer {record.layer!r} is not a layer of the model; "
+            "norm layers: " + ", ".join(
+                "/".join(str(k.key) for k in path[:-1]) for path, _ in
+                jax.tree_util.tree_flatten_with_path(state.batch_stats)[0]
+                if str(path[-1].key) == "mean"))
+    return jnp.mean(cross_entropy(logits, y)), (logits, updates, captured)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, (logits, updates)), grads = grad_fn(state.params)
+  (loss, (logits, updates, captured)), grads = grad_fn(state.params)
   state = state.apply_gradients(grads=grads,
                                 batch_stats=updates["batch_stats"])
   errors = jnp.sum(jnp.argmax(logits, -1) != y)
-  return state, {"loss": loss, "errors": errors}
+  return state, {"loss": loss, "errors": errors, **captured}
 
 
 def eval_model(state: TrainState, images: jax.Array, labels: jax.Array,
@@ -350,7 +423,9 @@ _PROGRAM_CACHE_SIZE = 4
 
 def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
                     train_data: Placed, test_data: Placed,
-                    num_classes: int) -> tuple[Program, bool]:
+                    num_classes: int,
+                    record: ActivationRecording | None = None
+                    ) -> tuple[Program, bool]:
   """Compiles (or fetches from the in-process cache) a run's functions.
 
   Compiling ahead of time also keeps compilation out of the epoch times.
@@ -363,7 +438,7 @@ def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
   donate = jax.default_backend() != "cpu"  # the CPU backend can't donate
   key = (config.replace(seed=0, epochs=1, eval_every=1), n_train,
          tuple(image_shape), test_data.images.shape, num_classes,
-         tuple(d.id for d in mesh.devices.flat), donate,
+         tuple(d.id for d in mesh.devices.flat), donate, record,
          # The functions themselves, so that a patched one is recompiled.
          create_train_state, prepare_epoch, train_step, eval_model)
   if key in _PROGRAM_CACHE:
@@ -392,7 +467,8 @@ def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
                            jnp.uint8, sharding=batched),
       jax.ShapeDtypeStruct((steps, config.batch_size), jnp.int32,
                            sharding=batched))
-  step = jax.jit(functools.partial(train_step, dataset=config.dataset),
+  step = jax.jit(functools.partial(train_step, dataset=config.dataset,
+                                   record=record),
                  out_shardings=(replicated, replicated),
                  donate_argnums=(0,) if donate else ())
   step = step.lower(state, *batches,
@@ -418,6 +494,8 @@ def train_and_evaluate(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    record: ActivationRecording | None = None,
+    on_first_epoch: Callable[..., Sequence[str]] | None = None,
 ) -> list[dict[str, Any]]:
   """Trains ``config`` in ``workdir``, resuming from its last checkpoint.
 
@@ -429,6 +507,11 @@ def train_and_evaluate(
     overwrite: Start over, deleting an existing run in ``workdir``.
     progress: Show a tqdm progress bar on stderr.
     log: Receives one line per epoch (default: stderr).
+    record: Record percentiles of one norm layer's activations every
+      ``record.every`` steps into ``workdir/activations.jsonl``.
+    on_first_epoch: Called as ``on_first_epoch(config, seconds, devices)``
+      after the first epoch this call trains; the lines it returns are
+      logged (the CLI's time estimate).
 
   Returns:
     The metrics history: one dict per epoch (what ``metrics.jsonl`` holds).
@@ -458,7 +541,7 @@ def train_and_evaluate(
   test_data = place_test(dataset, mesh, config.batch_size)
   t0 = time.perf_counter()
   program, cached = compile_program(config, mesh, train_data, test_data,
-                                    dataset.num_classes)
+                                    dataset.num_classes, record)
   n_train = len(dataset.train_images)
   log(f"{config.model}/{config.norm} on {config.dataset}: {n_train} train "
       f"images ({program.steps} batches of {config.batch_size}, the last "
@@ -480,12 +563,38 @@ def train_and_evaluate(
       checkpointing.write_metrics(workdir, history)
     if last is not None:
       log(f"resumed from {checkpointer.directory / str(last)}")
+    if primary and record is not None:
+      _keep_activations(workdir, last or 0)
     _train_epochs(config, workdir, program, train_data, test_data, state,
                   history, checkpointer, start=(last or 0) + 1,
-                  progress=progress, log=log, primary=primary)
+                  progress=progress, log=log, primary=primary, record=record,
+                  on_first_epoch=on_first_epoch, devices=list(mesh.devices.flat))
   finally:
     checkpointer.close()
   return history
+
+
+def _keep_activations(workdir: Path, last_epoch: int) -> None:
+  """Drops recorded rows of epochs after the checkpoint resumed from."""
+  path = workdir / ACTIVATIONS_FILE
+  if path.exists():
+    rows = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["epoch"] <= last_epoch]
+    path.write_text("".join(line + "\n" for line in rows))
+
+
+def _append_activations(workdir: Path, record: ActivationRecording, epoch: int,
+                        recorded: Sequence[tuple[int, jax.Array, jax.Array]]
+                        ) -> None:
+  values = jax.device_get([(before, after) for _, before, after in recorded])
+  with open(workdir / ACTIVATIONS_FILE, "a") as f:
+    for (step, _, _), (before, after) in zip(recorded, values):
+      f.write(json.dumps({
+          "step": step, "epoch": epoch, "layer": record.layer,
+          "feature": record.feature,
+          "percentiles": list(record.percentiles),
+          "before": [float(v) for v in before],
+          "after": [float(v) for v in after]}) + "\n")
 
 
 def _train_epochs(config: configs.Config, workdir: Path, program: Program,
@@ -493,7 +602,10 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
                   history: list[dict[str, Any]],
                   checkpointer: checkpointing.Checkpointer, *, start: int,
                   progress: bool, log: Callable[[str], None],
-                  primary: bool) -> None:
+                  primary: bool,
+                  record: ActivationRecording | None = None,
+                  on_first_epoch: Callable[..., Sequence[str]] | None = None,
+                  devices: Sequence[jax.Device] = ()) -> None:
   """Runs epochs ``start..config.epochs``, appending rows to ``history``."""
   steps = program.steps
   elapsed = history[-1]["elapsed_seconds"] if history else 0.0
@@ -506,7 +618,7 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
     jax.block_until_ready((images, labels))
     data_seconds = time.perf_counter() - t_start
 
-    losses, errors = [], []
+    losses, errors, recorded = [], [], []
     bar = tqdm.tqdm(total=steps, desc=f"epoch {epoch}/{config.epochs}",
                     file=sys.stderr, leave=False, disable=not progress,
                     dynamic_ncols=True)
@@ -515,6 +627,9 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
         state, metrics = program.step(state, images, labels, np.int32(step))
         losses.append(metrics["loss"])
         errors.append(metrics["errors"])
+        global_step = (epoch - 1) * steps + step
+        if record is not None and global_step % record.every == 0:
+          recorded.append((global_step, metrics["before"], metrics["after"]))
         bar.update(1)
         # Check the previous step's loss: it is (nearly) done, so reading it
         # barely stalls the asynchronous dispatch.
@@ -556,8 +671,13 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
         "elapsed_seconds": elapsed,
     }
     history.append(row)
+    if primary and record is not None:  # before the save: see _keep_activations
+      _append_activations(workdir, record, epoch, recorded)
     checkpointer.save(epoch, _state_dict(state), history)
     last_good = epoch
     if primary:
       checkpointing.write_metrics(workdir, history)
     log(_summary_line(row, config.epochs))
+    if on_first_epoch is not None and epoch == start:
+      for line in on_first_epoch(config, seconds, list(devices)):
+        log(line)

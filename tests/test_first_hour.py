@@ -1,0 +1,210 @@
+"""What a new user hits first: CLI failures and messages, plots, ``gbn_jax.nnx``."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pytest
+
+from test_train import REPO, TINY, _fake_run, small_dataset, write_tiny_mnist
+from train import checkpointing
+from train import configs
+from train import main as train_main
+from train import plot
+from train import train
+
+
+def _run_cli(argv, capsys):
+  code = train_main.run(argv, configs.MNIST, prog="train.mnist")
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
+
+
+def test_workdir_that_is_a_file_is_one_clean_line(tmp_path, capsys):
+  (tmp_path / "file").write_text("x")
+  code, _, err = _run_cli(["--workdir", str(tmp_path / "file")], capsys)
+  assert code == 1
+  assert err.strip() == (f"train.mnist: error: --workdir {tmp_path / 'file'} "
+                         "exists and is not a folder")
+
+
+def test_workdir_that_cannot_be_created_is_one_clean_line(tmp_path, capsys):
+  (tmp_path / "file").write_text("x")
+  data = write_tiny_mnist(tmp_path / "data")
+  code, _, err = _run_cli(["--workdir", str(tmp_path / "file" / "run"),
+                           "--data-dir", str(data), "--no-progress"], capsys)
+  assert code == 1
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("train.mnist: error: ")
+  assert "Not a directory" in lines[0] and "Traceback" not in err
+
+
+def test_run_that_failed_before_its_first_epoch_does_not_block(tmp_path,
+                                                               capsys):
+  workdir = tmp_path / "run"
+  code, _, err = _run_cli(["--workdir", str(workdir), "--data-dir",
+                           str(tmp_path / "nowhere"), "--dataset", "svhn"],
+                          capsys)
+  assert code == 1 and "could not find the svhn dataset" in err
+  data = write_tiny_mnist(tmp_path / "data")
+  code, out, err = _run_cli(["--workdir", str(workdir), "--data-dir",
+                             str(data), "--batch-size", "16", "--epochs", "1",
+                             "--no-progress"], capsys)
+  assert code == 0, err
+  assert "1 epoch," in out and "1 epochs" not in out
+  assert checkpointing.read_config(workdir).dataset == "mnist"
+  # Outputs are readable by others, as the umask allows.
+  umask = os.umask(0o022)
+  os.umask(umask)
+  for name in ("config.json", "metrics.jsonl"):
+    mode = stat.S_IMODE((workdir / name).stat().st_mode)
+    assert mode == 0o666 & ~umask, (name, oct(mode))
+  # A run that did finish an epoch still refuses a different config.
+  code, _, err = _run_cli(["--workdir", str(workdir), "--data-dir",
+                           str(data), "--batch-size", "16", "--epochs", "1",
+                           "--norm", "mad", "--no-progress"], capsys)
+  assert code == 1 and "different config" in err
+
+
+def test_first_epoch_notes():
+  import jax  # pylint: disable=g-import-not-at-top
+  cpu = jax.devices("cpu")
+  lines = train_main._first_epoch_notes(
+      configs.CIFAR, 300.0, cpu, prog="p")
+  assert lines[0] == ("p: the first epoch took 300s; the remaining 99 epochs "
+                      "should take about 8.2 h")
+  assert "meant for a GPU" in lines[1] and "--model lenet" in lines[1]
+  assert train_main._first_epoch_notes(
+      configs.MNIST.replace(epochs=3), 30.0, cpu, prog="p") == [
+          "p: the first epoch took 30s; the remaining 2 epochs should take "
+          "about 60s"]
+  assert train_main._first_epoch_notes(
+      configs.MNIST.replace(epochs=1), 30.0, cpu, prog="p") == []
+
+
+def test_cli_prints_estimate_after_first_epoch(tmp_path):
+  data = write_tiny_mnist(tmp_path / "data")
+  result = subprocess.run(
+      [sys.executable, "-m", "train.mnist", "--data-dir", str(data),
+       "--workdir", str(tmp_path / "run"), "--batch-size", "16", "--epochs",
+       "3", "--no-progress"], cwd=REPO, capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 0, result.stderr
+  lines = result.stderr.splitlines()
+  at = next(i for i, l in enumerate(lines) if l.startswith("epoch 1/3"))
+  assert "remaining 2 epochs should take about" in lines[at + 1]
+
+
+def test_interrupt_before_first_epoch_says_nothing_was_saved(tmp_path):
+  assert "nothing was saved" in train_main._resume_hint(str(tmp_path / "x"))
+  checkpointing.write_metrics(tmp_path, [{"epoch": 1}, {"epoch": 2}])
+  hint = train_main._resume_hint(str(tmp_path))
+  assert "epochs 1-2 are saved" in hint and "resume" in hint
+
+
+def test_norm_momentum_error_names_the_flag(capsys):
+  with pytest.raises(SystemExit):
+    train_main.run(["--norm-momentum", "1.5"], configs.MNIST, prog="p")
+  assert "--norm-momentum must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_data_not_found_is_quiet_without_tensorflow(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "train.cifar", "--dataset", "svhn", "--model",
+       "lenet", "--data-dir", str(tmp_path / "nowhere"), "--workdir",
+       str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+      timeout=120, env={**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds"),
+                        "GBN_DATA_DIR": "", "HOME": str(tmp_path)})
+  assert result.returncode == 1
+  assert result.stderr.startswith(
+      "python -m train.cifar: error: could not find the svhn dataset.")
+  for noise in ("WARNING:absl", "Downloading and preparing", "importlib_resources'",
+                "Traceback"):
+    assert noise not in result.stderr
+
+
+# --- plots -----------------------------------------------------------------------
+
+
+def _tick_labels(ax, axis):
+  ax.figure.canvas.draw()
+  ticks = ax.get_yticklabels() if axis == "y" else ax.get_xticklabels()
+  low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
+  locs = ax.get_yticks() if axis == "y" else ax.get_xticks()
+  return [t.get_text() for t, loc in zip(ticks, locs)
+          if low <= loc <= high and t.get_text()]
+
+
+def test_plot_labels_tell_runs_apart(tmp_path):
+  a = _fake_run(tmp_path / "a", "bn", 0)
+  b = _fake_run(tmp_path / "b", "bn", 1)
+  config = json.loads((b / "config.json").read_text())
+  config["epochs"] = 7
+  (b / "config.json").write_text(json.dumps(config))
+  configs_ = [json.loads((d / "config.json").read_text()) for d in (a, b)]
+  assert plot.run_labels(configs_) == ["bn (epochs=3)", "bn (epochs=7)"]
+  configs_[1]["momentum"] = 0.5
+  labels = plot.run_labels(configs_)
+  assert len(set(labels)) == 2 and "momentum=0.5" in labels[1]
+
+
+def test_plot_axes_legend_ticks(tmp_path, monkeypatch):
+  runs = [_fake_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))]
+  figures = []
+  original = matplotlib.figure.Figure.savefig
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                      lambda fig, *a, **k: (figures.append(fig),
+                                            original(fig, *a, **k)))
+  plot.plot_runs(runs, tmp_path / "out")
+  assert len(figures) == 4
+  for fig, (metric, _, xkey, _) in zip(figures, plot.CURVES):
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.get_window_extent())  # beside, not on, data
+    if xkey == "epoch":
+      labels = _tick_labels(ax, "x")
+      assert all(float(t.replace("−", "-")).is_integer() for t in labels)
+    if metric == "train_loss":  # 2/epoch: 2 .. 0.4, a log axis
+      assert ax.get_yscale() == "log"
+      assert len(_tick_labels(ax, "y")) >= 3
+
+
+def test_plot_skips_run_without_epochs_and_defaults_out_beside_runs(
+    tmp_path, capsys):
+  good = _fake_run(tmp_path / "runs" / "bn", "bn", 0)
+  empty = tmp_path / "runs" / "empty"
+  empty.mkdir()
+  (empty / "config.json").write_text(json.dumps(TINY.to_json()))
+  checkpointing.write_metrics(empty, [])
+  assert plot.main([str(good), str(empty)]) == 0
+  captured = capsys.readouterr()
+  assert f"skipped {empty}" in captured.err
+  assert (tmp_path / "runs" / "plots" / "test_error_vs_epoch.png").exists()
+  assert plot.main([str(empty)]) == 1
+  assert "none of the runs" in capsys.readouterr().err
+
+
+# --- library ---------------------------------------------------------------------
+
+
+def test_gbn_jax_nnx_after_plain_import():
+  result = subprocess.run(
+      [sys.executable, "-c", "import sys, gbn_jax\n"
+       "assert 'gbn_jax.nnx' not in sys.modules\n"
+       "from flax import nnx\n"
+       "layer = gbn_jax.nnx.GBatchNorm(4, measure='sqd1', rngs=nnx.Rngs(0))\n"
+       "print(type(layer).__module__)"], cwd=REPO, capture_output=True,
+      text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == "gbn_jax.nnx"
+  import gbn_jax  # pylint: disable=g-import-not-at-top
+  with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+    gbn_jax.nonexistent  # pylint: disable=pointless-statement

@@ -1,0 +1,321 @@
+"""Tests of ``train.sweep`` (grid runner) and ``train.report`` (tables, curves).
+
+The report's numbers are checked against numpy computations written here
+from the metrics rows; the sweep runs real ``train.mnist`` subprocesses on a
+tiny IDX dataset, including a ``kill -9`` of the sweep mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_train import REPO, exact, write_tiny_mnist
+from train import checkpointing
+from train import configs
+from train import report
+from train import sweep
+
+# --- grid expansion -------------------------------------------------------------
+
+
+def test_expand_cross_product_in_flag_order():
+  runs = sweep.expand(["--seed", "0,1", "--norm", "bn,sqd:0.3", "--lr",
+                       "0.1,0.01", "--epochs", "3", "--momentum=0.9"])
+  assert len(runs) == 8
+  # The last list varies fastest; seed (first) slowest.
+  assert [(r.config.seed, r.config.norm, r.config.learning_rate)
+          for r in runs[:4]] == [(0, "bn", 0.1), (0, "bn", 0.01),
+                                 (0, "sqd:0.3", 0.1), (0, "sqd:0.3", 0.01)]
+  assert all(r.config.momentum == 0.9 and r.config.epochs == 3 for r in runs)
+  assert runs[2].name == "cifar10-resnet20-sqd_0.3-b256-lr0.1-m0.9-seed0"
+  assert len({r.name for r in runs}) == 8
+  # A run's flags reproduce its config through the CLI's own parser.
+  from train import main as train_main  # pylint: disable=g-import-not-at-top
+  parser = train_main.build_parser(configs.CIFAR, "x")
+  args = parser.parse_args(runs[5].argv)
+  assert train_main.config_from_args(args, configs.CIFAR).replace(
+      augment=True) == runs[5].config
+
+
+def test_expand_names_ignore_epochs_and_defaults():
+  a = sweep.expand(["--dataset", "fashion_mnist", "--epochs", "3"], "mnist")
+  b = sweep.expand(["--dataset", "fashion_mnist", "--epochs", "5",
+                    "--weight-decay", "5e-4", "--no-augment"], "mnist")
+  assert a[0].name == b[0].name == "fashion_mnist-lenet-bn-b1000-lr0.01-seed0"
+  c = sweep.expand(["--dataset", "fashion_mnist", "--augment"], "mnist")
+  assert c[0].name == "fashion_mnist-lenet-bn-b1000-lr0.01-aug-seed0"
+  # Repeated values are one run.
+  assert len(sweep.expand(["--norm", "bn,bn,mad"])) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workdir", "x"], "set by the sweep"),
+    (["--overwrite"], "set by the sweep"),
+    (["--lr", "0.1,-1"], "--lr must be a positive number"),
+    (["--norm", "bn,,mad"], "empty item"),
+    (["--norm", "bn,foo"], "unknown norm 'foo'"),
+    (["--frobnicate", "1"], "unrecognized argument"),
+    (["--epochs"], "needs a value"),
+])
+def test_expand_errors(argv, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    sweep.expand(argv)
+
+
+def test_sweep_cli_errors(tmp_path, capsys):
+  with pytest.raises(SystemExit) as info:
+    sweep.main(["--sweep-dir", str(tmp_path), "--jobs", "0"])
+  assert info.value.code == 2 and "--jobs must be" in capsys.readouterr().err
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(SystemExit):
+    sweep.main(["--sweep-dir", str(tmp_path / "file"), "--norm", "bn"])
+  assert "is not a folder" in capsys.readouterr().err
+
+
+# --- real sweeps -----------------------------------------------------------------
+
+
+def _sweep_command(sweep_dir: Path, data: Path, *grid: str) -> list[str]:
+  return [sys.executable, "-m", "train.sweep", "--sweep-dir", str(sweep_dir),
+          "--defaults", "mnist", "--data-dir", str(data), "--batch-size", "16",
+          "--lr", "0.05", "--devices-per-run", "1", *grid]
+
+
+def _processes_running(path_part: str) -> list[str]:
+  found = []
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+      continue
+    try:
+      cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+      continue
+    if path_part.encode() in cmdline and b"train.mnist" in cmdline:
+      found.append(cmdline.decode(errors="replace"))
+  return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="the sweep's runs die with it through prctl")
+def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
+  data = write_tiny_mnist(tmp_path / "data", n_train=96)
+  sweep_dir = tmp_path / "sweep"
+  grid = ["--norm", "mad,bn", "--epochs", "25"]
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  process = subprocess.Popen(_sweep_command(sweep_dir, data, *grid), cwd=REPO,
+                             env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  first = sweep_dir / "mnist-lenet-mad-b16-lr0.05-seed0"
+  deadline = time.monotonic() + 240
+  while time.monotonic() < deadline and process.poll() is None:
+    if len(checkpointing.read_metrics(first)) >= 3:
+      break
+    time.sleep(0.02)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  done = len(checkpointing.read_metrics(first))
+  assert 3 <= done < 25
+  # The run died with the sweep (no orphan keeps writing the folder).
+  deadline = time.monotonic() + 30
+  while _processes_running(str(first)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not _processes_running(str(first))
+
+  result = subprocess.run(_sweep_command(sweep_dir, data, *grid), cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  assert "runs 2/2, epochs 50/50" in result.stderr
+  log = (first / sweep.LOG_FILE).read_text()
+  assert "resumed from" in log  # continued, not restarted
+  rows = checkpointing.read_metrics(first)
+  assert [r["epoch"] for r in rows] == list(range(1, 26))
+
+  # The interrupted run equals an uninterrupted one (a second sweep dir).
+  other = tmp_path / "other"
+  result = subprocess.run(
+      _sweep_command(other, data, "--norm", "mad", "--epochs", "25"),
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  assert exact(rows) == exact(checkpointing.read_metrics(other / first.name))
+
+  # Finished runs are skipped: the rerun starts no process.
+  before = log
+  result = subprocess.run(_sweep_command(sweep_dir, data, *grid), cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0 and "runs 2/2" in result.stderr
+  assert (first / sweep.LOG_FILE).read_text() == before
+  # Raising --epochs extends the same runs.
+  dry = sweep.main(["--sweep-dir", str(sweep_dir), "--defaults", "mnist",
+                    "--batch-size", "16", "--lr", "0.05", "--norm", "mad,bn",
+                    "--epochs", "30", "--dry-run"])
+  assert dry == 0
+
+
+@pytest.mark.slow
+def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
+  data = write_tiny_mnist(tmp_path / "data", n_train=96)
+  sweep_dir = tmp_path / "sweep"
+  result = subprocess.run(
+      _sweep_command(sweep_dir, data, "--norm", "bn", "--lr", "1e30,0.05",
+                     "--epochs", "2") , cwd=REPO, capture_output=True,
+      text=True, timeout=600)
+  assert result.returncode == 1
+  assert "failed" in result.stderr and "diverged" in result.stderr
+  # --lr given twice: the grid's list wins over the helper's 0.05.
+  bad = sweep_dir / "mnist-lenet-bn-b16-lr1e+30-seed0"
+  status = json.loads((bad / sweep.STATUS_FILE).read_text())
+  assert status["returncode"] == 1 and "diverged" in status["error"]
+  good = sweep_dir / "mnist-lenet-bn-b16-lr0.05-seed0"
+  assert len(checkpointing.read_metrics(good)) == 2
+  runs = {r.path.name: r for r in report.find_runs([sweep_dir])}
+  assert runs[bad.name].state == "failed"
+  assert runs[good.name].state == "finished"
+
+
+# --- report ----------------------------------------------------------------------
+
+
+def _write_run(folder: Path, norm: str, seed: int, lr: float, errors,
+               seconds, epochs: int | None = None, dataset="fashion_mnist"):
+  folder.mkdir(parents=True)
+  config = configs.MNIST.replace(dataset=dataset, norm=norm, seed=seed,
+                                 learning_rate=lr, augment=False,
+                                 epochs=epochs or len(errors))
+  checkpointing.write_config(folder, config)
+  rows, elapsed, best = [], 0.0, None
+  for epoch, (error, sec) in enumerate(zip(errors, seconds), start=1):
+    elapsed += sec
+    best = error if best is None else min(best, error)
+    rows.append({"epoch": epoch, "train_loss": 2.0 / epoch + seed * 0.01,
+                 "train_error": error + 0.01, "test_loss": 1.0 / epoch,
+                 "test_error": error, "best_test_error": best,
+                 "seconds": sec, "elapsed_seconds": elapsed})
+  checkpointing.write_metrics(folder, rows)
+  return folder
+
+
+@pytest.fixture()
+def fake_sweep(tmp_path):
+  """3 norms x 3 seeds x 2 learning rates, random curves; plus odd runs."""
+  rng = np.random.default_rng(0)
+  data = {}
+  for lr in (0.01, 0.1):
+    for norm in ("bn", "sqd1", "rsd"):
+      for seed in range(3):
+        errors = np.sort(rng.uniform(0.1, 0.4, 4))[::-1]
+        if norm == "bn" and seed == 1:  # best error before the last epoch
+          errors[2] = errors[3] - 0.02
+        seconds = rng.uniform(20, 40, 4)
+        name = f"{norm}-lr{lr}-seed{seed}"
+        _write_run(tmp_path / "sweep" / name, norm, seed, lr, errors.tolist(),
+                   seconds.tolist())
+        data[(lr, norm, seed)] = (errors, seconds)
+  # An unfinished run (2 of 4 epochs) and a failed one: shown, not averaged.
+  _write_run(tmp_path / "sweep" / "sqd1-lr0.01-seed3", "sqd1", 3, 0.01,
+             [0.05, 0.04], [30, 30], epochs=4)
+  failed = _write_run(tmp_path / "sweep" / "rsd-lr0.01-seed3", "rsd", 3, 0.01,
+                      [0.35], [30], epochs=4)
+  (failed / "sweep_status.json").write_text(json.dumps(
+      {"status": "failed", "error": "training loss became nan"}))
+  return tmp_path / "sweep", data
+
+
+def _pm(values, digits=2):
+  values = np.asarray(values, np.float64)
+  return f"{values.mean():.{digits}f} ± {values.std(ddof=1):.{digits}f}"
+
+
+def test_report_numbers_equal_numpy(fake_sweep, tmp_path, capsys):
+  sweep_dir, data = fake_sweep
+  out = tmp_path / "out"
+  assert report.main([str(sweep_dir), "--out", str(out)]) == 0
+  text = (out / "report.md").read_text()
+  table = {}
+  for line in text.splitlines():
+    match = re.match(r"\| (dataset=[^|]*) \| (.*) \|$", line)
+    if match and "epochs to target" not in line:
+      table.setdefault(match.group(1), match.group(2).split(" | "))
+  header = next(line for line in text.splitlines()
+                if line.startswith("| setting |"))
+  norms = header.strip("| ").split(" | ")[1:]
+  assert norms == ["bn", "rsd", "sqd1"]  # the paper's order
+  for lr in (0.01, 0.1):
+    row = next(v for k, v in table.items() if f"lr={lr}," in k)
+    means = {}
+    for norm, cell in zip(norms, row):
+      best = [100 * data[(lr, norm, s)][0].min() for s in range(3)]
+      means[norm] = np.mean(best)
+      assert f"{_pm(best)} (n=3)" in cell.replace("**", ""), (norm, cell)
+    bold = min(means, key=means.get)
+    assert row[norms.index(bold)].startswith("**")
+    assert sum(cell.startswith("**") for cell in row) == 1
+    if lr == 0.01:
+      assert "1 unfinished (2/4 epochs)" in row[norms.index("sqd1")]
+      assert "1 failed (1/4 epochs)" in row[norms.index("rsd")]
+
+    # Convergence: target = bn's mean final error; first epoch at or below.
+    target = np.mean([100 * data[(lr, "bn", s)][0][-1] for s in range(3)])
+    assert f"Target: {target:.2f} %" in text
+    section = text.split(f"lr={lr}, batch=1000")[2]
+    for norm in norms:
+      epochs, seconds = [], []
+      for s in range(3):
+        errors, secs = data[(lr, norm, s)]
+        hit = np.flatnonzero(100 * errors <= target)
+        if hit.size:
+          epochs.append(hit[0] + 1)
+          seconds.append(np.cumsum(secs)[hit[0]])
+      line = next(l for l in section.splitlines() if l.startswith(f"| {norm} |"))
+      if len(epochs) == 3:
+        assert f"| {_pm(epochs, 1)} | {_pm(seconds, 0)} |" in line
+      elif not epochs:
+        assert "not reached (0/3)" in line
+      else:
+        assert f"reached by {len(epochs)}/3" in line
+
+  # Best learning rate per norm.
+  lr_section = text.split("## Best learning rate")[1].split("## Curves")[0]
+  for norm in norms:
+    per_lr = {lr: np.mean([100 * data[(lr, norm, s)][0].min()
+                           for s in range(3)]) for lr in (0.01, 0.1)}
+    best_lr = min(per_lr, key=per_lr.get)
+    line = next(l for l in lr_section.splitlines()
+                if l.startswith(f"| {norm} |"))
+    assert f"| {best_lr} |" in line and f"{per_lr[best_lr]:.2f} ±" in line
+  # Every run is listed, with its state.
+  assert text.count("| finished |") == 18
+  assert "unfinished |" in text and "failed: training loss became nan" in text
+  pngs = sorted(p.name for p in out.glob("curves_*.png"))
+  assert len(pngs) == 2
+  assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
+
+
+def test_report_errors(tmp_path, capsys):
+  assert report.main([str(tmp_path / "missing"), "--out", str(tmp_path)]) == 1
+  assert "is not a folder" in capsys.readouterr().err
+  (tmp_path / "empty").mkdir()
+  assert report.main([str(tmp_path / "empty"), "--out", str(tmp_path)]) == 1
+  assert "no run directories" in capsys.readouterr().err
+
+
+def test_report_paper_row_for_table2_setting(tmp_path):
+  folder = _write_run(tmp_path / "c" / "bn", "bn", 0, 0.1, [0.5, 0.4],
+                      [100, 100], dataset="cifar10")
+  config = checkpointing.read_config(folder).replace(model="lenet",
+                                                     batch_size=1024)
+  checkpointing.write_config(folder, config)
+  report.write_report([tmp_path / "c"], tmp_path / "out")
+  text = (tmp_path / "out" / "report.md").read_text()
+  assert "paper, Table 2" in text and "28.74 ± 0.36" in text

@@ -1,0 +1,544 @@
+"""``python -m train.report DIR... --out OUT``: tables and curves of many runs.
+
+Each DIR is a run directory or any folder above run directories (a sweep
+dir, ``results/``); run directories (folders with ``config.json``) are
+found recursively. ``OUT/report.md`` then holds:
+
+* **Test error**, in the layout of the paper's Tables 2/3: one row per
+  setting (dataset, model, learning rate, batch, augmentation, and any other
+  field that differs between settings), one column per norm. A cell is the
+  best test error of a run (its lowest over the evaluated epochs), mean ±
+  sample standard deviation over seeds, with n; the row's lowest mean is in
+  bold.
+* **Convergence**: per norm, the epochs and seconds (cumulative training
+  wall-clock, ``elapsed_seconds``) a run takes to first reach the target
+  error, BatchNorm's mean final test error in the same setting.
+* **Best learning rate**: per norm, its lowest mean over the learning-rate
+  grid of a setting, and at which rate.
+* **Curves** (``curves_*.png``): training loss and test error against epoch
+  and seconds, the mean over seeds with a ±std band, one line per norm.
+* **Activations** (``activations_*.png``), for runs trained with
+  ``--record-activations``: percentile bands of one feature before and
+  after one norm layer over training iterations.
+
+Only finished runs (every epoch of their config) enter the means; an
+unfinished or failed run is listed as such in its cell and in the run list,
+never dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from train import plot
+
+_PROG = "python -m train.report"
+#: Fields that tell settings (table rows) apart, always shown.
+ROW_FIELDS = ("dataset", "model", "learning_rate", "batch_size", "augment")
+#: The paper's Table 2 (original CIFAR-10, LeNet, batch 1024, lr 0.1,
+#: 200 epochs; best test error %, mean ± std over runs). Its SD is BatchNorm.
+PAPER_TABLE2_CIFAR10_LENET = {
+    "bn": (28.74, 0.36), "mad": (29.03, 0.37), "rsd": (29.19, 0.45),
+    "rbd": (31.16, 0.30), "sqd1": (46.64, 4.05), "sqd2": (27.23, 0.19),
+    "sqd3": (27.17, 0.27)}
+#: Columns in this order first (the paper's), then any other norm.
+NORM_ORDER = ("bn", "sd", "mad", "rsd", "rbd", "sqd1", "sqd2", "sqd3", "wcd",
+              "bpoe")
+ACTIVATIONS_FILE = "activations.jsonl"
+
+
+@dataclasses.dataclass
+class Run:
+  """One run directory as read from disk.
+
+  Attributes:
+    path: The directory.
+    config: Its ``config.json``.
+    rows: Its ``metrics.jsonl`` rows.
+    failure: The error of a failed sweep run (``sweep_status.json``).
+  """
+
+  path: Path
+  config: dict[str, Any]
+  rows: list[dict[str, Any]]
+  failure: str | None = None
+
+  @property
+  def epochs_done(self) -> int:
+    return max((r["epoch"] for r in self.rows), default=0)
+
+  @property
+  def finished(self) -> bool:
+    return self.epochs_done >= self.config["epochs"]
+
+  @property
+  def state(self) -> str:
+    if self.finished:
+      return "finished"
+    return "failed" if self.failure else "unfinished"
+
+  def best_error(self) -> float | None:
+    errors = [r["test_error"] for r in self.rows
+              if r.get("test_error") is not None]
+    return min(errors) if errors else None
+
+  def final_error(self) -> float | None:
+    errors = [r["test_error"] for r in self.rows
+              if r.get("test_error") is not None]
+    return errors[-1] if errors else None
+
+
+def find_runs(dirs: Iterable[str | Path]) -> list[Run]:
+  """Every run directory in or under ``dirs``, sorted by path.
+
+  Raises:
+    FileNotFoundError: If a DIR does not exist.
+  """
+  found: dict[Path, Run] = {}
+  for top in dirs:
+    top = Path(top)
+    if not top.is_dir():
+      raise FileNotFoundError(f"{top} is not a folder")
+    for config_path in sorted([top / "config.json", *top.rglob("config.json")]):
+      run_dir = config_path.parent
+      if (not config_path.is_file() or "checkpoints" in run_dir.parts
+          or run_dir.resolve() in found):
+        continue
+      try:
+        config = json.loads(config_path.read_text())
+        lines = ((run_dir / "metrics.jsonl").read_text().splitlines()
+                 if (run_dir / "metrics.jsonl").exists() else [])
+        rows = [json.loads(line) for line in lines if line.strip()]
+      except (OSError, ValueError) as e:
+        print(f"{_PROG}: warning: skipped {run_dir}: {e}", file=sys.stderr)
+        continue
+      if not isinstance(config, dict) or "norm" not in config:
+        continue
+      failure = None
+      status_path = run_dir / "sweep_status.json"
+      if status_path.exists():
+        try:
+          failure = json.loads(status_path.read_text()).get("error") or "failed"
+        except (OSError, ValueError):
+          failure = "failed"
+      found[run_dir.resolve()] = Run(run_dir, config, rows, failure)
+  return sorted(found.values(), key=lambda r: str(r.path))
+
+
+def _setting_key(config: dict[str, Any], drop: Sequence[str]) -> str:
+  return json.dumps({k: v for k, v in sorted(config.items())
+                     if k not in ("norm", "seed", *drop)})
+
+
+def group_runs(runs: Sequence[Run], drop: Sequence[str] = ()
+               ) -> dict[str, dict[str, list[Run]]]:
+  """``{setting key: {norm: runs}}``; a setting is a config less norm, seed."""
+  groups: dict[str, dict[str, list[Run]]] = {}
+  for run in runs:
+    key = _setting_key(run.config, drop)
+    groups.setdefault(key, {}).setdefault(run.config["norm"], []).append(run)
+  return groups
+
+
+def norm_order(norms: Iterable[str]) -> list[str]:
+  rank = {n: i for i, n in enumerate(NORM_ORDER)}
+  return sorted(set(norms), key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+  """Mean and sample standard deviation (``None`` for one value)."""
+  array = np.asarray(values, np.float64)
+  std = float(array.std(ddof=1)) if len(array) > 1 else None
+  return float(array.mean()), std
+
+
+def _pm(mean: float, std: float | None, digits: int = 2) -> str:
+  return (f"{mean:.{digits}f} ± {std:.{digits}f}" if std is not None
+          else f"{mean:.{digits}f}")
+
+
+@dataclasses.dataclass
+class Cell:
+  """The runs of one norm in one setting, summarized."""
+
+  finished: list[Run]
+  others: list[Run]
+
+  @classmethod
+  def of(cls, runs: Sequence[Run]) -> Cell:
+    return cls([r for r in runs if r.finished],
+               [r for r in runs if not r.finished])
+
+  def best_errors(self) -> list[float]:
+    return [100 * e for e in (r.best_error() for r in self.finished)
+            if e is not None]
+
+  def final_errors(self) -> list[float]:
+    return [100 * e for e in (r.final_error() for r in self.finished)
+            if e is not None]
+
+  def others_text(self) -> str:
+    parts = []
+    for state in ("unfinished", "failed"):
+      runs = [r for r in self.others if r.state == state]
+      if runs:
+        epochs = ", ".join(f"{r.epochs_done}/{r.config['epochs']}"
+                           for r in runs)
+        parts.append(f"{len(runs)} {state} ({epochs} epochs)")
+    return "; ".join(parts)
+
+
+def _setting_label(config: dict[str, Any], extra: Sequence[str]) -> str:
+  shown = [f for f in ROW_FIELDS] + [f for f in extra if f not in ROW_FIELDS]
+  return ", ".join(f"{plot.FIELD_LABELS.get(f, f)}={config.get(f)}"
+                   for f in shown)
+
+
+def _row_extra(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
+  configs = [next(iter(by_norm.values()))[0].config
+             for by_norm in groups.values()]
+  return plot.varying_fields(configs, exclude=("norm", "seed"))
+
+
+def _first_config(by_norm: dict[str, list[Run]]) -> dict[str, Any]:
+  return next(iter(by_norm.values()))[0].config
+
+
+def error_table(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
+  """Markdown lines of the test-error table (paper layout)."""
+  norms = norm_order(n for g in groups.values() for n in g)
+  extra = _row_extra(groups)
+  lines = ["| setting | " + " | ".join(norms) + " |",
+           "|---|" + "---|" * len(norms)]
+  for by_norm in groups.values():
+    config = _first_config(by_norm)
+    cells = {n: Cell.of(by_norm.get(n, [])) for n in norms}
+    means = {n: mean_std(c.best_errors())[0] for n, c in cells.items()
+             if c.best_errors()}
+    best = min(means.values()) if means else None
+    texts = []
+    for n in norms:
+      cell = cells[n]
+      text = ""
+      if cell.best_errors():
+        mean, std = mean_std(cell.best_errors())
+        text = _pm(mean, std)
+        if mean == best:
+          text = f"**{text}**"
+        text += f" (n={len(cell.best_errors())})"
+      if cell.others:
+        text = (text + "; " if text else "") + cell.others_text()
+      texts.append(text or "–")
+    lines.append(f"| {_setting_label(config, extra)} | " + " | ".join(texts)
+                 + " |")
+    if _is_paper_table2(config):
+      paper = [(_pm(*PAPER_TABLE2_CIFAR10_LENET[n]) if n in
+                PAPER_TABLE2_CIFAR10_LENET else "") for n in norms]
+      lines.append("| *paper, Table 2 (original CIFAR-10, 200 epochs)* | "
+                   + " | ".join(paper) + " |")
+  return lines
+
+
+def _is_paper_table2(config: dict[str, Any]) -> bool:
+  return (config.get("dataset") == "cifar10" and config.get("model") == "lenet"
+          and config.get("batch_size") == 1024
+          and config.get("learning_rate") == 0.1)
+
+
+@dataclasses.dataclass
+class Reach:
+  """When each run of a cell first reached a target error."""
+
+  epochs: list[int]
+  seconds: list[float]
+  total: int
+
+  @classmethod
+  def of(cls, runs: Sequence[Run], target: float) -> Reach:
+    epochs, seconds = [], []
+    for run in runs:
+      for row in run.rows:
+        error = row.get("test_error")
+        if error is not None and 100 * error <= target:
+          epochs.append(row["epoch"])
+          seconds.append(row["elapsed_seconds"])
+          break
+    return cls(epochs, seconds, len(runs))
+
+  def text(self) -> tuple[str, str]:
+    if not self.epochs:
+      return f"not reached (0/{self.total})", "not reached"
+    note = "" if len(self.epochs) == self.total else (
+        f", reached by {len(self.epochs)}/{self.total}")
+    epochs = _pm(*mean_std(self.epochs), digits=1) + note
+    seconds = _pm(*mean_std(self.seconds), digits=0) + note
+    return epochs, seconds
+
+
+def convergence_table(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
+  """Markdown lines: epochs and seconds to reach BatchNorm's final error."""
+  extra = _row_extra(groups)
+  lines = []
+  for by_norm in groups.values():
+    config = _first_config(by_norm)
+    baseline = Cell.of(by_norm.get("bn", []))
+    lines.append(f"**{_setting_label(config, extra)}**")
+    lines.append("")
+    if not baseline.final_errors():
+      lines += ["No finished BatchNorm (`bn`) run here, so no target.", ""]
+      continue
+    target = mean_std(baseline.final_errors())[0]
+    lines += [f"Target: {target:.2f} % (BatchNorm's mean final test error, "
+              f"n={len(baseline.final_errors())}).", "",
+              "| norm | epochs to target | seconds to target | "
+              "seconds per epoch | final test error (%) |",
+              "|---|---|---|---|---|"]
+    for norm in norm_order(by_norm):
+      cell = Cell.of(by_norm[norm])
+      if not cell.finished:
+        lines.append(f"| {norm} | {cell.others_text()} | | | |")
+        continue
+      epochs, seconds = Reach.of(cell.finished, target).text()
+      per_epoch = [r["seconds"] for run in cell.finished for r in run.rows]
+      final = _pm(*mean_std(cell.final_errors()))
+      lines.append(f"| {norm} | {epochs} | {seconds} | "
+                   f"{_pm(*mean_std(per_epoch), digits=1)} | {final} |")
+    lines.append("")
+  return lines
+
+
+def best_lr_table(runs: Sequence[Run]) -> list[str]:
+  """Markdown lines: each norm's best mean over the learning-rate grid."""
+  groups = group_runs(runs, drop=("learning_rate",))
+  lines = []
+  for by_norm in groups.values():
+    rates = sorted({r.config["learning_rate"] for rs in by_norm.values()
+                    for r in rs})
+    if len(rates) < 2:
+      continue
+    config = dict(_first_config(by_norm), learning_rate="grid")
+    lines += [f"**{_setting_label(config, [])}**, learning rates "
+              + ", ".join(map(str, rates)), "",
+              "| norm | best mean test error (%) | at lr | mean per lr |",
+              "|---|---|---|---|"]
+    for norm in norm_order(by_norm):
+      per_lr = {}
+      for rate in rates:
+        cell = Cell.of([r for r in by_norm[norm]
+                        if r.config["learning_rate"] == rate])
+        if cell.best_errors():
+          per_lr[rate] = mean_std(cell.best_errors())
+      if not per_lr:
+        lines.append(f"| {norm} | no finished run | | |")
+        continue
+      rate = min(per_lr, key=lambda k: per_lr[k][0])
+      listing = ", ".join(f"{k}: {v[0]:.2f}" for k, v in per_lr.items())
+      lines.append(f"| {norm} | {_pm(*per_lr[rate])} | {rate} | {listing} |")
+    lines.append("")
+  return lines
+
+
+def _slug(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+
+
+def curves_figure(by_norm: dict[str, list[Run]], title: str,
+                  path: Path) -> Path:
+  """Writes the 2x2 curves of one setting: mean over seeds, ±std band."""
+  fig, axes = plot.plt.subplots(2, 2, figsize=(12, 7.5))
+  for ax, (metric, ylabel, xkey, xlabel) in zip(axes.T.flat, plot.CURVES):
+    for norm in norm_order(by_norm):
+      runs = [r for r in by_norm[norm] if r.rows]
+      epochs = sorted({row["epoch"] for r in runs for row in r.rows})
+      xs, means, stds = [], [], []
+      for epoch in epochs:
+        at = [row for r in runs for row in r.rows if row["epoch"] == epoch
+              and row.get(metric) is not None]
+        if not at:
+          continue
+        ys = [row[metric] * (100 if metric == "test_error" else 1)
+              for row in at]
+        xs.append(float(np.mean([row[xkey] for row in at])))
+        means.append(float(np.mean(ys)))
+        stds.append(float(np.std(ys, ddof=1)) if len(ys) > 1 else 0.0)
+      if not xs:
+        continue
+      done = sum(r.finished for r in runs)
+      label = f"{norm} (n={done}" + (
+          f", +{len(runs) - done} unfinished)" if done < len(runs) else ")")
+      line, = ax.plot(xs, means, marker="o", markersize=3, label=label)
+      ax.fill_between(xs, np.subtract(means, stds), np.add(means, stds),
+                      color=line.get_color(), alpha=0.2, linewidth=0)
+    plot.style_axes(ax, metric, xkey, xlabel, ylabel)
+    ax.set_title(f"{ylabel} vs {xlabel}")
+  axes[0, 1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                    fontsize="small", title="mean ± std over seeds")
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plot.plt.close(fig)
+  return path
+
+
+def read_activations(run: Run) -> list[dict[str, Any]]:
+  path = run.path / ACTIVATIONS_FILE
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines()
+          if line.strip()]
+
+
+def activations_figure(runs: Sequence[Run], path: Path) -> Path | None:
+  """Percentile bands of the recorded feature, before and after the norm.
+
+  One column per run (BatchNorm first), rows: before / after the layer.
+  """
+  recorded = [(r, read_activations(r)) for r in runs]
+  recorded = [(r, rows) for r, rows in recorded if rows]
+  if not recorded:
+    return None
+  recorded.sort(key=lambda item: norm_order([item[0].config["norm"],
+                                             *NORM_ORDER]).index(
+                                                 item[0].config["norm"]))
+  fig, axes = plot.plt.subplots(2, len(recorded), squeeze=False,
+                                figsize=(4.5 * len(recorded), 6.5),
+                                sharex="col")
+  for column, (run, rows) in enumerate(recorded):
+    percentiles = rows[0]["percentiles"]
+    steps = np.array([row["step"] for row in rows])
+    for row_index, key in enumerate(("before", "after")):
+      ax = axes[row_index, column]
+      values = np.array([row[key] for row in rows])  # (records, percentiles)
+      middle = len(percentiles) // 2
+      for i in range(middle):
+        ax.fill_between(steps, values[:, i], values[:, -1 - i], alpha=0.25,
+                        color="C0", linewidth=0,
+                        label=f"{percentiles[i]:g}-{percentiles[-1 - i]:g}th")
+      ax.plot(steps, values[:, middle], color="C3",
+              label=f"{percentiles[middle]:g}th (median)")
+      ax.axhline(0, color="k", linewidth=0.6)
+      ax.set_title(f"{run.config['norm']}: {key} {rows[0]['layer']}")
+      ax.set_xlabel("training iteration")
+      ax.set_ylabel(f"feature {rows[0]['feature']} value")
+      ax.grid(True, alpha=0.3)
+  axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                     fontsize="small", title="percentiles over the batch")
+  fig.suptitle("Distribution of one feature over training (cf. the paper's "
+               "Figure 1)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plot.plt.close(fig)
+  return path
+
+
+def run_list(runs: Sequence[Run], out: Path) -> list[str]:
+  lines = ["| run | norm | seed | epochs | best test error (%) | state |",
+           "|---|---|---|---|---|---|"]
+  for run in runs:
+    best = run.best_error()
+    state = run.state + (f": {run.failure}" if run.failure and
+                         not run.finished else "")
+    try:
+      where = run.path.resolve().relative_to(out.resolve().parent)
+    except ValueError:
+      where = run.path
+    lines.append(f"| {where} | {run.config['norm']} | {run.config['seed']} | "
+                 f"{run.epochs_done}/{run.config['epochs']} | "
+                 f"{'' if best is None else f'{100 * best:.2f}'} | {state} |")
+  return lines
+
+
+def write_report(dirs: Sequence[str | Path], out: str | Path,
+                 command: str | None = None) -> Path:
+  """Writes ``out/report.md`` and its PNGs; returns the report's path.
+
+  Raises:
+    FileNotFoundError: If a DIR is missing.
+    ValueError: If no run directory is found.
+  """
+  runs = find_runs(dirs)
+  if not runs:
+    raise ValueError("no run directories (folders with config.json) found "
+                     f"in {', '.join(map(str, dirs))}")
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  groups = group_runs(runs)
+  extra = _row_extra(groups)
+  finished = sum(r.finished for r in runs)
+  lines = ["# Report", ""]
+  if command:
+    lines += [f"Command: `{command}`", ""]
+  lines += [
+      f"{len(runs)} runs: {finished} finished, "
+      f"{sum(r.state == 'unfinished' for r in runs)} unfinished, "
+      f"{sum(r.state == 'failed' for r in runs)} failed. Means and standard "
+      "deviations (sample, ddof=1) are over the finished runs (seeds) of a "
+      "cell; errors in %.", "",
+      "## Best test error (the paper's table layout)", "",
+      "Each cell: the lowest test error a run reached over its evaluated "
+      "epochs, mean ± std over seeds (n); the lowest mean of a row in bold.",
+      "", *error_table(groups), "",
+      "## Convergence", "",
+      "Epochs and seconds (cumulative training wall-clock, compilation "
+      "excluded) until a run's test error first falls to the target; mean ± "
+      "std over the runs that reached it.", "",
+      *convergence_table(groups)]
+  lr_lines = best_lr_table(runs)
+  if lr_lines:
+    lines += ["## Best learning rate", "",
+              "Per norm, the learning rate with the lowest mean best test "
+              "error.", "", *lr_lines]
+  lines += ["## Curves", ""]
+  for index, by_norm in enumerate(groups.values()):
+    label = _setting_label(_first_config(by_norm), extra)
+    name = f"curves_{index + 1:02d}_{_slug(label)[:80]}.png"
+    curves_figure(by_norm, label, out / name)
+    lines += [f"![{label}]({name})", ""]
+  activation_runs = [r for r in runs if (r.path / ACTIVATIONS_FILE).exists()]
+  if activation_runs:
+    lines += ["## Activations", ""]
+    by_setting = group_runs(activation_runs)
+    for index, by_norm in enumerate(by_setting.values()):
+      chosen = [runs_[0] for runs_ in by_norm.values()]
+      name = f"activations_{index + 1:02d}.png"
+      if activations_figure(chosen, out / name):
+        label = _setting_label(_first_config(by_norm), extra)
+        lines += [f"{label}: " + ", ".join(
+            f"{r.config['norm']} seed {r.config['seed']}" for r in chosen), "",
+                  f"![activations]({name})", ""]
+  lines += ["## Runs", "", *run_list(runs, out), ""]
+  path = out / "report.md"
+  path.write_text("\n".join(lines))
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog=_PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+      + " Writes OUT/report.md plus PNGs; see train/report.py.")
+  parser.add_argument("dirs", nargs="+", metavar="DIR",
+                      help="run directories or folders above them")
+  parser.add_argument("--out", required=True,
+                      help="folder for report.md and the PNGs")
+  args = parser.parse_args(argv)
+  command = " ".join([_PROG, *(argv if argv is not None else sys.argv[1:])])
+  try:
+    path = write_report(args.dirs, args.out, command=command)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"{_PROG}: error: {e}", file=sys.stderr)
+    return 1
+  print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
