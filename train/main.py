@@ -27,6 +27,7 @@ from train import models
 
 _EXIT_ERROR = 1
 _EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+_HEARTBEAT_ENV = "GBN_DISTRIBUTED_HEARTBEAT_SECONDS"
 
 
 def _norm_arg(value: str) -> str:
@@ -158,6 +159,9 @@ def default_workdir(config: configs.Config) -> str:
 def maybe_initialize_distributed() -> bool:
   """Calls ``jax.distributed.initialize`` when the environment asks for it.
 
+  ``GBN_DISTRIBUTED_HEARTBEAT_SECONDS`` (default: JAX's 100) bounds how long
+  a process waits for a silent peer before it stops.
+
   Returns:
     Whether it was called.
   """
@@ -168,9 +172,26 @@ def maybe_initialize_distributed() -> bool:
 
   env_int = lambda name: (int(os.environ[name]) if os.environ.get(name)
                           else None)
+  timeouts = {}
+  if env_int(_HEARTBEAT_ENV):
+    timeouts["heartbeat_timeout_seconds"] = env_int(_HEARTBEAT_ENV)
   jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"),
-                             process_id=env_int("JAX_PROCESS_ID"))
+                             process_id=env_int("JAX_PROCESS_ID"), **timeouts)
   return True
+
+
+def _fail(prog: str, message: str, distributed: bool) -> int:
+  """Prints the error; a multi-process run then exits at once.
+
+  A normal exit would wait in ``jax.distributed``'s shutdown barrier for
+  peers that may be gone, until the heartbeat timeout, then abort.
+  """
+  print(f"{prog}: error: {message}", file=sys.stderr)
+  if distributed:
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(_EXIT_ERROR)  # pylint: disable=protected-access
+  return _EXIT_ERROR
 
 
 def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
@@ -189,7 +210,8 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
           file=sys.stderr)
     return _EXIT_ERROR
 
-  maybe_initialize_distributed()
+  distributed = maybe_initialize_distributed()
+  import jax  # pylint: disable=g-import-not-at-top
   # Imported here so that `--help` and flag errors stay fast.
   from train import checkpointing  # pylint: disable=g-import-not-at-top
   from train import input_pipeline  # pylint: disable=g-import-not-at-top
@@ -208,12 +230,16 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
         on_first_epoch=functools.partial(_first_epoch_notes, prog=prog))
   except (ValueError, checkpointing.RunDirError, checkpointing.CheckpointError,
           train.NonFiniteLossError, input_pipeline.DataNotFoundError) as e:
-    print(f"{prog}: error: {e}", file=sys.stderr)
-    return _EXIT_ERROR
+    return _fail(prog, str(e), distributed)
   except OSError as e:  # e.g. a --workdir that can't be created or written
-    print(f"{prog}: error: {e.strerror or e}: "
-          f"{e.filename or workdir}", file=sys.stderr)
-    return _EXIT_ERROR
+    return _fail(prog, f"{e.strerror or e}: {e.filename or workdir}",
+                 distributed)
+  except jax.errors.JaxRuntimeError as e:
+    if not distributed:
+      raise
+    return _fail(prog, f"{e}\nAnother process of this multi-process run "
+                 "stopped or lost contact. Rerun every process with the same "
+                 "command to resume from the last checkpoint.", distributed)
   except KeyboardInterrupt:
     print(f"\n{prog}: interrupted; {_resume_hint(workdir)}", file=sys.stderr)
     return _EXIT_INTERRUPTED
