@@ -40,8 +40,8 @@ a summary with the load time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import gzip
 import importlib.util
 import io
