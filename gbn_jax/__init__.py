@@ -4,7 +4,8 @@ GBN normalizes each feature by ``(x - S(x)) / D(x)`` over the batch, where
 ``D`` is a generalized deviation measure and ``S`` its natural statistic
 (Yuan, Feng, Norton, Li, AAAI 2019). Layers: :class:`GBatchNorm` (linen) and
 ``gbn_jax.nnx.GBatchNorm``; measures: :func:`get_measure`, :data:`MEASURES`;
-exact order statistics: :func:`quantile`, :func:`superquantile`.
+exact order statistics: :func:`quantile`, :func:`superquantile`; running
+statistics recomputed over many batches: :func:`precise_batch_stats`.
 """
 
 from gbn_jax.measures import MEASURES
@@ -15,6 +16,7 @@ from gbn_jax.quantiles import quantile
 from gbn_jax.quantiles import quantile_rank
 from gbn_jax.quantiles import superquantile
 from gbn_jax.linen import GBatchNorm
+from gbn_jax.precise import precise_batch_stats
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,7 @@ __all__ = [
     "MEASURES",
     "Measure",
     "get_measure",
+    "precise_batch_stats",
     "quantile",
     "quantile_rank",
     "register_measure",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -38,6 +40,26 @@ class GBatchNorm(nn.BatchNorm):
     >>> float((jax.nn.relu(y) == 0).mean())  # centering on the median
     0.5
 
+  Generalized batch renormalization (Ioffe, 2017), with ``renorm=True``: in
+  training the layer outputs ``((x - S_B) / D_B * r + d) * scale + bias``,
+  where ``D = sqrt(D^2 + epsilon)`` for the batch (``_B``) and the running
+  (``_run``) statistics alike, and ``r = D_B / D_run`` and ``d = (S_B -
+  S_run) / D_run``, clipped, are constants for autodiff. Unclipped, the
+  output is the inference output. The running statistics are updated and
+  used at inference as without it. With ``rmax=1, dmax=0`` it is plain GBN::
+
+    >>> renorm = GBatchNorm(use_running_average=False, measure='mad',
+    ...                     renorm=True,
+    ...                     renorm_clipping={'rmax': 3.0, 'dmax': 5.0})
+    >>> variables = renorm.init(jax.random.key(1), x)
+    >>> y, updates = renorm.apply(variables, x, mutable=['batch_stats'])
+    >>> plain = GBatchNorm(use_running_average=False, measure='mad')
+    >>> y_gbn, _ = plain.apply(variables, x, mutable=['batch_stats'])
+    >>> one = renorm.clone(renorm_clipping={'rmax': 1, 'dmax': 0})
+    >>> y_one, _ = one.apply(variables, x, mutable=['batch_stats'])
+    >>> bool((y_one == y_gbn).all()), bool((y == y_gbn).all())
+    (True, False)
+
   Attributes:
     measure: a name from :data:`gbn_jax.MEASURES` (``'sd'``, ``'mad'``,
       ``'rsd'``, ``'sqd'``, ``'sqd1'``..``'sqd3'``, ``'rbd'``, ``'wcd'``,
@@ -48,15 +70,29 @@ class GBatchNorm(nn.BatchNorm):
       ``axis_name`` for it.
     alpha: the probability level of ``'sqd'`` (strictly between 0 and 1).
     use_fast_variance: for ``'sd'``, flax's one-pass variance.
+    renorm: batch renormalization in training (see above); inference and the
+      running statistics are unchanged.
+    renorm_clipping: ``None`` (no clipping) or a dict with Keras' keys
+      ``'rmax'`` (>= 1), ``'rmin'`` (in (0, 1], default ``1 / rmax``) and
+      ``'dmax'`` (>= 0): ``r`` is clipped to ``[rmin, rmax]`` and ``d`` to
+      ``[-dmax, dmax]``; a key left out leaves that side unclipped. Stored
+      as a ``FrozenDict``.
     (other fields): as in ``flax.linen.BatchNorm``.
   """
 
   measure: str | MeasureFn = "sd"
   alpha: float | None = None
+  renorm: bool = False
+  renorm_clipping: Mapping[str, float] | None = None
 
   def __post_init__(self):
-    # Fail at construction, not at the first call, for a bad measure or alpha.
+    # Fail at construction, not at the first call, for a bad measure, alpha
+    # or clipping (kept hashable, like the module).
     _normalization.bind_measure(self.measure, self.alpha, self.use_fast_variance)
+    object.__setattr__(
+        self, "renorm_clipping",
+        _normalization.freeze_renorm_clipping(self.renorm, self.renorm_clipping),
+    )
     super().__post_init__()
 
   @nn.compact
@@ -114,13 +150,7 @@ class GBatchNorm(nn.BatchNorm):
           self.measure, self.alpha, self.use_fast_variance
       )
       initializing = self.is_initializing()
-      y, statistic, deviation_sq = _normalization.normalize_batch(
-          measure,
-          x,
-          scale,
-          bias,
-          reduction_axes,
-          feature_axes,
+      reduction = dict(
           dtype=self.dtype,
           epsilon=self.epsilon,
           mask=mask,
@@ -128,6 +158,17 @@ class GBatchNorm(nn.BatchNorm):
           axis_index_groups=self.axis_index_groups,
           force_float32_reductions=self.force_float32_reductions,
       )
+      if self.renorm:
+        y, statistic, deviation_sq = _normalization.renormalize_batch(
+            measure, x, scale, bias, ra_mean.value, ra_var.value,
+            reduction_axes, feature_axes,
+            limits=_normalization.renorm_limits(self.renorm_clipping),
+            **reduction,
+        )
+      else:
+        y, statistic, deviation_sq = _normalization.normalize_batch(
+            measure, x, scale, bias, reduction_axes, feature_axes, **reduction
+        )
       if not initializing:
         ra_mean.value = (
             self.momentum * ra_mean.value + (1 - self.momentum) * statistic

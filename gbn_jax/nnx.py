@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,6 +33,15 @@ class GBatchNorm(nnx.BatchNorm):
     >>> x = jax.random.normal(jax.random.key(0), (8, 3))
     >>> float((jax.nn.relu(norm(x)) == 0).mean())  # a quarter at or below q_.25
     0.25
+
+  ``renorm=True`` turns on generalized batch renormalization in training
+  (``renorm_clipping`` as in :class:`gbn_jax.GBatchNorm`):
+
+    >>> renorm = gbn_jax.nnx.GBatchNorm(
+    ...     3, measure='sqd1', renorm=True,
+    ...     renorm_clipping={'rmax': 3.0, 'dmax': 5.0}, rngs=nnx.Rngs(0))
+    >>> renorm(x).shape, renorm.renorm_clipping['rmax']
+    ((8, 3), 3.0)
   """
 
   def __init__(
@@ -40,15 +50,23 @@ class GBatchNorm(nnx.BatchNorm):
       *,
       measure: str | MeasureFn = "sd",
       alpha: float | None = None,
+      renorm: bool = False,
+      renorm_clipping: Mapping[str, float] | None = None,
       **kwargs: Any,
   ):
-    """Args: as ``nnx.BatchNorm``, plus ``measure`` and ``alpha``."""
+    """Args: as ``nnx.BatchNorm``, plus ``measure``, ``alpha``, ``renorm``
+    and ``renorm_clipping`` (see :class:`gbn_jax.GBatchNorm`)."""
     use_fast_variance = kwargs.get("use_fast_variance", True)
-    # Validate before allocating anything: bad names/alpha fail here.
+    # Validate before allocating anything: bad names/alpha/clipping fail here.
     _normalization.bind_measure(measure, alpha, use_fast_variance)
+    renorm_clipping = _normalization.freeze_renorm_clipping(
+        renorm, renorm_clipping
+    )
     super().__init__(num_features, **kwargs)
     self.measure = measure
     self.alpha = alpha
+    self.renorm = renorm
+    self.renorm_clipping = renorm_clipping
 
   def __call__(
       self,
@@ -77,19 +95,24 @@ class GBatchNorm(nnx.BatchNorm):
       measure = _normalization.bind_measure(
           self.measure, self.alpha, self.use_fast_variance
       )
-      y, statistic, deviation_sq = _normalization.normalize_batch(
-          measure,
-          x,
-          scale,
-          bias,
-          reduction_axes,
-          feature_axes,
+      reduction = dict(
           dtype=self.dtype,
           epsilon=self.epsilon,
           mask=mask,
           axis_name=self.axis_name,
           axis_index_groups=self.axis_index_groups,
       )
+      if self.renorm:
+        y, statistic, deviation_sq = _normalization.renormalize_batch(
+            measure, x, scale, bias, statistic, deviation_sq, reduction_axes,
+            feature_axes,
+            limits=_normalization.renorm_limits(self.renorm_clipping),
+            **reduction,
+        )
+      else:
+        y, statistic, deviation_sq = _normalization.normalize_batch(
+            measure, x, scale, bias, reduction_axes, feature_axes, **reduction
+        )
       self.mean[...] = jax.lax.stop_gradient(
           self.momentum * self.mean[...] + (1 - self.momentum) * statistic
       )

@@ -48,6 +48,16 @@ def _positive_int(value: str) -> int:
   return number
 
 
+def _nonnegative_int(value: str) -> int:
+  try:
+    number = int(value)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+  if number < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+  return number
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
   """Shows defaults, except the uninformative None/False ones."""
 
@@ -127,6 +137,11 @@ def build_parser(defaults: configs.Config, prog: str,
       "checkpoints/) instead of refusing a different config")
   add("--no-progress", action="store_true",
       help="no progress bar on stderr")
+  add("--precise-stats", type=_nonnegative_int, default=0, metavar="N",
+      help="before each evaluation, also recompute the norms' statistics "
+      "as equal-weight averages over the epoch's first N training batches "
+      "(PreciseBN; the running averages are kept) and evaluate with them: "
+      "test_loss_precise/test_error_precise in metrics.jsonl; 0 = off")
   add("--record-activations", type=_positive_int, default=None, metavar="K",
       help="every K steps, record percentiles (5/15/50/85/95) of one "
       "feature before and after one norm layer to activations.jsonl "
@@ -227,7 +242,8 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
     history = train.train_and_evaluate(
         config, workdir, data_dir=args.data_dir, overwrite=args.overwrite,
         progress=not args.no_progress, record=record,
-        on_first_epoch=functools.partial(_first_epoch_notes, prog=prog))
+        on_first_epoch=functools.partial(_first_epoch_notes, prog=prog),
+        precise_stats=args.precise_stats)
   except (ValueError, checkpointing.RunDirError, checkpointing.CheckpointError,
           train.NonFiniteLossError, input_pipeline.DataNotFoundError) as e:
     return _fail(prog, str(e), distributed)

@@ -32,6 +32,15 @@ training), ``data_seconds``, ``eval_seconds``, ``images_per_sec`` (training
 images / ``train_seconds``) and ``elapsed_seconds`` (cumulative ``seconds``,
 across resumptions).
 
+Precise statistics (``--precise-stats N``): before each evaluation, the
+norms' statistics are also recomputed as equal-weight averages over the
+first ``N`` batches of the epoch just trained, with the parameters frozen
+(:func:`gbn_jax.precise_batch_stats`, PreciseBN), inside one jitted call, and
+the test set is evaluated with them too: ``test_loss_precise``,
+``test_error_precise`` and ``precise_seconds`` (not part of ``seconds``) join
+the row. The train state's running averages are not changed, and
+``test_error`` is still the running-average one.
+
 Activation recording (``--record-activations K``, the paper's Figure 1): every
 ``K`` steps the train step also returns a few percentiles of one feature
 (channel) of one norm layer's input and output over the batch, captured with
@@ -286,6 +295,39 @@ def eval_model(state: TrainState, images: jax.Array, labels: jax.Array,
   return {"loss_sum": loss, "errors": errors, "count": jnp.sum(mask)}
 
 
+def precise_eval_model(state: TrainState, images: jax.Array,
+                       test_images: jax.Array, test_labels: jax.Array,
+                       test_mask: jax.Array, *, dataset: str,
+                       batches: int) -> dict[str, jax.Array]:
+  """:func:`eval_model` with statistics recomputed over training batches.
+
+  Args:
+    state: The train state; its ``batch_stats`` are not changed.
+    images: The epoch's uint8 batches, ``(steps, batch, H, W, C)``; the
+      first ``batches`` of them are used.
+    test_images: As for :func:`eval_model`.
+    test_labels: As for :func:`eval_model`.
+    test_mask: As for :func:`eval_model`.
+    dataset: Dataset name, for its normalization constants.
+    batches: How many batches to average the statistics over.
+
+  Returns:
+    :func:`eval_model`'s sums, with :func:`gbn_jax.precise_batch_stats`
+    in place of the running averages.
+  """
+
+  def model_apply(variables, x):
+    return state.apply_fn(variables,
+                          input_pipeline.normalize_images(x, dataset),
+                          train=True, mutable=["batch_stats"])
+
+  stats = gbn_jax.precise_batch_stats(
+      model_apply, {"params": state.params, "batch_stats": state.batch_stats},
+      images[:batches], stacked=True)
+  return eval_model(state.replace(batch_stats=stats), test_images,
+                    test_labels, test_mask, dataset=dataset)
+
+
 def prepare_epoch(images: jax.Array, labels: jax.Array, key: jax.Array, *,
                   steps: int, batch_size: int, augment: bool
                   ) -> tuple[jax.Array, jax.Array]:
@@ -384,10 +426,21 @@ def _validate_sizes(config: configs.Config, dataset: input_pipeline.Dataset,
     raise ValueError(f"the test set of {config.dataset} is empty")
 
 
+def _validate_precise_stats(batches: int, steps: int) -> None:
+  if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+    raise ValueError(f"--precise-stats must be a whole number >= 0, got "
+                     f"{batches!r}")
+  if batches > steps:
+    raise ValueError(f"--precise-stats {batches} is more than the {steps} "
+                     "batches of an epoch")
+
+
 def _summary_line(row: dict[str, Any], epochs: int) -> str:
   test = ("" if row["test_error"] is None else
           f" test loss {row['test_loss']:.4f} error "
           f"{100 * row['test_error']:.2f}%")
+  if row.get("test_error_precise") is not None:
+    test += f" (precise stats {100 * row['test_error_precise']:.2f}%)"
   return (f"epoch {row['epoch']}/{epochs}: train loss "
           f"{row['train_loss']:.4f} error {100 * row['train_error']:.2f}%"
           f"{test} | {row['seconds']:.1f}s, "
@@ -406,6 +459,8 @@ class Program:
     step: ``step(state, images, labels, index) -> (state, metrics)``.
     evaluate: ``evaluate(state, images, labels, mask) -> sums``.
     steps: Batches per epoch.
+    precise: With ``--precise-stats``, ``precise(state, epoch_images,
+      images, labels, mask) -> sums`` (see :func:`precise_eval_model`).
   """
 
   init: Callable[..., Any]
@@ -413,6 +468,7 @@ class Program:
   step: Callable[..., Any]
   evaluate: Callable[..., Any]
   steps: int
+  precise: Callable[..., Any] | None = None
 
 
 # Compiling takes seconds; runs in one process (tests, sweeps in a notebook,
@@ -424,11 +480,14 @@ _PROGRAM_CACHE_SIZE = 4
 def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
                     train_data: Placed, test_data: Placed,
                     num_classes: int,
-                    record: ActivationRecording | None = None
+                    record: ActivationRecording | None = None,
+                    precise_stats: int = 0
                     ) -> tuple[Program, bool]:
   """Compiles (or fetches from the in-process cache) a run's functions.
 
   Compiling ahead of time also keeps compilation out of the epoch times.
+  ``precise_stats > 0`` also compiles ``Program.precise`` over that many
+  batches.
 
   Returns:
     The program, and whether it came from the cache.
@@ -438,9 +497,10 @@ def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
   donate = jax.default_backend() != "cpu"  # the CPU backend can't donate
   key = (config.replace(seed=0, epochs=1, eval_every=1), n_train,
          tuple(image_shape), test_data.images.shape, num_classes,
-         tuple(d.id for d in mesh.devices.flat), donate, record,
+         tuple(d.id for d in mesh.devices.flat), donate, record, precise_stats,
          # The functions themselves, so that a patched one is recompiled.
-         create_train_state, prepare_epoch, train_step, eval_model)
+         create_train_state, prepare_epoch, train_step, eval_model,
+         precise_eval_model)
   if key in _PROGRAM_CACHE:
     return _PROGRAM_CACHE[key], True
 
@@ -477,8 +537,16 @@ def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
                      out_shardings=replicated)
   evaluate = evaluate.lower(state, test_data.images, test_data.labels,
                             test_data.mask).compile()
+  precise = None
+  if precise_stats:
+    precise = jax.jit(functools.partial(precise_eval_model,
+                                        dataset=config.dataset,
+                                        batches=precise_stats),
+                      out_shardings=replicated)
+    precise = precise.lower(state, batches[0], test_data.images,
+                            test_data.labels, test_data.mask).compile()
   program = Program(init=init, prepare=prepare, step=step, evaluate=evaluate,
-                    steps=steps)
+                    steps=steps, precise=precise)
   while len(_PROGRAM_CACHE) >= _PROGRAM_CACHE_SIZE:
     del _PROGRAM_CACHE[next(iter(_PROGRAM_CACHE))]
   _PROGRAM_CACHE[key] = program
@@ -496,6 +564,7 @@ def train_and_evaluate(
     log: Callable[[str], None] | None = None,
     record: ActivationRecording | None = None,
     on_first_epoch: Callable[..., Sequence[str]] | None = None,
+    precise_stats: int = 0,
 ) -> list[dict[str, Any]]:
   """Trains ``config`` in ``workdir``, resuming from its last checkpoint.
 
@@ -512,6 +581,10 @@ def train_and_evaluate(
     on_first_epoch: Called as ``on_first_epoch(config, seconds, devices)``
       after the first epoch this call trains; the lines it returns are
       logged (the CLI's time estimate).
+    precise_stats: Also evaluate with the norms' statistics recomputed over
+      this many of the epoch's training batches (0: off); adds
+      ``test_loss_precise``, ``test_error_precise`` and ``precise_seconds``
+      to the rows.
 
   Returns:
     The metrics history: one dict per epoch (what ``metrics.jsonl`` holds).
@@ -537,11 +610,14 @@ def train_and_evaluate(
     dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
   mesh = make_mesh(data_parallel_devices(config.batch_size))
   _validate_sizes(config, dataset, mesh.size)
+  _validate_precise_stats(precise_stats,
+                          len(dataset.train_images) // config.batch_size)
   train_data = place_train(dataset, mesh)
   test_data = place_test(dataset, mesh, config.batch_size)
   t0 = time.perf_counter()
   program, cached = compile_program(config, mesh, train_data, test_data,
-                                    dataset.num_classes, record)
+                                    dataset.num_classes, record,
+                                    precise_stats)
   n_train = len(dataset.train_images)
   log(f"{config.model}/{config.norm} on {config.dataset}: {n_train} train "
       f"images ({program.steps} batches of {config.batch_size}, the last "
@@ -656,6 +732,19 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
     eval_seconds = time.perf_counter() - t_eval
     seconds = time.perf_counter() - t_start
     elapsed += seconds
+    precise = {}
+    if program.precise is not None:
+      # Timed apart, so that `seconds` means the same with or without it.
+      t_precise = time.perf_counter()
+      precise = {"test_loss_precise": None, "test_error_precise": None}
+      if test_error is not None:
+        result = jax.device_get(program.precise(
+            state, images, test_data.images, test_data.labels,
+            test_data.mask))
+        count = int(result["count"])
+        precise = {"test_loss_precise": float(result["loss_sum"]) / count,
+                   "test_error_precise": int(result["errors"]) / count}
+      precise["precise_seconds"] = time.perf_counter() - t_precise
     row = {
         "epoch": epoch,
         "train_loss": float(losses_np.mean()),
@@ -669,6 +758,7 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
         "eval_seconds": eval_seconds,
         "images_per_sec": steps * config.batch_size / train_seconds,
         "elapsed_seconds": elapsed,
+        **precise,
     }
     history.append(row)
     if primary and record is not None:  # before the save: see _keep_activations

@@ -202,3 +202,164 @@ def test_large_sharded_batch_quantiles_are_exact(explicit):
   np.testing.assert_array_equal(q(xs), q(x))
   _close(f(xs), f(x))
   _close(g(xs), g(x))
+
+
+# --- batch renormalization and precise statistics ---------------------------------
+
+RENORM = {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}}
+
+
+def _renorm_init(measure, x):
+  # Running statistics away from (0, 1), so that r and d are non-trivial.
+  variables = _init(measure, x)
+  return {**variables, "batch_stats": {
+      "mean": variables["batch_stats"]["mean"] + 0.3,
+      "var": jnp.abs(variables["batch_stats"]["var"]) + 0.5}}
+
+
+def _renorm_reference(measure, variables, x, w):
+  module = GBatchNorm(measure=measure, **RENORM)
+
+  def loss(params, inp):
+    y, upd = module.apply({**variables, "params": params}, inp, False, mutable=["batch_stats"])
+    return jnp.sum(jnp.sin(y) * w), (y, upd)
+
+  (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      variables["params"], x)
+  return y, upd, grads
+
+
+@pytest.mark.parametrize("measure", ["sd", "mad", "sqd1", "rbd", "bpoe"])
+def test_renorm_shard_map_axis_name_equals_single_device(measure):
+  x = _batch(seed=13)
+  w = jax.random.normal(jax.random.key(14), x.shape)
+  variables = _renorm_init(measure, x)
+  y_ref, upd_ref, g_ref = _renorm_reference(measure, variables, x, w)
+  module = GBatchNorm(measure=measure, axis_name="batch", **RENORM)
+
+  def local(params, stats, inp, wl):
+    def loss(p, v):
+      y, upd = module.apply({"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"])
+      return jnp.sum(jnp.sin(y) * wl), (y, upd)
+
+    (_, (y, upd)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, inp)
+    return y, upd, gp, gx
+
+  fn = jax.jit(jax.shard_map(
+      local, mesh=_auto_mesh(),
+      in_specs=(P(), P(), P("batch"), P("batch")),
+      out_specs=(P("batch"), P(), P(), P("batch")),
+  ))
+  y, upd, gp, gx = fn(variables["params"], variables["batch_stats"], x, w)
+  _close(y, y_ref)
+  _close(upd, upd_ref)
+  _close(gp, g_ref[0])
+  _close(gx, g_ref[1])
+  # and the renormalized layer is not the plain one here
+  y_plain, _, _ = _reference_step(measure, variables, x, w)
+  assert not np.allclose(y_ref, y_plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("measure", ["sd", "sqd2"])
+def test_renorm_jit_over_batch_sharded_array_is_exact(measure):
+  x = _batch(seed=15)
+  w = jax.random.normal(jax.random.key(16), x.shape)
+  variables = _renorm_init(measure, x)
+  want = _renorm_reference(measure, variables, x, w)
+  sharding = NamedSharding(_auto_mesh(), P("batch"))
+  got = jax.jit(functools.partial(_renorm_reference, measure))(
+      variables, jax.device_put(x, sharding), jax.device_put(w, sharding))
+  _close(got, want)
+
+
+def test_renorm_pmap_equals_single_device():
+  x = _batch(seed=17)
+  w = jax.random.normal(jax.random.key(18), x.shape)
+  variables = _renorm_init("sqd1", x)
+  y_ref, upd_ref, g_ref = _renorm_reference("sqd1", variables, x, w)
+  module = GBatchNorm(measure="sqd1", axis_name="i", **RENORM)
+
+  def local(inp, wl):
+    def loss(v):
+      y, upd = module.apply(variables, v, False, mutable=["batch_stats"])
+      return jnp.sum(jnp.sin(y) * wl), (y, upd)
+    (_, (y, upd)), gx = jax.value_and_grad(loss, has_aux=True)(inp)
+    return y, upd, gx
+
+  split = lambda a: a.reshape((NDEV, -1) + a.shape[1:])
+  y, upd, gx = jax.pmap(local, axis_name="i")(split(x), split(w))
+  _close(y.reshape(x.shape), y_ref)
+  _close(jax.tree.map(lambda a: a[0], upd), upd_ref)
+  _close(gx.reshape(x.shape), g_ref[1])
+
+
+class _PreciseNet(nn.Module):
+  measure: str
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (2, 2))(x)
+    x = nn.relu(GBatchNorm(use_running_average=False, measure=self.measure, momentum=0.99)(x))
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9)(nn.Conv(3, (2, 2))(x))
+    return x.mean((1, 2))
+
+
+@pytest.mark.parametrize("measure", ["sd", "sqd1", "rbd", "wcd"])
+def test_precise_batch_stats_over_sharded_batches_equal_one_device(measure):
+  model = _PreciseNet(measure)
+  batches = jnp.stack([_batch(seed=20 + i) for i in range(3)])
+  variables = model.init(jax.random.key(0), batches[0])
+  apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
+  want = gbn_jax.precise_batch_stats(apply, variables, list(batches))
+  sharded = jax.device_put(batches, NamedSharding(_auto_mesh(), P(None, "batch")))
+  got = jax.jit(lambda v, b: gbn_jax.precise_batch_stats(apply, v, b))(variables, sharded)
+  _close(got, want)
+  # shard_map with axis_name: each device holds a quarter of every batch.
+  def local(v, b):
+    return gbn_jax.precise_batch_stats(
+        lambda vv, bb: _PreciseNetAxis(measure).apply(vv, bb, mutable=["batch_stats"]),
+        v, b, stacked=True)
+
+  got = jax.jit(jax.shard_map(local, mesh=_auto_mesh(), in_specs=(P(), P(None, "batch")),
+                              out_specs=P()))(variables, batches)
+  _close(got, want)
+
+
+class _PreciseNetAxis(nn.Module):
+  """_PreciseNet with axis_name='batch' in every norm."""
+  measure: str
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (2, 2))(x)
+    x = nn.relu(GBatchNorm(use_running_average=False, measure=self.measure, momentum=0.99,
+                           axis_name="batch")(x))
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9,
+                     axis_name="batch")(nn.Conv(3, (2, 2))(x))
+    return x.mean((1, 2))
+
+
+def test_train_precise_evaluation_four_devices_equal_one():
+  """The training loop's --precise-stats evaluation on a 4-device Auto mesh."""
+  from test_train import TINY, small_dataset  # pylint: disable=g-import-not-at-top
+  from train import train  # pylint: disable=g-import-not-at-top
+
+  ds = small_dataset()
+  config = train.resolve(TINY.replace(norm="sqd1"))
+  results = []
+  for count in (1, NDEV):
+    mesh = train.make_mesh(jax.devices()[:count])
+    train_data = train.place_train(ds, mesh)
+    test_data = train.place_test(ds, mesh, config.batch_size)
+    program, _ = train.compile_program(config, mesh, train_data, test_data,
+                                       ds.num_classes, precise_stats=2)
+    state = program.init(jax.random.key(0))
+    images, labels = program.prepare(train_data.images, train_data.labels,
+                                     train.epoch_key(config.seed, 1))
+    state, _ = program.step(state, images, labels, np.int32(0))
+    results.append(jax.device_get(program.precise(
+        state, images, test_data.images, test_data.labels, test_data.mask)))
+  one, four = results
+  np.testing.assert_allclose(four["loss_sum"], one["loss_sum"], rtol=1e-4)
+  assert abs(int(four["errors"]) - int(one["errors"])) <= 1
+  assert int(four["count"]) == int(one["count"]) == 37

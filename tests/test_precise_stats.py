@@ -1,0 +1,320 @@
+"""gbn_jax.precise_batch_stats (PreciseBN) and the --precise-stats flag.
+
+The reference is independent of the layers' updates: every norm layer's
+input is captured (``flax.linen.intercept_methods``) and its per-batch ``S``
+and ``D^2`` computed in numpy from the definitions (tests/reference.py),
+then averaged over the batches.
+"""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gbn_jax
+from gbn_jax import GBatchNorm, precise_batch_stats
+import reference as ref
+from test_train import TINY, small_dataset, write_tiny_mnist
+from train import checkpointing
+from train import configs
+from train import input_pipeline
+from train import main as train_main
+from train import train
+
+BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
+
+
+class Net(nn.Module):
+  """Two GBN layers and a flax BatchNorm, all in training mode."""
+
+  momentum: float = 0.9
+  measure: str = "sqd1"
+
+  @nn.compact
+  def __call__(self, x):
+    norm = lambda cls, **kw: cls(use_running_average=False,
+                                 momentum=self.momentum, **kw)
+    x = nn.Conv(3, (2, 2), name="conv1")(x)
+    x = nn.relu(norm(GBatchNorm, measure=self.measure, name="gbn1")(x))
+    x = nn.Conv(4, (2, 2), name="conv2")(x)
+    x = norm(nn.BatchNorm, name="bn")(x)
+    x = norm(GBatchNorm, measure="rbd", name="gbn2")(x)
+    return x.mean((1, 2))
+
+
+def _batches(count=3, shape=(6, 4, 4, 2), seed=0):
+  x = jax.random.normal(jax.random.key(seed), (count, *shape)) * 1.5 + 0.3
+  return jnp.round(x * 64) / 64 + 1e-3 * jax.random.uniform(jax.random.key(1), x.shape)
+
+
+def _variables(model, batch):
+  variables = model.init(jax.random.key(2), batch)
+  # Running statistics far from any batch's: they must not leak in.
+  return {**variables, "batch_stats": jax.tree.map(
+      lambda a: a * 3 + 7, variables["batch_stats"])}
+
+
+def _norm_inputs(model, variables, batch):
+  """Each norm layer's input, by module name, in a training-mode pass."""
+  captured = {}
+
+  def capture(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.BatchNorm)
+        and context.method_name == "__call__"):
+      captured[context.module.name] = np.asarray(args[0], np.float64)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(capture):
+    model.apply(variables, batch, mutable=["batch_stats"])
+  return captured
+
+
+def _reference(model, variables, batches, measures):
+  """numpy: per-layer average over batches of the batch S and D^2."""
+  sums = {}
+  for batch in batches:
+    for name, x in _norm_inputs(model, variables, batch).items():
+      axes = tuple(range(x.ndim - 1))
+      s, d = ref.per_feature(lambda v: ref.measure_1d(measures[name], v), x, axes)
+      total = sums.setdefault(name, {"mean": 0.0, "var": 0.0})
+      total["mean"] = total["mean"] + s
+      total["var"] = total["var"] + d**2
+  return {name: {k: v / len(batches) for k, v in total.items()}
+          for name, total in sums.items()}
+
+
+def _apply(model):
+  return jax.jit(lambda v, b: model.apply(v, b, mutable=["batch_stats"]))
+
+
+def _close(got, want, rtol=1e-4, atol=1e-6):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=atol),
+               got, want)
+
+
+# --- against numpy ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0, 0.99])
+def test_equals_numpy_average_of_batch_statistics(momentum):
+  model = Net(momentum)
+  batches = _batches()
+  variables = _variables(model, batches[0])
+  before = jax.tree.map(np.array, variables)
+  got = precise_batch_stats(_apply(model), variables, list(batches))
+  want = _reference(model, variables, batches,
+                    {"gbn1": "sqd1", "bn": "sd", "gbn2": "rbd"})
+  _close(got, want)
+  # Nothing given is changed, and the parameters were frozen.
+  jax.tree.map(np.testing.assert_array_equal, variables, before)
+  # Stacked batches (one lax.scan) and a jitted call agree.
+  stacked = jax.jit(lambda v, b: precise_batch_stats(_apply(model), v, b))(
+      variables, batches)
+  _close(stacked, got, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("measure", BUILTIN)
+def test_every_measure(measure):
+  model = Net(0.9, measure)
+  batches = _batches(count=2, seed=3)
+  variables = _variables(model, batches[0])
+  got = precise_batch_stats(_apply(model), variables, iter(batches))
+  want = _reference(model, variables, batches,
+                    {"gbn1": measure, "bn": "sd", "gbn2": "rbd"})
+  _close(got, want)
+
+
+# --- exactness of backing out the statistic --------------------------------------
+
+
+def _ulps(a, b):
+  a = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+  b = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+  return int(np.abs(a - b).max())
+
+
+@pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99, 0.999, 0.9997])
+def test_backed_out_statistic_is_the_layers_own_to_float32_rounding(momentum):
+  # With momentum 0 the update *is* the batch statistic, bit for bit.
+  batches = _batches(count=4, seed=5)
+  model, exact_model = Net(momentum, "mad"), Net(0.0, "mad")
+  variables = _variables(model, batches[0])
+  apply, exact = _apply(model), _apply(exact_model)
+  per_batch = []
+  for batch in batches:
+    got = precise_batch_stats(apply, variables, [batch])
+    want = exact(variables, batch)[1]["batch_stats"]
+    assert max(jax.tree.leaves(jax.tree.map(_ulps, got, want))) <= 2
+    per_batch.append(want)
+  # The average too, against the same float32 sum of the exact statistics.
+  got = precise_batch_stats(apply, variables, list(batches))
+  want = jax.tree.map(lambda *s: sum(s[1:], s[0]) / len(s), *per_batch)
+  assert max(jax.tree.leaves(jax.tree.map(_ulps, got, want))) <= 4
+
+
+def test_momentum_that_is_no_short_decimal():
+  momentum = 1 - 1 / 300  # 1 - m is then known to 2^-25 / (1 - m) only
+  batches = _batches(count=2, seed=6)
+  model = Net(momentum, "mad")
+  variables = _variables(model, batches[0])
+  for batch in batches:
+    got = precise_batch_stats(_apply(model), variables, [batch])
+    want = _apply(Net(0.0, "mad"))(variables, batch)[1]["batch_stats"]
+    _close(got, want, rtol=2 ** -25 * 300 + 2 ** -22, atol=0)
+
+
+# --- the pytree contract ----------------------------------------------------------
+
+
+class _Counting(nn.Module):
+  """A BatchNorm next to a batch_stats leaf that is no statistic."""
+
+  @nn.compact
+  def __call__(self, x):
+    count = self.variable("batch_stats", "count", lambda: jnp.zeros((), jnp.int32))
+    if not self.is_initializing():
+      count.value += 1
+    return nn.BatchNorm(use_running_average=False, momentum=0.9)(x)
+
+
+def test_other_leaves_and_structure_are_kept():
+  x = _batches(count=2, shape=(8, 3))
+  variables = _Counting().init(jax.random.key(0), x[0])
+  variables["batch_stats"]["count"] = jnp.asarray(5, jnp.int32)
+  got = precise_batch_stats(_apply(_Counting()), variables, x)
+  assert jax.tree.structure(got) == jax.tree.structure(variables["batch_stats"])
+  assert int(got["count"]) == 5
+  np.testing.assert_allclose(got["BatchNorm_0"]["mean"], x.mean(1).mean(0), rtol=1e-5)
+  np.testing.assert_allclose(got["BatchNorm_0"]["var"], x.var(1).mean(0), rtol=1e-5)
+
+
+def test_errors():
+  model = Net()
+  batches = _batches(count=1)
+  variables = _variables(model, batches[0])
+  with pytest.raises(ValueError, match="at least one batch"):
+    precise_batch_stats(_apply(model), variables, [])
+  with pytest.raises(ValueError, match="no 'mean'/'var' leaves"):
+    precise_batch_stats(_apply(model), {**variables, "batch_stats": {}}, batches)
+  forgetful = lambda v, b: (_apply(model)(v, b)[0], {"batch_stats": {}})
+  with pytest.raises(ValueError, match="did not update(.|\n)*training mode"):
+    precise_batch_stats(forgetful, variables, batches)
+
+
+def test_renorm_models_are_refused():
+  # Their training-mode output reads the running statistics.
+  model = GBatchNorm(use_running_average=False, renorm=True,
+                     renorm_clipping={"rmax": 3, "dmax": 5})
+  x = _batches(count=2, shape=(8, 3))
+  variables = model.init(jax.random.key(0), x[0])
+  apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
+  with pytest.raises(ValueError, match="depends on its running statistics"):
+    precise_batch_stats(apply, variables, x)
+  traced = jax.jit(lambda v: precise_batch_stats(apply, v, x))(variables)
+  assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(traced))
+
+
+# --- the training loop and the CLI -----------------------------------------------
+
+
+def test_train_loop_precise_evaluation_equals_numpy_statistics():
+  """Program.precise after one epoch vs statistics computed in numpy."""
+  ds = small_dataset()
+  config = train.resolve(TINY)  # norm 'mad'
+  mesh = train.make_mesh()
+  train_data = train.place_train(ds, mesh)
+  test_data = train.place_test(ds, mesh, config.batch_size)
+  program, _ = train.compile_program(config, mesh, train_data, test_data,
+                                     ds.num_classes, precise_stats=2)
+  state = program.init(jax.random.key(0))
+  images, labels = program.prepare(train_data.images, train_data.labels,
+                                   train.epoch_key(config.seed, 1))
+  for step in range(program.steps):
+    state, _ = program.step(state, images, labels, np.int32(step))
+  ema = jax.tree.map(np.array, state.batch_stats)
+  got = jax.device_get(program.precise(state, images, test_data.images,
+                                       test_data.labels, test_data.mask))
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats, ema)
+
+  model = train.create_model(config, ds.num_classes)
+  variables = {"params": state.params, "batch_stats": state.batch_stats}
+  sums = {}
+  for batch in np.asarray(images)[:2]:
+    x = input_pipeline.normalize_images(jnp.asarray(batch), config.dataset)
+    captured = {}
+
+    def capture(next_fun, args, kwargs, context):
+      if isinstance(context.module, nn.BatchNorm):
+        captured[context.module.name] = np.asarray(args[0], np.float64)
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(capture):
+      model.apply(variables, x, train=True, mutable=["batch_stats"])
+    for name, v in captured.items():
+      mean = v.mean((0, 1, 2))
+      mad = np.abs(v - mean).mean((0, 1, 2))
+      total = sums.setdefault(name, {"mean": 0.0, "var": 0.0})
+      total["mean"] = total["mean"] + mean / 2
+      total["var"] = total["var"] + mad**2 / 2
+  stats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), sums)
+  want = jax.device_get(jax.jit(lambda s: train.eval_model(
+      s, test_data.images, test_data.labels, test_data.mask,
+      dataset=config.dataset))(state.replace(batch_stats=stats)))
+  np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-4)
+  assert abs(int(got["errors"]) - int(want["errors"])) <= 1  # argmax near-ties
+  assert int(got["count"]) == 37
+  # The EMA statistics give a different evaluation.
+  ema_eval = jax.device_get(program.evaluate(state, test_data.images,
+                                             test_data.labels, test_data.mask))
+  assert float(ema_eval["loss_sum"]) != pytest.approx(float(got["loss_sum"]), rel=1e-3)
+
+
+def test_cli_flag_end_to_end(tmp_path, capsys):
+  data = write_tiny_mnist(tmp_path / "data")
+  common = ["--data-dir", str(data), "--batch-size", "16", "--lr", "0.05",
+            "--epochs", "2", "--norm", "mad", "--no-progress"]
+  run = lambda *flags: train_main.run([*common, *flags], configs.MNIST,
+                                      prog="train.mnist")
+  assert run("--workdir", str(tmp_path / "plain")) == 0
+  assert run("--workdir", str(tmp_path / "precise"), "--precise-stats", "3") == 0
+  out = capsys.readouterr()
+  assert "precise stats" in out.err
+  plain = checkpointing.read_metrics(tmp_path / "plain")
+  precise = checkpointing.read_metrics(tmp_path / "precise")
+  assert [r["epoch"] for r in precise] == [1, 2]
+  for a, b in zip(plain, precise, strict=True):
+    assert "test_error_precise" not in a
+    for key in ("train_loss", "train_error", "test_loss", "test_error",
+                "best_test_error"):
+      assert a[key] == b[key], key
+    assert 0 <= b["test_error_precise"] <= 1 and b["test_loss_precise"] > 0
+    assert b["precise_seconds"] > 0
+  rows = [json.loads(line) for line in
+          (tmp_path / "precise" / "metrics.jsonl").read_text().splitlines()]
+  assert rows[-1]["test_error_precise"] == precise[-1]["test_error_precise"]
+  # 64 training images make 4 batches of 16.
+  assert run("--workdir", str(tmp_path / "x"), "--precise-stats", "5") == 1
+  assert "--precise-stats 5 is more than the 4 batches" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    run("--precise-stats", "-1")
+  assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_precise_stats_rows_on_eval_epochs_only(tmp_path):
+  ds = small_dataset()
+  history = train.train_and_evaluate(
+      TINY.replace(epochs=3, eval_every=2), tmp_path, dataset=ds,
+      progress=False, log=lambda line: None, precise_stats=1)
+  assert [r["test_error_precise"] is None for r in history] == [True, False, False]
+  assert all(r["test_loss_precise"] is None or r["test_loss_precise"] > 0
+             for r in history)
+
+
+def test_api_exported():
+  assert gbn_jax.precise_batch_stats is precise_batch_stats
