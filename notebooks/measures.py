@@ -45,12 +45,16 @@
 # kinds of batches, what GBN followed by ReLU makes of them, and checks two
 # facts with `assert`s (besides every measure against numpy): SQD followed by
 # ReLU zeroes a fraction $\alpha$ of the batch, and the bPOE identity.
-# Executing it is part of the test suite (`tests/test_notebooks.py`).
+# Executing it is part of the test suite (`tests/test_notebooks.py`). The last
+# section, *Try it yourself*, has widgets to pick a batch (or type your own),
+# a measure and $\alpha$, and see $S$, $D$ and the output.
 #
 # *Editing:* `notebooks/measures.py` (jupytext percent format) is the source of
-# truth, paired with `measures.ipynb` by `notebooks/jupytext.toml`. After
-# editing either one, run `jupytext --sync notebooks/measures.py`, and commit the
-# `.ipynb` without outputs.
+# truth, paired with `measures.ipynb` by `notebooks/jupytext.toml`; the
+# `.ipynb` is committed executed, with its outputs. After changing code, run
+# `python -m notebooks.execute measures` from the repository root (it executes
+# the `.py` and rewrites the `.ipynb`); after changing only markdown,
+# `jupytext --sync notebooks/measures.py` is enough.
 
 # %%
 import functools
@@ -64,6 +68,8 @@ import numpy as np
 import gbn_jax
 
 np.set_printoptions(precision=4, suppress=True)
+# Modest PNGs: the committed .ipynb keeps its figures.
+plt.rcParams["figure.dpi"] = 80
 
 # %% [markdown]
 # ## Four batches
@@ -104,13 +110,13 @@ assert np.unique(relu_like[relu_like > 0]).size == N - N_ZEROS
 print(f"ReLU-like batch: {N_ZEROS} exact zeros out of {N} ({N_ZEROS / N:.1%})")
 
 # %%
-fig, axes = plt.subplots(1, 4, figsize=(13, 2.4))
+fig, axes = plt.subplots(1, 4, figsize=(13, 2.6), layout="constrained")
 for ax, (name, x) in zip(axes, BATCHES.items()):
   lo, hi = np.quantile(x, [0.002, 0.998])
   ax.hist(x, bins=60, range=(lo, hi), color="0.6")
   ax.set_title(name)
   ax.set_yticks([])
-fig.suptitle("the four batches (central 99.6%)", y=1.02)
+fig.suptitle("the four batches (histograms of the central 99.6%)")
 plt.show()
 
 # %% [markdown]
@@ -130,6 +136,12 @@ plt.show()
 # %%
 NAMES = [name for name in gbn_jax.MEASURES if name != "sqd"]
 EPS = gbn_jax.GBatchNorm.epsilon
+# One colour per measure, one line style per family (centred on the mean, on
+# a quantile, on the extremes), the same in every figure.
+FAMILY_STYLE = {"sd": "-", "mad": "-", "rsd": "-", "bpoe": "-", "sqd1": "--",
+                "sqd2": "--", "sqd3": "--", "rbd": ":", "wcd": ":"}
+STYLE = {name: {"color": f"C{i}", "ls": FAMILY_STYLE.get(name, "-.")}
+         for i, name in enumerate(NAMES)}
 
 
 @functools.partial(jax.jit, static_argnames=("measure", "alpha"))
@@ -236,9 +248,10 @@ def _interval_panel(ax, s, d, lo, hi):
   for i, name in enumerate(NAMES):
     ends = np.array([s[name], s[name] + d[name]])
     a, b = np.clip(ends, lo, hi)
-    ax.plot([a, b], [i, i], color=f"C{i}", lw=3, solid_capstyle="butt")
+    ax.plot([a, b], [i, i], color=STYLE[name]["color"], lw=3,
+            solid_capstyle="butt")
     if lo <= ends[0] <= hi:
-      ax.plot([a], [i], "o", color=f"C{i}")
+      ax.plot([a], [i], "o", color=STYLE[name]["color"])
     # Off the axis: an arrow at the edge, labelled with the value(s).
     for right, off in ((False, ends[ends < lo]), (True, ends[ends > hi])):
       if off.size:
@@ -254,7 +267,7 @@ def _interval_panel(ax, s, d, lo, hi):
 
 
 fig, axes = plt.subplots(
-    2, 4, figsize=(13, 5.5), sharex="col",
+    2, 4, figsize=(13, 5.5), sharex="col", layout="constrained",
     gridspec_kw={"height_ratios": [1, 2.2]},
 )
 for j, (batch, x) in enumerate(BATCHES.items()):
@@ -272,9 +285,8 @@ for j, (batch, x) in enumerate(BATCHES.items()):
   )
   if j:
     axes[1, j].set_yticklabels([])
-fig.suptitle("statistic S (dot) and S + D (end of bar); arrows: off the axis",
-             y=1.0)
-fig.tight_layout()
+fig.suptitle("statistic S (dot) and S + D (end of bar) of each measure;"
+             " arrows: off the axis")
 plt.show()
 
 # %% [markdown]
@@ -293,8 +305,11 @@ for name in NAMES:
         + "".join(f"{z:>9.1%} /{t:5.2f}" for z, t in zip(frac_zeros, top)))
 
 # %% [markdown]
-# The curves are the empirical CDFs of the ReLU output: the height at 0 is the
-# fraction of zeros, and the spread to the right is the scale of the survivors.
+# The curves are the empirical CDFs of the ReLU output: the dot at 0 is the
+# fraction of zeros (`wcd`'s is at 1: it zeroes everything), and the spread to
+# the right is the scale of the survivors. Line styles group the measures by
+# what they centre on: the mean (solid), a quantile (dashed), the extremes
+# (dotted).
 #
 # * Centering on the mean (`sd`, `mad`, `rsd`, `bpoe`) zeroes $P(x \le E x)$,
 #   which depends on the shape: about two thirds of the right-skewed batch and
@@ -307,18 +322,28 @@ for name in NAMES:
 #   one outlier squeezes everything else towards 0.
 
 # %%
-fig, axes = plt.subplots(1, 4, figsize=(13, 3.2), sharey=True)
-levels = np.arange(1, N + 1) / N
+fig, axes = plt.subplots(1, 4, figsize=(13, 3.4), sharey=True,
+                         layout="constrained")
 for j, (batch, ax) in enumerate(zip(BATCHES, axes)):
-  for i, name in enumerate(NAMES):
-    ax.step(np.sort(OUT[name][:, j]), levels, where="post", color=f"C{i}",
-            label=name, lw=1.2)
+  for name in NAMES:
+    y = np.sort(OUT[name][:, j])
+    zeros = np.mean(y == 0)
+    # From the dot (the zeros) up the survivors' ECDF.
+    survivors = y[y > 0]
+    ax.step(np.r_[0.0, survivors],
+            np.r_[zeros, zeros + np.arange(1, survivors.size + 1) / N],
+            where="post", lw=1.4, label=name, **STYLE[name])
+    ax.plot([0.0], [zeros], "o", ms=4, color=STYLE[name]["color"])
   ax.set_xlim(-0.1, 3.0)
+  ax.set_ylim(-0.02, 1.04)
   ax.set_title(batch)
   ax.set_xlabel("relu(GBN(x))")
-axes[0].set_ylabel("fraction <= value")
-axes[-1].legend(fontsize=7, loc="lower right", ncol=2)
-fig.tight_layout()
+  ax.grid(True, alpha=0.3)
+axes[0].set_ylabel("fraction of the batch <= value")
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center",
+           title="measure", fontsize=9)
+fig.suptitle("empirical CDF of relu(GBN(x)), scale 1 and bias 0 (dot: the"
+             " fraction of zeros)")
 plt.show()
 
 # %% [markdown]
@@ -382,7 +407,7 @@ for a, k, row in zip(ALPHAS, rank, zeros):
   print(f"{a:8.5f} {k / N:10.5f}" + "".join(f"{c / N:13.5f}" for c in row))
 
 # %%
-fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.6))
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.6), layout="constrained")
 for j, batch in enumerate(BATCHES):
   ax0.plot(ALPHAS, zeros[:, j] / N, "o-", ms=3, lw=1, label=batch)
 ax0.plot([0, 1], [0, 1], "k:", lw=1, label="alpha")
@@ -400,7 +425,6 @@ for j, batch in enumerate(TIE_FREE):
   ax1.plot(ALPHAS[i], zeros[i, j] / N, "o", ms=10 - 3 * j, label=batch)
 ax1.set(xlabel="alpha", xlim=(grid[0], grid[-1]), title="zoom: one element")
 ax1.legend(fontsize=8)
-fig.tight_layout()
 plt.show()
 
 # %% [markdown]
@@ -500,13 +524,155 @@ for batch, a, d_ref, d, shift, err in rows:
 x = X[:, 0].astype(np.float64)
 alpha_star, y_sqd, y_bp = BPOE_OUT["skewed"]
 order = np.argsort(x)
-fig, ax = plt.subplots(figsize=(6, 3.4))
+fig, ax = plt.subplots(figsize=(7, 3.6), layout="constrained")
 ax.plot(x[order], y_bp[order], lw=3, alpha=0.4, label="relu(GBN(bpoe))")
 ax.plot(x[order], y_sqd[order], "k--", lw=1,
         label=f"relu(GBN(sqd, alpha*={alpha_star:.4f}))")
-ax.axvline(x.mean(), color="0.5", lw=0.8, ls=":")
+ax.axvline(x.mean(), color="0.5", lw=0.8, ls=":", label="E[x]")
 top = np.quantile(x, 0.99)
 ax.set(xlabel="x (skewed batch)", ylabel="output", xlim=(0, top),
-       ylim=(-0.1, 1.05 * y_bp[x <= top].max()))
+       ylim=(-0.1, 1.05 * y_bp[x <= top].max()),
+       title="the empirical bPOE transform: sqd at alpha* and bpoe, + ReLU")
 ax.legend(fontsize=8)
 plt.show()
+
+# %% [markdown]
+# ## Try it yourself
+#
+# Pick a batch (one of the four above, or type your own numbers, separated by
+# commas, and choose *your own samples*), a measure (every name registered in
+# `gbn_jax.MEASURES`) and, for the general `sqd`, the level $\alpha$. The left
+# panel is the batch with its $S$ and $S + D$; the right one is what
+# `GBatchNorm` with that measure (scale 1, bias 0) followed by a ReLU outputs:
+# $S$ lands on 0 and $S + D$ on (just under) 1, everything below $S$ is zeroed.
+#
+# The widgets need a running kernel (`pip install -e '.[notebooks]'`, then
+# `jupyter lab notebooks/measures.ipynb`); on a static page they show nothing,
+# so the cell after them draws one choice without widgets.
+
+# %%
+import re
+
+import ipywidgets as widgets
+
+OWN = "your own samples"
+
+
+def takes_alpha(measure: str) -> bool:
+  """Whether the registered measure lets you choose alpha (only 'sqd')."""
+  try:
+    gbn_jax.get_measure(measure, alpha=0.5)
+  except TypeError:  # sqd1..sqd3 fix it, the others take none
+    return False
+  return True
+
+
+def parse_samples(text: str) -> np.ndarray:
+  """Numbers separated by commas (or spaces, semicolons), as float32."""
+  tokens = [t for t in re.split(r"[,;\s]+", text.strip()) if t]
+  try:
+    x = np.array([float(t) for t in tokens], np.float32)
+  except ValueError as e:
+    raise ValueError(f"not a number in {text!r}: {e}") from None
+  if x.size < 2 or not np.all(np.isfinite(x)):
+    raise ValueError("type at least two finite numbers, e.g. 0, 1, 2, 10")
+  return x
+
+
+def explore(distribution: str, measure: str, alpha: float, samples: str = ""):
+  """Histograms of a batch before and after GBN(measure) + ReLU."""
+  try:
+    x = (parse_samples(samples) if distribution == OWN
+         else BATCHES[distribution])
+    # The slider's float, read as the 2-decimal level it shows.
+    level = round(float(alpha), 2) if takes_alpha(measure) else None
+    y, s, d = (np.asarray(v)[..., 0]
+               for v in gbn(jnp.asarray(x)[:, None], measure, level))
+  except (TypeError, ValueError) as e:
+    print(f"cannot show this choice: {e}")
+    return
+  s, d, out = float(s), float(d), np.maximum(y, 0.0)
+  name = f"{measure}, alpha={level}" if level is not None else measure
+
+  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
+  # Before: the central 99.6% of a large batch (all of a small one), widened
+  # to S and S + D where they lie within the batch's range.
+  lo, hi = (np.quantile(x, [0.002, 0.998]) if x.size >= 500
+            else (x.min(), x.max()))
+  marks = [v for v in (s, s + d) if x.min() <= v <= x.max()]
+  lo, hi = min(lo, *marks), max(hi, *marks)
+  pad = 0.05 * (hi - lo) or 0.5
+  lo, hi = lo - pad, hi + pad
+  ax0.hist(x, bins=int(np.clip(x.size // 20, 10, 60)), range=(lo, hi),
+           color="0.6")
+  ax0.axvspan(s, s + d, color="C0", alpha=0.15, label=f"D = {d:.4g}")
+  ax0.axvline(s, color="C3", lw=2, label=f"S = {s:.4g}")
+  ax0.axvline(s + d, color="C0", lw=2, ls="--", label=f"S + D = {s + d:.4g}")
+  ax0.axvline(x.mean(), color="k", lw=1, ls=":", label=f"mean = {x.mean():.4g}")
+  off = [t for t, v in (("S", s), ("S + D", s + d)) if not lo <= v <= hi]
+  ax0.set(xlim=(lo, hi), yticks=[], xlabel="x",
+          title=f"{distribution}: N = {x.size}"
+          + (f" ({' and '.join(off)} off the axis)" if off else ""))
+  ax0.legend(fontsize=8, loc="upper right")
+
+  # After: the zeros as a number, the survivors as a histogram.
+  zeros = np.mean(out == 0)
+  survivors = out[out > 0]
+  one = d / np.sqrt(d**2 + EPS)  # 1 unless D is about sqrt(eps) or less
+  top = max(np.quantile(survivors, 0.998) if survivors.size >= 500
+            else survivors.max(initial=0.0), one) * 1.08
+  if survivors.size:
+    ax1.hist(survivors, bins=int(np.clip(survivors.size // 20, 10, 60)),
+             range=(0, top), color="C2", alpha=0.7,
+             label=f"survivors: {1 - zeros:.1%}")
+  ax1.axvline(0, color="C3", lw=2, label=f"S -> 0: {zeros:.1%} zeroed")
+  ax1.axvline(one, color="C0", lw=2, ls="--", label=f"S + D -> {one:.3g}")
+  top = top or 1.0  # nothing survives and D is 0
+  ax1.set(xlim=(-0.04 * top, top), yticks=[], xlabel="relu(GBN(x))",
+          title=f"after GBN({name}) + ReLU: mean {out.mean():.3g},"
+          f" max {out.max():.3g}")
+  ax1.legend(fontsize=8, loc="upper right")
+  fig.suptitle(f"{name} on {distribution}: S = {s:.4g}, D = {d:.4g}")
+  plt.show()
+
+
+batch_w = widgets.Dropdown(options=[*BATCHES, OWN], value="skewed",
+                           description="batch")
+measure_w = widgets.Dropdown(options=list(gbn_jax.MEASURES), value="sqd",
+                             description="measure")
+alpha_w = widgets.FloatSlider(value=0.25, min=0.01, max=0.99, step=0.01,
+                              description="alpha (sqd)",
+                              continuous_update=False, readout_format=".2f")
+samples_w = widgets.Text(value="0, 0, 0, 0.1, 0.4, 0.5, 0.9, 1.3, 2, 6",
+                         description="samples",
+                         placeholder="comma-separated numbers",
+                         continuous_update=False, disabled=True,
+                         layout=widgets.Layout(width="45%"))
+
+
+def _enable(_=None):
+  alpha_w.disabled = not takes_alpha(measure_w.value)
+  samples_w.disabled = batch_w.value != OWN
+
+
+batch_w.observe(_enable, "value")
+measure_w.observe(_enable, "value")
+_enable()
+# Runs explore once now with these values (also headless, in the tests), and
+# again on every change.
+panel = widgets.interactive_output(explore, {
+    "distribution": batch_w, "measure": measure_w, "alpha": alpha_w,
+    "samples": samples_w})
+display(widgets.VBox([widgets.HBox([batch_w, measure_w, alpha_w]), samples_w,
+                      panel]))
+
+# %% [markdown]
+# The same panel without widgets, for one choice: `sqd` at $\alpha = 0.25$ on
+# the ReLU-like batch. Its quantile $q_{0.25}$ is one of the exact zeros, so
+# the ReLU zeroes the whole atom, over a third of the batch instead of a
+# quarter (the caveat about ties above). And with $S = 0$ the deviation
+# $\bar q_{0.25} - E[x] = E[x]/3$ is small, so the survivors come out large
+# (compare `sd` on the same batch).
+
+# %%
+explore("ReLU-like", "sqd", 0.25)

@@ -1,38 +1,64 @@
-"""The notebooks: paired .py/.ipynb in sync, committed clean, and executable.
+"""The notebooks: paired .py/.ipynb in sync, committed executed, executable.
 
 ``notebooks/*.py`` (jupytext percent format) is the source of truth, paired
-with ``notebooks/*.ipynb`` by ``notebooks/jupytext.toml``. Executing a notebook
-is a test of the library: its ``assert`` cells check numerical facts (the
-fraction of zeros after SQD + ReLU, the bPOE identity) against numpy.
+with ``notebooks/*.ipynb`` by ``notebooks/jupytext.toml``. The ``.ipynb`` is
+committed *with* its outputs, so that its figures show on a code-hosting
+site; ``python -m notebooks.execute [NAME]`` regenerates it. The tests check:
 
-The execution test starts a Jupyter kernel on this interpreter (a temporary
-kernelspec, so a ``python3`` kernel registered elsewhere cannot hijack it), on
-this working tree's ``gbn_jax`` (PYTHONPATH), with matplotlib's inline backend,
-which renders every figure to PNG without a display. Needs the ``notebooks``
-extra (jupytext, ipykernel, matplotlib) and nbclient (a dependency of nbmake
-and of jupyter's nbconvert).
+* the ``.ipynb`` holds the ``.py``'s cells (sources);
+* the committed ``.ipynb`` is executed: every code cell in order, without
+  error, from the code it holds now (``metadata.gbn_jax.code_sha256``), with
+  its figures, without widget state;
+* executing the ``.py`` headless succeeds (a failing ``assert`` cell of the
+  notebook fails the test), every output it produces has a counterpart in the
+  committed notebook, and the interactive widget renders its default figure.
+  ``measures``' assert cells check numerical facts against numpy (the
+  fraction of zeros after SQD + ReLU, the bPOE identity); ``results`` is also
+  run on a made-up results folder (unfinished, failed, half-written and
+  recorded runs) and on an empty one.
+
+The kernel (``notebooks/execute.py``'s, shared with the regeneration
+command) runs this interpreter on this working tree's packages with
+matplotlib's inline backend, which renders every figure to PNG without a
+display. Needs the ``notebooks`` extra (``results`` reads runs with
+``train.report``, which needs only numpy and matplotlib).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
-import os
 import pathlib
-import sys
+import re
 import time
 
 import jupytext
-import nbclient
 import nbformat
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPO / "notebooks"
-NOTEBOOKS = sorted(p.stem for p in NOTEBOOK_DIR.glob("*.py"))
-# The notebook must finish well within this (it takes ~40 s on a busy
-# 2-core CPU); the limit only stops a hung kernel.
-CELL_TIMEOUT_S = 600
+
+
+def _load_execute():
+  """``notebooks/execute.py`` as a module (``notebooks`` is no package)."""
+  spec = importlib.util.spec_from_file_location(
+      "gbn_notebooks_execute", NOTEBOOK_DIR / "execute.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+execute = _load_execute()
+NOTEBOOKS = execute.notebook_names()
+#: Their outputs depend on what results/ holds now, not only on the code.
+DEPENDS_ON_RESULTS = {"results"}
+REGENERATE = "python -m notebooks.execute {name}"
+#: A committed notebook must stay reviewable and cheap to clone.
+MAX_IPYNB_BYTES = 2 * 2**20
+#: Code cells that draw a figure at their top level (not inside a def).
+_SHOWS = re.compile(r"^(plt\.show\(\)|display\(Image\()", re.MULTILINE)
 
 
 def _cells(nb) -> list[tuple[str, str]]:
@@ -48,8 +74,26 @@ def _render(cells: list[tuple[str, str]]) -> list[str]:
   return lines
 
 
+def _code(nb) -> list[nbformat.NotebookNode]:
+  return [cell for cell in nb.cells if cell.cell_type == "code"]
+
+
+def _has_png(outputs) -> bool:
+  return any("image/png" in output.get("data", {}) for output in outputs)
+
+
+def _errors(outputs) -> list[str]:
+  return [f"{o.get('ename')}: {o.get('evalue')}" for o in outputs
+          if o.get("output_type") == "error"]
+
+
+def _committed(name: str) -> nbformat.NotebookNode:
+  return nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+
+
 def test_notebooks_found():
-  assert "measures" in NOTEBOOKS
+  assert {"measures", "results"} <= set(NOTEBOOKS)
+  assert "execute" not in NOTEBOOKS  # the script is no notebook
 
 
 def test_pairing_is_configured():
@@ -71,7 +115,7 @@ def test_ipynb_matches_py(name):
       "percent"
   )
   ipynb_path = NOTEBOOK_DIR / f"{name}.ipynb"
-  assert ipynb_path.exists(), f"run: jupytext --sync notebooks/{name}.py"
+  assert ipynb_path.exists(), f"run: {REGENERATE.format(name=name)}"
   ipynb = nbformat.read(ipynb_path, as_version=4)
   nbformat.validate(ipynb)
   expected, actual = _cells(py_nb), _cells(ipynb)
@@ -81,79 +125,191 @@ def test_ipynb_matches_py(name):
     ))
     pytest.fail(
         f"notebooks/{name}.ipynb is out of sync with notebooks/{name}.py; run"
-        f" `jupytext --sync notebooks/{name}.py`.\n{diff}"
+        f" `{REGENERATE.format(name=name)}` (or, after a markdown-only"
+        f" change, `jupytext --sync notebooks/{name}.py`).\n{diff}"
     )
   assert ipynb.metadata.get("kernelspec", {}).get("name") == "python3"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_ipynb_committed_without_outputs(name):
-  ipynb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
-  dirty = [
-      i for i, cell in enumerate(ipynb.cells)
-      if cell.cell_type == "code" and (cell.outputs or cell.execution_count)
-  ]
-  assert not dirty, (
-      f"cells {dirty} of notebooks/{name}.ipynb have outputs; clear them"
-      " (e.g. `jupyter nbconvert --clear-output --inplace`)."
-  )
+def test_ipynb_committed_executed(name):
+  ipynb = _committed(name)
+  fix = f"; run `{REGENERATE.format(name=name)}`"
+  code = _code(ipynb)
+  counts = [cell.execution_count for cell in code]
+  assert counts == list(range(1, len(code) + 1)), (
+      f"notebooks/{name}.ipynb is not executed top to bottom in one kernel"
+      f" (execution counts {counts}){fix}")
+  errors = {i: _errors(cell.outputs) for i, cell in enumerate(code)}
+  assert not any(errors.values()), (errors, fix)
+  stamp = ipynb.metadata.get("gbn_jax", {}).get("code_sha256")
+  assert stamp == execute.code_sha256(ipynb), (
+      f"the outputs of notebooks/{name}.ipynb come from other code than its"
+      f" cells hold now{fix}")
+  assert any(_has_png(cell.outputs) for cell in code), (
+      f"notebooks/{name}.ipynb has no figure{fix}"
+      + (" where results/ holds runs" if name in DEPENDS_ON_RESULTS else ""))
+  for cell in code:
+    if _SHOWS.search(cell.source):
+      assert _has_png(cell.outputs), (
+          f"no figure in the committed cell{fix}:\n{cell.source[:300]}")
+  assert "widgets" not in ipynb.metadata, (
+      f"notebooks/{name}.ipynb stores widget state{fix}")
+  size = (NOTEBOOK_DIR / f"{name}.ipynb").stat().st_size
+  assert size <= MAX_IPYNB_BYTES, (
+      f"notebooks/{name}.ipynb has {size / 2**20:.1f} MiB; make its figures"
+      " smaller")
 
 
-@pytest.fixture
-def kernel_name(tmp_path, monkeypatch) -> str:
-  """A kernelspec for this interpreter, found first through JUPYTER_PATH."""
-  name = "gbn-jax-test"
-  spec_dir = tmp_path / "jupyter" / "kernels" / name
-  spec_dir.mkdir(parents=True)
-  (spec_dir / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f",
-               "{connection_file}"],
-      "display_name": "gbn-jax tests",
-      "language": "python",
-  }))
-  monkeypatch.setenv(
-      "JUPYTER_PATH",
-      os.pathsep.join(filter(None, [str(tmp_path / "jupyter"),
-                                    os.environ.get("JUPYTER_PATH")])),
-  )
-  # The inline backend renders figures to PNG with no display, so a broken
-  # plot fails here (Agg would only draw on savefig).
-  monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-  monkeypatch.setenv(
-      "PYTHONPATH",
-      os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-  )
-  # The notebook's float32 tolerances were set on XLA:CPU; run it there.
-  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  return name
+@pytest.fixture(scope="module")
+def kernel_name():
+  with execute.kernel_environment() as name:
+    yield name
+
+
+def _execute(name: str, kernel_name: str) -> nbformat.NotebookNode:
+  start = time.perf_counter()
+  # A failing cell (an assert of the notebook) raises CellExecutionError with
+  # the cell's source and traceback.
+  nb = execute.execute(name, kernel_name)
+  print(f"notebooks/{name}: executed in {time.perf_counter() - start:.1f} s")
+  for cell in _code(nb):
+    assert not _errors(cell.outputs), (cell.source[:300], cell.outputs)
+  return nb
+
+
+def _widget_outputs(nb) -> list[list[dict]]:
+  """The outputs held by each Output widget (interactive_output's)."""
+  state = nb.metadata.get("widgets", {}).get(
+      "application/vnd.jupyter.widget-state+json", {}).get("state", {})
+  return [model["state"].get("outputs", []) for model in state.values()
+          if model.get("model_name") == "OutputModel"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_executes(name, kernel_name):
-  # The .py and the .ipynb hold the same cells (test_ipynb_matches_py).
-  nb = jupytext.read(NOTEBOOK_DIR / f"{name}.py")
-  client = nbclient.NotebookClient(
-      nb,
-      kernel_name=kernel_name,
-      timeout=CELL_TIMEOUT_S,
-      resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
-  )
-  start = time.perf_counter()
-  # A failing cell (an assert of the notebook) raises CellExecutionError with
-  # the cell's source and traceback.
-  client.execute()
-  print(f"notebooks/{name}: executed in {time.perf_counter() - start:.1f} s")
+  nb = _execute(name, kernel_name)
+  committed = _code(_committed(name))
+  code = _code(nb)
+  assert len(code) == len(committed)  # test_ipynb_matches_py says which
 
-  plotting = [cell for cell in nb.cells
-              if cell.cell_type == "code" and "plt.show()" in cell.source]
-  assert plotting
-  for cell in plotting:
-    kinds = [output.get("data", {}).keys() for output in cell.outputs]
-    assert any("image/png" in k for k in kinds), (
-        f"no figure rendered by the cell:\n{cell.source[:300]}"
-    )
-  for cell in nb.cells:
-    if cell.cell_type == "code":
-      for output in cell.outputs:
-        assert output.output_type != "error", output
+  for cell, old in zip(code, committed):
+    if _SHOWS.search(cell.source):
+      assert _has_png(cell.outputs), (
+          f"no figure rendered by the cell:\n{cell.source[:300]}")
+    # Whatever the code shows now, the committed notebook shows too.
+    assert old.outputs or not cell.outputs, (
+        f"the committed cell has no output; run"
+        f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}")
+    if name not in DEPENDS_ON_RESULTS and _has_png(cell.outputs):
+      assert _has_png(old.outputs), (
+          f"the committed cell has no figure; run"
+          f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}")
+
+  # interactive_output ran its function once, with the widgets' defaults,
+  # into its Output widget (an exception there fails no cell).
+  widget_outputs = _widget_outputs(nb)
+  for outputs in widget_outputs:
+    assert not _errors(outputs), outputs
+  if any("interactive_output(" in cell.source for cell in code):
+    assert any(_has_png(outputs) for outputs in widget_outputs), (
+        "the interactive panel rendered no figure for its default values")
+
+
+# --- the results notebook on made-up results -------------------------------
+
+_CONFIG = {"dataset": "fashion_mnist", "model": "lenet", "norm": "bn",
+           "epochs": 3, "batch_size": 1000, "learning_rate": 0.01,
+           "momentum": 0.0, "weight_decay": 0.0005, "augment": False,
+           "seed": 0, "eval_every": 1, "norm_momentum": 0.9,
+           "norm_epsilon": 1e-05}
+
+
+def _run(folder: pathlib.Path, errors: list[float], **config) -> pathlib.Path:
+  """A run directory as train.mnist writes it, with these test errors."""
+  folder.mkdir(parents=True)
+  (folder / "config.json").write_text(json.dumps({**_CONFIG, **config}))
+  rows, elapsed = [], 0.0
+  for epoch, error in enumerate(errors, start=1):
+    elapsed += 20.0 + epoch
+    rows.append({"epoch": epoch, "train_loss": 1.0 / epoch + error,
+                 "test_error": error, "seconds": 20.0 + epoch,
+                 "elapsed_seconds": elapsed})
+  (folder / "metrics.jsonl").write_text(
+      "".join(json.dumps(row) + "\n" for row in rows))
+  return folder
+
+
+def _activations(folder: pathlib.Path) -> None:
+  percentiles = [10, 50, 90]
+  with open(folder / "activations.jsonl", "w") as f:
+    for step in range(0, 30, 10):
+      f.write(json.dumps({
+          "step": step, "epoch": 1 + step // 20, "layer": "norm1",
+          "feature": 0, "percentiles": percentiles,
+          "before": [-1.0 - step / 30, 0.1, 1.0 + step / 30],
+          "after": [-1.2, 0.0, 1.2]}) + "\n")
+
+
+@pytest.fixture
+def made_up_results(tmp_path) -> pathlib.Path:
+  """Two settings (two learning rates) of a sweep and a recorded run."""
+  sweep = tmp_path / "results" / "sweeps" / "fmnist"
+  for lr, worse in ((0.01, 0.0), (0.1, 0.05)):
+    for seed in (0, 1):
+      _run(sweep / f"bn-lr{lr}-seed{seed}",
+           [0.3, 0.25, 0.2 + seed / 100 + worse], learning_rate=lr, seed=seed)
+      _run(sweep / f"sqd1-lr{lr}-seed{seed}",
+           [0.28, 0.22, 0.19 - seed / 100 + worse], norm="sqd1",
+           learning_rate=lr, seed=seed)
+  _run(sweep / "rsd-lr0.01-seed0", [0.3], norm="rsd")  # unfinished
+  failed = _run(sweep / "rsd-lr0.01-seed1", [0.5], norm="rsd", seed=1)
+  (failed / "sweep_status.json").write_text(
+      json.dumps({"status": "failed", "error": "training loss became nan"}))
+  _run(sweep / "mad-lr0.01-seed0", [], norm="mad")  # started: no epoch yet
+  half = _run(sweep / "mad-lr0.01-seed1", [0.3], norm="mad", seed=1)
+  with open(half / "metrics.jsonl", "a") as f:  # a line being written
+    f.write('{"epoch": 2, "train_lo')
+  for norm in ("bn", "sqd1"):
+    _activations(_run(tmp_path / "results" / "activations" / norm, [0.3],
+                      norm=norm, epochs=1))
+  return tmp_path / "results"
+
+
+def _text(nb) -> str:
+  """Everything the notebook printed or rendered as text."""
+  parts = []
+  for cell in _code(nb):
+    for output in cell.outputs:
+      parts.append("".join(output.get("text", "")))
+      data = output.get("data", {})
+      parts.append("".join(data.get("text/markdown", "")))
+  return "\n".join(parts)
+
+
+@pytest.mark.slow
+def test_results_notebook_on_partial_results(made_up_results, kernel_name,
+                                             monkeypatch):
+  monkeypatch.setenv("GBN_RESULTS_DIR", str(made_up_results))
+  nb = _execute("results", kernel_name)
+  text = _text(nb)
+  pngs = sum(output.get("data", {}).keys() >= {"image/png"}
+             for cell in _code(nb) for output in cell.outputs)
+  assert pngs == 3  # curves of the two settings, one activations figure
+  assert "| setting | bn | mad | rsd | sqd1 |" in text
+  assert "1 unfinished (1/3 epochs); 1 failed (1/3 epochs)" in text  # rsd
+  assert "1 unfinished (0/3 epochs)" in text  # mad: no epoch yet
+  assert "| sqd1 | 18.50 ± 0.71 | 0.01 |" in text  # its best learning rate
+  # The half-written run is skipped, with find_runs' warning.
+  assert "warning: skipped" in text and "mad-lr0.01-seed1" in text
+
+
+@pytest.mark.slow
+def test_results_notebook_without_results(tmp_path, kernel_name, monkeypatch):
+  monkeypatch.setenv("GBN_RESULTS_DIR", str(tmp_path / "nothing"))
+  nb = _execute("results", kernel_name)
+  text = _text(nb)
+  assert "sweeps/ does not exist" in text
+  assert "activations/ does not exist" in text
+  assert not any(_has_png(cell.outputs) for cell in _code(nb))
