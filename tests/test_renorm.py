@@ -415,3 +415,37 @@ def test_flax_batchnorm_model_swap():
   variables = Net().init(jax.random.key(0), x, train=False)
   y, updates = Net().apply(variables, x, train=True, mutable=["batch_stats"])
   assert y.shape == x.shape and set(updates["batch_stats"]) == {"GBatchNorm_0", "BatchNorm_0"}
+
+
+# --- the training suite's --renorm ----------------------------------------------
+
+
+def test_training_cli_renorm_trains_and_precise_stats_are_finite(tmp_path):
+  import gbn_jax  # pylint: disable=g-import-not-at-top
+  from test_train import TINY, run_quiet, small_dataset  # pylint: disable=g-import-not-at-top
+  from train import configs, train  # pylint: disable=g-import-not-at-top
+
+  config = train.resolve(TINY.replace(norm="bn", renorm=True, epochs=2))
+  model = train.create_model(config, 10)
+  norm = model.norm(use_running_average=False)
+  assert isinstance(norm, gbn_jax.GBatchNorm) and norm.measure == "sd"
+  assert norm.renorm and dict(norm.renorm_clipping) == {"rmax": 3.0,
+                                                        "dmax": 5.0}
+  history = train.train_and_evaluate(
+      config, tmp_path / "run", dataset=small_dataset(), progress=False,
+      log=lambda line: None, precise_stats=2)
+  for row in history:
+    assert np.isfinite(row["train_loss"])
+    assert 0 <= row["test_error_precise"] <= 1
+  plain = run_quiet(config.replace(renorm=False), tmp_path / "plain",
+                    dataset=small_dataset())
+  assert plain[-1]["train_loss"] != history[-1]["train_loss"]
+  # config.json written before renorm existed still loads, as renorm off.
+  data = config.to_json()
+  for field in configs.ADDED_FIELDS:
+    del data[field]
+  assert configs.Config.from_json(data) == config.replace(renorm=False)
+  with pytest.raises(ValueError, match="missing fields"):
+    configs.Config.from_json({k: v for k, v in data.items() if k != "seed"})
+  with pytest.raises(ValueError, match="--renorm-rmax must be >= 1"):
+    configs.validate(config.replace(renorm_rmax=0.5))

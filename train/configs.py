@@ -23,6 +23,10 @@ DATASET_NAMES = ("cifar10", "cifar100", "svhn", "mnist", "fashion_mnist")
 #: extended run equals one that asked for more epochs from the start).
 RESUMABLE_FIELDS = frozenset({"epochs"})
 
+#: Fields newer than the first ``config.json`` files; an older file lacks
+#: them and means their defaults.
+ADDED_FIELDS = frozenset({"renorm", "renorm_rmax", "renorm_dmax"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -45,6 +49,12 @@ class Config:
       the last epoch).
     norm_momentum: Running-average momentum of the norm layers.
     norm_epsilon: Norm epsilon.
+    renorm: Batch renormalization (Ioffe, 2017) in every norm layer, with
+      ``r`` clipped to ``[1 / renorm_rmax, renorm_rmax]`` and ``d`` to
+      ``[-renorm_dmax, renorm_dmax]``. With ``norm='bn'`` the layers are
+      ``GBatchNorm(measure='sd')``, BatchNorm's own statistics.
+    renorm_rmax: See ``renorm``.
+    renorm_dmax: See ``renorm``.
   """
 
   dataset: str = "cifar10"
@@ -60,6 +70,9 @@ class Config:
   eval_every: int = 1
   norm_momentum: float = 0.9
   norm_epsilon: float = 1e-5
+  renorm: bool = False
+  renorm_rmax: float = 3.0
+  renorm_dmax: float = 5.0
 
   def replace(self, **changes: Any) -> Config:
     """Returns a copy with ``changes`` applied."""
@@ -73,13 +86,17 @@ class Config:
   def from_json(cls, data: Any) -> Config:
     """Builds a config from :meth:`to_json` output.
 
+    Fields added after a run was written (those in :data:`ADDED_FIELDS`)
+    take their defaults, which reproduce what that run did.
+
     Raises:
-      ValueError: If ``data`` is not a dict of exactly the known fields.
+      ValueError: If ``data`` is not a dict of the known fields.
     """
     if not isinstance(data, dict):
       raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown, missing = set(data) - names, names - set(data)
+    unknown = set(data) - names
+    missing = names - set(data) - ADDED_FIELDS
     if unknown or missing:
       raise ValueError(f"unknown fields {sorted(unknown)}, missing fields "
                        f"{sorted(missing)}")
@@ -150,6 +167,12 @@ def validate(config: Config) -> Config:
          f"--norm-momentum must be in [0, 1), got {config.norm_momentum!r}")
   _check(is_real(config.norm_epsilon) and config.norm_epsilon > 0,
          f"norm_epsilon must be > 0, got {config.norm_epsilon!r}")
+  _check(isinstance(config.renorm, bool),
+         f"renorm must be true or false, got {config.renorm!r}")
+  _check(is_real(config.renorm_rmax) and config.renorm_rmax >= 1,
+         f"--renorm-rmax must be >= 1, got {config.renorm_rmax!r}")
+  _check(is_real(config.renorm_dmax) and config.renorm_dmax >= 0,
+         f"--renorm-dmax must be >= 0, got {config.renorm_dmax!r}")
   return config
 
 

@@ -137,6 +137,13 @@ def build_parser(defaults: configs.Config, prog: str,
       "checkpoints/) instead of refusing a different config")
   add("--no-progress", action="store_true",
       help="no progress bar on stderr")
+  add("--renorm", action="store_true", default=defaults.renorm,
+      help="batch renormalization (Ioffe 2017) in every norm layer, for any "
+      "measure (bn: GBatchNorm's sd, BatchNorm's statistics)")
+  add("--renorm-rmax", type=float, default=defaults.renorm_rmax,
+      help="with --renorm: r is clipped to [1/rmax, rmax]")
+  add("--renorm-dmax", type=float, default=defaults.renorm_dmax,
+      help="with --renorm: d is clipped to [-dmax, dmax]")
   add("--precise-stats", type=_nonnegative_int, default=0, metavar="N",
       help="before each evaluation, also recompute the norms' statistics "
       "as equal-weight averages over the epoch's first N training batches "
@@ -162,7 +169,9 @@ def config_from_args(args: argparse.Namespace,
       epochs=args.epochs, batch_size=args.batch_size,
       learning_rate=args.lr, momentum=args.momentum,
       weight_decay=args.weight_decay, augment=args.augment, seed=args.seed,
-      eval_every=args.eval_every, norm_momentum=args.norm_momentum)
+      eval_every=args.eval_every, norm_momentum=args.norm_momentum,
+      renorm=args.renorm, renorm_rmax=args.renorm_rmax,
+      renorm_dmax=args.renorm_dmax)
 
 
 def default_workdir(config: configs.Config) -> str:

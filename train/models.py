@@ -110,7 +110,8 @@ def parse_norm(spec: str) -> NormSpec:
 
 def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
               epsilon: float = 1e-5,
-              axis_name: str | None = None) -> ModuleDef:
+              axis_name: str | None = None,
+              renorm_clipping: dict[str, float] | None = None) -> ModuleDef:
   """The single norm factory used by every model.
 
   Args:
@@ -121,6 +122,9 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
     axis_name: Mapped axis to reduce statistics over; only needed inside
       ``shard_map``/``pmap`` (under ``jit`` over a sharded batch XLA already
       computes global-batch statistics).
+    renorm_clipping: If given, batch renormalization with these limits
+      (``gbn_jax.GBatchNorm``'s ``renorm_clipping``); ``bn`` then means
+      ``GBatchNorm(measure='sd')``, which computes BatchNorm's statistics.
 
   Returns:
     A partial of ``flax.linen.BatchNorm`` or ``gbn_jax.GBatchNorm`` that the
@@ -129,6 +133,10 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
   if isinstance(spec, str):
     spec = parse_norm(spec)
   common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
+  if renorm_clipping is not None:
+    common.update(renorm=True, renorm_clipping=renorm_clipping)
+    if spec.measure is None:
+      spec = NormSpec(measure="sd")
   if spec.measure is None:
     return functools.partial(nn.BatchNorm, **common)
   return functools.partial(GBatchNorm, measure=spec.measure, alpha=spec.alpha,

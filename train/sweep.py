@@ -63,11 +63,17 @@ _RESERVED = ("--workdir", "--overwrite", "--no-progress")
 LOG_FILE = "sweep.log"
 STATUS_FILE = "sweep_status.json"
 _LOCK_FILE = ".sweep.lock"
-# Short names of the config fields, in the order a run name lists them.
+# Short names of the config fields in run names, in the order a name lists
+# them; fields not listed follow under their own names.
 _NAME_FIELDS = (("norm", ""), ("batch_size", "b"), ("learning_rate", "lr"),
                 ("momentum", "m"), ("weight_decay", "wd"),
                 ("norm_momentum", "nm"), ("norm_epsilon", "eps"),
-                ("eval_every", "ev"), ("seed", "seed"))
+                ("eval_every", "ev"), ("renorm", "renorm"),
+                ("renorm_rmax", "rmax"), ("renorm_dmax", "dmax"),
+                ("seed", "seed"))
+# Fields a run name never shows: the first two parts, and the extendable
+# epochs; augment is spelled aug/noaug.
+_UNNAMED_FIELDS = ("dataset", "model", "epochs", "augment")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +105,24 @@ def run_name(config: configs.Config, defaults: configs.Config) -> str:
 
   >>> run_name(configs.MNIST.replace(norm="sqd:0.3", seed=2), configs.MNIST)
   'mnist-lenet-sqd_0.3-b1000-lr0.01-seed2'
-  >>> run_name(configs.MNIST.replace(momentum=0.9, augment=True),
-  ...          configs.MNIST)
-  'mnist-lenet-bn-b1000-lr0.01-m0.9-aug-seed0'
+  >>> run_name(configs.MNIST.replace(momentum=0.9, augment=True,
+  ...                                renorm=True), configs.MNIST)
+  'mnist-lenet-bn-b1000-lr0.01-m0.9-renorm-aug-seed0'
   """
   parts = [config.dataset, config.model]
   always = {"norm", "batch_size", "learning_rate", "seed"}
-  for field, short in _NAME_FIELDS:
+  short = dict(_NAME_FIELDS)
+  fields = [f for f, _ in _NAME_FIELDS[:-1]] + [
+      f.name for f in dataclasses.fields(configs.Config)
+      if f.name not in short and f.name not in _UNNAMED_FIELDS] + ["seed"]
+  for field in fields:
     value = getattr(config, field)
     if field == "seed" and config.augment != defaults.augment:
       parts.append("aug" if config.augment else "noaug")
     if field in always or value != getattr(defaults, field):
-      parts.append(f"{short}{_format_value(value)}".replace(":", "_"))
+      text = short.get(field, field) + (
+          "" if isinstance(value, bool) else _format_value(value))
+      parts.append(text.replace(":", "_"))
   return "-".join(parts)
 
 

@@ -173,8 +173,11 @@ def epoch_key(seed: int, epoch: int) -> jax.Array:
 
 def create_model(config: configs.Config, num_classes: int) -> nn.Module:
   """The config's model with the config's norm (the one norm factory)."""
+  clipping = ({"rmax": config.renorm_rmax, "dmax": config.renorm_dmax}
+              if config.renorm else None)
   norm = models.make_norm(config.norm, momentum=config.norm_momentum,
-                          epsilon=config.norm_epsilon)
+                          epsilon=config.norm_epsilon,
+                          renorm_clipping=clipping)
   return models.create_model(config.model, num_classes=num_classes,
                              norm=norm)
 
@@ -298,7 +301,9 @@ def eval_model(state: TrainState, images: jax.Array, labels: jax.Array,
 def precise_eval_model(state: TrainState, images: jax.Array,
                        test_images: jax.Array, test_labels: jax.Array,
                        test_mask: jax.Array, *, dataset: str,
-                       batches: int) -> dict[str, jax.Array]:
+                       batches: int,
+                       apply_fn: Callable[..., Any] | None = None
+                       ) -> dict[str, jax.Array]:
   """:func:`eval_model` with statistics recomputed over training batches.
 
   Args:
@@ -310,6 +315,10 @@ def precise_eval_model(state: TrainState, images: jax.Array,
     test_mask: As for :func:`eval_model`.
     dataset: Dataset name, for its normalization constants.
     batches: How many batches to average the statistics over.
+    apply_fn: The model to recompute the statistics with (default: the
+      state's). A batch-renormalized model passes its plain twin: a renorm
+      layer's training output reads the running averages, so each layer's
+      batch statistics are those of the layers normalizing by the batch's.
 
   Returns:
     :func:`eval_model`'s sums, with :func:`gbn_jax.precise_batch_stats`
@@ -317,7 +326,7 @@ def precise_eval_model(state: TrainState, images: jax.Array,
   """
 
   def model_apply(variables, x):
-    return state.apply_fn(variables,
+    return (apply_fn or state.apply_fn)(variables,
                           input_pipeline.normalize_images(x, dataset),
                           train=True, mutable=["batch_stats"])
 
@@ -539,9 +548,11 @@ def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
                             test_data.mask).compile()
   precise = None
   if precise_stats:
+    plain = create_model(config.replace(renorm=False), num_classes)
     precise = jax.jit(functools.partial(precise_eval_model,
                                         dataset=config.dataset,
-                                        batches=precise_stats),
+                                        batches=precise_stats,
+                                        apply_fn=plain.apply),
                       out_shardings=replicated)
     precise = precise.lower(state, batches[0], test_data.images,
                             test_data.labels, test_data.mask).compile()
