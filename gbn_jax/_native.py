@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,10 @@ import numpy as np
 Array = jax.Array
 
 _LIBRARY = "gbn_jax._kth_cpu"
+# Names a compiled kernel to load instead of the installed one (e.g. a
+# sanitizer build, see tests/test_native_sanitizers.py). A library named
+# there that does not load is an error, not a silent fall back to pure JAX.
+LIBRARY_ENV = "GBN_KTH_LIBRARY"
 _TARGET = "gbn_kth_smallest_f32"
 _SUMS_TARGET = "gbn_kth_smallest_sums_f32"
 # Half-width of the kernel's sampled bracket, in binomial standard deviations:
@@ -28,17 +33,29 @@ _SUMS_TARGET = "gbn_kth_smallest_sums_f32"
 BRACKET_SIGMAS = 3.0
 
 
+def library_path() -> str | None:
+  """Where the kernel is loaded from: ``$GBN_KTH_LIBRARY`` if set, else the
+  installed ``gbn_jax._kth_cpu`` extension; None if neither."""
+  override = os.environ.get(LIBRARY_ENV)
+  if override:
+    return override
+  spec = importlib.util.find_spec(_LIBRARY)
+  return spec.origin if spec is not None and spec.origin else None
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
   """The compiled kernel, its targets registered with XLA (CPU); None if absent."""
-  spec = importlib.util.find_spec(_LIBRARY)
-  if spec is None or not spec.origin:
+  path = library_path()
+  if path is None:
     return None
   try:
-    library = ctypes.CDLL(spec.origin)
+    library = ctypes.CDLL(path)
     handlers = {_TARGET: library.GbnKthSmallestF32, _SUMS_TARGET: library.GbnKthSmallestSumsF32}
     library.GbnKthCountsAlwaysKnown.restype = ctypes.c_int
-  except (OSError, AttributeError):
+  except (OSError, AttributeError) as e:
+    if os.environ.get(LIBRARY_ENV):
+      raise ImportError(f"{LIBRARY_ENV}={path!r} is not a loadable gbn_jax kernel: {e}") from e
     return None
   for target, handler in handlers.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
@@ -62,15 +79,18 @@ def counts_always_known() -> bool:
   return library is not None and bool(library.GbnKthCountsAlwaysKnown())
 
 
-#: Values of the kernel's per-column ``path`` output.
-PATHS = ("whole_column", "single_key", "gathered", "missed_bracket")
+#: Values of the kernel's per-column ``path`` output. ``"histogram"``: the
+#: bracket held the target but more keys than the sweep may gather (a large
+#: atom), so histogram passes over the column selected it.
+PATHS = ("whole_column", "single_key", "gathered", "missed_bracket", "histogram")
 
 
 def kth_smallest_keys(rows: Array, k: Array) -> tuple[Array, Array, Array]:
   """Per column of float32 ``rows`` ``(N, F)``, the key of the ``k``-th smallest.
 
-  ``k``: ``(F,)`` int32, clamped to ``[1, N]`` by the kernel. Returns three
-  ``(F,)`` int32 arrays: the order-preserving keys of :mod:`gbn_jax._select`;
+  ``N < 2**31`` (the kernel returns an error otherwise); ``k``: ``(F,)``
+  int32, clamped to ``[1, N]`` by the kernel. Returns three ``(F,)`` int32
+  arrays: the order-preserving keys of :mod:`gbn_jax._select`;
   how many elements equal the answer as XLA:CPU's float comparisons see it
   (denormals read as zero where the CPU's flag says so; -1 for a zero or
   denormal answer where the kernel cannot read that flag, see
@@ -88,10 +108,12 @@ def kth_smallest_sums(rows: Array, k: Array) -> tuple[Array, ...]:
 
   Returns ``(keys, ties, path, mean, mean_excess, above)``: the first three as
   in :func:`kth_smallest_keys`; per column, float32, the mean of all ``N``
-  rows and ``E[(x - q)^+]`` (float32 within blocks of rows, float64 across;
-  NaN if any element is NaN), ``q`` the selected value; and, int32, how many
-  elements are not ``<= q`` as float comparisons see them (NaN included; -1
-  where ``ties`` is).
+  rows and ``E[(x - q)^+]`` (sums of non-negative terms, float32 within
+  short blocks of rows and float64 across, a block whose float32 sum
+  overflows summed again in float64; NaN if any element is NaN), ``q`` the
+  selected value; and, int32, how many elements are not ``<= q`` as float
+  comparisons see them (NaN included; -1 where ``ties`` is). An allocation
+  failure in the kernel raises (``RESOURCE_EXHAUSTED``) rather than abort.
   """
   out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
   value = jax.ShapeDtypeStruct(k.shape, jnp.float32)

@@ -249,6 +249,12 @@ def _has_nan(x, axes, where, axis_name, groups) -> Array:
   nan = jnp.isnan(x)
   if where is not None:
     nan = nan & where
+  if math.prod(x.shape[a] for a in axes) >= 2**24:
+    # count_true would sum int32 here, which XLA:CPU does over a materialized
+    # int32 copy of the flags (as large as a float32 input); any() reduces
+    # bytes.
+    found = jnp.any(nan, axes).astype(jnp.int32)
+    return _global_sum(found, axis_name, groups) > 0
   return _global_sum(count_true(nan, axes), axis_name, groups) > 0
 
 

@@ -14,9 +14,15 @@
 // those inside it (a few per cent of the data), and SelectKth finishes on
 // them. A bracket holding a single key (an atom such as the zeros after a
 // ReLU) is counted, not gathered. A column whose bracket misses the target
-// (rare) is selected whole. Work is spread over XLA's intra-op thread pool.
+// (rare) is selected whole. A bracket that holds more than a share of its
+// column (it spans a large atom the sample did not resolve) stops gathering
+// and is selected by histogram passes over the column instead, so that
+// memory stays a fraction of the input's. Work is spread over XLA's
+// intra-op thread pool; an exception in any task (std::bad_alloc) is carried
+// to the handler, which returns it as an FFI error.
 //
-// Inputs: x (N, F) float32, k (F,) int32 (1-based, clamped to [1, N]).
+// Inputs: x (N, F) float32 (N < 2^31), k (F,) int32 (1-based, clamped to
+// [1, N]).
 // Outputs: (F,) int32, the signed key (unsigned key ^ 0x80000000) of the
 // answer, which is what gbn_jax._select works with; (F,) int32, how many
 // elements equal the answer as float comparisons in the caller's code see it
@@ -25,7 +31,9 @@
 // (F,) int32, the path each column took (a Path), for tests and diagnostics.
 // The sums entry point adds, per column, E[x], E[(x - answer)^+] and
 // #{not x <= answer} (as the ties). Sums are float32 within blocks of rows
-// and float64 across.
+// (sums of non-negative terms for the excess: x less a reference at or above
+// the answer), float64 across; a block whose float sum is not finite is
+// summed again in float64.
 
 #include <algorithm>
 #include <atomic>
@@ -34,9 +42,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -62,7 +73,18 @@ constexpr double kGolden = 0.6180339887498949;
 constexpr int64_t kElementsPerTask = 1 << 17;
 constexpr int64_t kElementsPerSampleTask = 1 << 15;
 
-enum Path : int32_t { kWholeColumn = 0, kSingleKey = 1, kGathered = 2, kMissedBracket = 3 };
+// kHistogram: the bracket held the target but too many keys to gather.
+enum Path : int32_t {
+  kWholeColumn = 0,
+  kSingleKey = 1,
+  kGathered = 2,
+  kMissedBracket = 3,
+  kHistogram = 4
+};
+// Largest N: the outputs count elements in int32.
+constexpr int64_t kMaxRows = 0x7FFFFFFF;
+// Largest bracket_sigmas accepted (the bracket spans the sample long before).
+constexpr double kMaxBracketSigmas = 1e6;
 
 inline uint32_t Key(float v) {
   uint32_t u;
@@ -135,30 +157,44 @@ struct Counts {
 
 // Runs fn(i) for i in [0, n_items) on the caller and the pool's threads.
 // Items are claimed from a shared counter and the caller waits only for items
-// already started, so it cannot deadlock on a busy pool; a pool task that
-// starts after the handler returned finds no items left and touches nothing
-// but the shared counters.
+// already started, so it cannot deadlock on a busy pool (nor when fn itself
+// calls ParallelFor); a pool task that starts after the handler returned
+// finds no items left and touches nothing but the shared counters.
+// Exception-safe: an exception in fn (std::bad_alloc) is caught where it is
+// thrown, the items not yet started are skipped, and once every started item
+// has finished (fn lives on the caller's stack) the first one is rethrown on
+// the caller's thread.
 struct WorkCounters {
   explicit WorkCounters(int n) : total(n) {}
   const int total;
   std::atomic<int> next{0};
   std::atomic<int> done{0};
+  std::atomic<bool> failed{false};
   std::mutex mutex;
   std::condition_variable finished;
+  std::exception_ptr error;  // the first exception of an item (under mutex)
 };
 
 template <class Pool, class Fn>
 void ParallelFor(Pool& pool, int n_items, const Fn& fn) {
   if (n_items <= 0) return;
   const int helpers = int(std::min<int64_t>(n_items - 1, pool.num_threads()));
-  if (helpers <= 0) {
+  if (helpers <= 0) {  // nothing runs beside the caller: exceptions just unwind
     for (int i = 0; i < n_items; ++i) fn(i);
     return;
   }
   auto counters = std::make_shared<WorkCounters>(n_items);
-  auto work = [counters, fn_ptr = &fn]() {
+  auto work = [counters, fn_ptr = &fn]() noexcept {
     for (int i; (i = counters->next.fetch_add(1)) < counters->total;) {
-      (*fn_ptr)(i);
+      if (!counters->failed.load(std::memory_order_relaxed)) {
+        try {
+          (*fn_ptr)(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(counters->mutex);
+          if (!counters->error) counters->error = std::current_exception();
+          counters->failed.store(true);
+        }
+      }
       if (counters->done.fetch_add(1) + 1 == counters->total) {
         std::lock_guard<std::mutex> lock(counters->mutex);
         counters->finished.notify_all();
@@ -166,12 +202,19 @@ void ParallelFor(Pool& pool, int n_items, const Fn& fn) {
     }
   };
   for (int h = 0; h < helpers; ++h) {
-    auto task = work;
-    pool.Schedule(std::move(task));
+    try {
+      auto task = work;
+      pool.Schedule(std::move(task));
+    } catch (...) {
+      break;  // no room for another task: the caller claims its items
+    }
   }
   work();
-  std::unique_lock<std::mutex> lock(counters->mutex);
-  counters->finished.wait(lock, [&] { return counters->done.load() == counters->total; });
+  {
+    std::unique_lock<std::mutex> lock(counters->mutex);
+    counters->finished.wait(lock, [&] { return counters->done.load() == counters->total; });
+  }
+  if (counters->error) std::rethrow_exception(counters->error);
 }
 
 // Whether to run the AVX2 code: the CPU has it and GBN_KTH_SCALAR (which
@@ -472,19 +515,26 @@ void Columns(const float* data, int64_t N, int64_t F, int64_t c, int64_t width, 
 // ----------------------------------------------------------------------------
 // Sums for the superquantile, taken in the same passes as the selection.
 
-// A finite reference point near a bracket's low key, for sums of x - lo that
-// do not cancel: lo's float, or 0 where that is infinite or NaN.
-inline double Offset(uint32_t lo_key) {
-  const float v = FloatOf(lo_key);
-  return std::isfinite(v) ? double(v) : 0.0;
+// The reference point of the excess of the keys beyond a bracket [lo, lo +
+// width): the float of its top key. The target lies in the bracket, so
+// x - top >= 0 for every key beyond it and top - q >= 0: sum_beyond (x - q) =
+// sum_beyond (x - top) + (top - q) * #beyond adds non-negative terms only, and
+// nothing cancels however far the bracket reaches (down to key 0 for a small
+// k). 0 where top is infinite or NaN: the keys beyond are then NaN, or the
+// answer is -inf (then top - q is +inf), and the excess NaN or +inf anyway.
+inline float ExcessOffset(uint32_t lo_key, uint32_t width) {
+  const float top = FloatOf(lo_key + (width - 1));
+  return std::isfinite(top) ? top : 0.0f;
 }
 
 // Over keys that hold every key of a column equal to or above the answer
 // (the whole column, or the keys of a bracket that holds the answer's equal
 // keys): the sum of their floats, how many are NaN, the sum of (x - q) over
 // those above the answer, and the answer's counts among them. Float sums
-// within blocks of kSumBlock keys, double across.
-constexpr int64_t kSumBlock = 2048;
+// within blocks of kSumBlock keys, double across; a block whose float sums
+// are not finite (an overflow, or an inf or NaN among its keys) is summed
+// again in doubles.
+constexpr int64_t kSumBlock = 256;
 
 struct Summary {
   double total = 0, excess = 0;
@@ -492,16 +542,23 @@ struct Summary {
   Counts counts;
 };
 
-Summary SummarizeScalar(const uint32_t* keys, int64_t n, uint32_t answer, const EqualKeys& e) {
+// The sums of a Summary alone, in doubles.
+void AddSumsScalar(const uint32_t* keys, int64_t n, uint32_t answer, Summary& s) {
   const double q = FloatOf(answer);
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = FloatOf(keys[i]);
+    s.total += v;
+    s.excess += keys[i] > answer ? v - q : 0.0;
+  }
+}
+
+Summary SummarizeScalar(const uint32_t* keys, int64_t n, uint32_t answer, const EqualKeys& e) {
   const uint32_t span = e.hi - e.lo, not_above_span = e.hi - kNegInfKey;
   Summary s;
+  AddSumsScalar(keys, n, answer, s);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t key = keys[i];
-    const double v = FloatOf(key);
-    s.total += v;
-    s.excess += key > answer ? v - q : 0.0;
-    s.nan += v != v;
+    s.nan += (key < kNegInfKey) || (key > ~kNegInfKey);  // NaN keys lie beyond +-inf
     if (!e.empty()) {
       s.counts.equal += InRange(key, e.lo, span);
       s.counts.not_above += InRange(key, kNegInfKey, not_above_span);
@@ -526,6 +583,12 @@ __attribute__((target("avx2"))) inline void AddToDoubles(__m256 v, double* sums)
   _mm256_storeu_pd(sums + 4, _mm256_add_pd(_mm256_loadu_pd(sums + 4), high));
 }
 
+// A mask (bit per lane) of the lanes where a or b is infinite or NaN.
+__attribute__((target("avx2"))) inline int NotFinite(__m256 a, __m256 b) {
+  const __m256 zero_if_finite = _mm256_add_ps(_mm256_sub_ps(a, a), _mm256_sub_ps(b, b));
+  return _mm256_movemask_ps(_mm256_cmp_ps(zero_if_finite, zero_if_finite, _CMP_UNORD_Q));
+}
+
 __attribute__((target("avx2"))) Summary SummarizeAvx2(const uint32_t* keys, int64_t n,
                                                       uint32_t answer, const EqualKeys& e) {
   const __m256i answer_v = _mm256_set1_epi32(int32_t(answer)), one = _mm256_set1_epi32(1);
@@ -535,10 +598,11 @@ __attribute__((target("avx2"))) Summary SummarizeAvx2(const uint32_t* keys, int6
   const __m256i not_above_span = _mm256_set1_epi32(int32_t(e.hi - kNegInfKey));
   const __m256 q = _mm256_set1_ps(FloatOf(answer));
   alignas(32) double totals[8] = {0}, excesses[8] = {0};
+  Summary redone;  // the sums of blocks summed again in doubles
   __m256i nan = _mm256_setzero_si256(), equal = nan, not_above = nan;
   int64_t i = 0;
   while (i + 8 <= n) {
-    const int64_t block_end = std::min(n - n % 8, i + kSumBlock);
+    const int64_t block_start = i, block_end = std::min(n - n % 8, i + kSumBlock);
     __m256 total = _mm256_setzero_ps(), excess = total;
     for (; i < block_end; i += 8) {
       const __m256i key = _mm256_loadu_si256((const __m256i*)(keys + i));
@@ -552,10 +616,16 @@ __attribute__((target("avx2"))) Summary SummarizeAvx2(const uint32_t* keys, int6
       const __m256i off_not_above = OutsideRange(key, neg_inf, not_above_span);
       not_above = _mm256_add_epi32(not_above, _mm256_andnot_si256(off_not_above, one));
     }
-    AddToDoubles(total, totals);
-    AddToDoubles(excess, excesses);
+    if (NotFinite(total, excess)) {
+      AddSumsScalar(keys + block_start, block_end - block_start, answer, redone);
+    } else {
+      AddToDoubles(total, totals);
+      AddToDoubles(excess, excesses);
+    }
   }
   Summary s = SummarizeScalar(keys + i, n - i, answer, e);
+  s.total += redone.total;
+  s.excess += redone.excess;
   for (int lane = 0; lane < 8; ++lane) {
     s.total += totals[lane];
     s.excess += excesses[lane];
@@ -587,6 +657,45 @@ inline int64_t SampleRow(int64_t i, int64_t s, int64_t n) {
   return std::min(n - 1, int64_t((double(i) + jitter) * double(n) / double(s)));
 }
 
+// How many keys the sweep may gather per column: a bracket that holds more
+// (it spans a large atom, e.g. a constant column at an extreme rank) stops
+// gathering and its column is selected by histogram passes. Tasks add what
+// they gathered to a shared total in batches (a few atomics per column, not
+// one per block) and check a column's flag after each block, so a column
+// overshoots its cap by at most a batch and a block per running task.
+class GatherBudget {
+ public:
+  GatherBudget(int64_t F, int64_t cap, int64_t batch)
+      : cap_(cap),
+        batch_(batch),
+        gathered_(new std::atomic<int64_t>[size_t(F)]()),
+        stopped_(new std::atomic<uint8_t>[size_t(F)]()) {}
+
+  // Whether column f has stopped gathering (in any task).
+  bool Stopped(int64_t f) const { return stopped_[f].load(std::memory_order_relaxed) != 0; }
+
+  // After a block: this task has gathered `gathered` keys of column f so far,
+  // `reported` of them added to the shared total. Adds the rest once they
+  // make a batch (or `last`); false once the column must stop gathering.
+  bool Keep(int64_t f, int64_t gathered, int64_t& reported, bool last) {
+    if (Stopped(f)) return false;
+    const int64_t fresh = gathered - reported;
+    if (fresh >= batch_ || (last && fresh > 0)) {
+      reported = gathered;
+      if (gathered_[f].fetch_add(fresh, std::memory_order_relaxed) + fresh > cap_) {
+        stopped_[f].store(1, std::memory_order_relaxed);
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  const int64_t cap_, batch_;
+  std::unique_ptr<std::atomic<int64_t>[]> gathered_;
+  std::unique_ptr<std::atomic<uint8_t>[]> stopped_;
+};
+
 // One task's results of the sweep over rows [r0, r1).
 struct Sweep {
   std::vector<int64_t> below;                // per column: #{key < lo}
@@ -597,36 +706,49 @@ struct Sweep {
   std::vector<std::vector<uint32_t>> group_keys;
   std::vector<std::vector<uint8_t>> group_lanes;
   std::vector<int64_t> group_size;
-  // With sums, per column: sum of all floats; sum of (x - Offset(lo)) and
-  // count of the keys beyond the bracket; count of NaNs, and of those with
-  // the sign bit (their keys lie below every number's).
+  // With sums, per column: sum of all floats; sum of (x - offset) (see
+  // ExcessOffset) and count of the keys beyond the bracket; count of NaNs,
+  // and of those with the sign bit (their keys lie below every number's).
   std::vector<double> total, beyond_excess;
   std::vector<int64_t> beyond, nan, neg_nan;
 };
 
+// Rows per block of the scalar sweep, between checks of the gather budget.
+constexpr int64_t kScalarSweepBlock = 1024;
+// Rows of the AVX2 sweep summed in floats before the sums go to doubles:
+// short, so that a float sum's rounding stays well under a float's ulp.
+constexpr int64_t kSweepSumRows = 32;
+
 template <bool kSums>
-void SweepScalar(const float* data, int64_t r0, int64_t r1, int64_t F,
-                 const uint32_t* lo, const uint32_t* width, const uint8_t* gather,
-                 Sweep& out) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* row = data + r * F;
-    for (int64_t f = 0; f < F; ++f) {
-      const uint32_t key = Key(row[f]);
-      const bool below = key < lo[f];
-      out.below[f] += below;
-      if (InRange(key, lo[f], width[f] - 1)) {
-        out.inside[f]++;
-        if (gather[f]) out.keys[f].push_back(key);
-      } else if (kSums && !below) {
-        out.beyond[f]++;
-        out.beyond_excess[f] += double(row[f]) - Offset(lo[f]);
-      }
-      if (kSums) {
-        out.total[f] += row[f];
-        out.nan[f] += row[f] != row[f];
-        out.neg_nan[f] += key < kNegInfKey;
+void SweepScalar(const float* data, int64_t r0, int64_t r1, int64_t F, const uint32_t* lo,
+                 const uint32_t* width, const float* offset, const uint8_t* gather,
+                 GatherBudget& budget, Sweep& out) {
+  std::vector<uint8_t> gathering(gather, gather + F);
+  std::vector<int64_t> reported(F, 0);
+  for (int64_t b0 = r0; b0 < r1; b0 += kScalarSweepBlock) {
+    const int64_t b1 = std::min(r1, b0 + kScalarSweepBlock);
+    for (int64_t r = b0; r < b1; ++r) {
+      const float* row = data + r * F;
+      for (int64_t f = 0; f < F; ++f) {
+        const uint32_t key = Key(row[f]);
+        const bool below = key < lo[f];
+        out.below[f] += below;
+        if (InRange(key, lo[f], width[f] - 1)) {
+          out.inside[f]++;
+          if (gathering[f]) out.keys[f].push_back(key);
+        } else if (kSums && !below) {
+          out.beyond[f]++;
+          out.beyond_excess[f] += double(row[f]) - double(offset[f]);
+        }
+        if (kSums) {
+          out.total[f] += row[f];
+          out.nan[f] += row[f] != row[f];
+          out.neg_nan[f] += key < kNegInfKey;
+        }
       }
     }
+    for (int64_t f = 0; f < F; ++f)
+      if (gathering[f]) gathering[f] = budget.Keep(f, out.inside[f], reported[f], b1 == r1);
   }
 }
 
@@ -639,16 +761,19 @@ void SweepScalar(const float* data, int64_t r0, int64_t r1, int64_t F,
 template <bool kSums>
 __attribute__((target("avx2"))) void SweepAvx2(
     const float* data, int64_t r0, int64_t r1, int64_t F, const ColumnItems& items,
-    const uint32_t* lo, const uint32_t* width, const uint8_t* gather, Sweep& out) {
+    const uint32_t* lo, const uint32_t* width, const float* offset, const uint8_t* gather,
+    GatherBudget& budget, Sweep& out) {
   const int64_t groups = items.count();
   const int64_t block = std::max<int64_t>(8, 16384 / F);
   std::vector<uint32_t> n_below(8 * groups, 0), n_inside(8 * groups, 0);
   std::vector<uint32_t> n_beyond(8 * groups, 0), n_nan(8 * groups, 0), n_neg_nan(8 * groups, 0);
   std::vector<double> totals(8 * groups, 0.0), excesses(8 * groups, 0.0);
-  std::vector<float> offsets(8 * groups);
+  std::vector<int64_t> reported(8 * groups, 0);
+  // Per group, the lanes it gathers (its own lanes only, while in budget).
+  std::vector<int> gathering(groups, 0);
   for (int64_t g = 0; g < groups; ++g)
-    for (int64_t lane = 0; lane < 8; ++lane)
-      offsets[8 * g + lane] = float(Offset(lo[items.first(int(g)) + lane]));
+    for (int64_t lane = items.skip(int(g)); lane < 8; ++lane)
+      gathering[g] |= (gather[items.first(int(g)) + lane] ? 1 : 0) << lane;
   out.group_keys.resize(groups);
   out.group_lanes.resize(groups);
   out.group_size.assign(groups, 0);
@@ -665,44 +790,77 @@ __attribute__((target("avx2"))) void SweepAvx2(
       __m256i beyond_acc = _mm256_loadu_si256((const __m256i*)(n_beyond.data() + slot));
       __m256i nan_acc = _mm256_loadu_si256((const __m256i*)(n_nan.data() + slot));
       __m256i neg_nan_acc = _mm256_loadu_si256((const __m256i*)(n_neg_nan.data() + slot));
-      // Sums within a block in floats (a block is at most 2048 rows), added
-      // to doubles after it: converting every element would cost more.
-      __m256 total = _mm256_setzero_ps(), excess = _mm256_setzero_ps();
-      const __m256 offset = _mm256_loadu_ps(offsets.data() + slot);
-      int gather_lanes = 0;  // only the group's own lanes are gathered
-      for (int64_t lane = items.skip(int(g)); lane < 8; ++lane)
-        gather_lanes |= (gather[c + lane] ? 1 : 0) << lane;
+      const __m256 offset_v = _mm256_loadu_ps(offset + c);
+      const int gather_lanes = gathering[g];
       std::vector<uint32_t>& keys = out.group_keys[g];
       std::vector<uint8_t>& lanes = out.group_lanes[g];
       int64_t size = out.group_size[g];
-      if (int64_t(keys.size()) < size + 8 * (b1 - b0)) {
-        const size_t room = size_t(std::max<int64_t>(2 * int64_t(keys.size()), size + 8 * (b1 - b0)));
-        keys.resize(room);
-        lanes.resize(room + 8);
+      // Every row stores eight keys past the packed ones (only the hits count).
+      const int64_t room = size + (gather_lanes ? 8 * (b1 - b0) : 8);
+      if (int64_t(keys.size()) < room) {
+        const size_t grown = size_t(std::max<int64_t>(2 * int64_t(keys.size()), room));
+        keys.resize(grown);
+        lanes.resize(grown + 8);
       }
       uint32_t* keys_out = keys.data();
       uint8_t* lanes_out = lanes.data();
-      for (int64_t r = b0; r < b1; ++r) {
-        const __m256i bits = _mm256_loadu_si256((const __m256i*)(data + r * F + c));
-        const __m256i key = KeysOf(bits);
-        const __m256i below = GreaterU32(lo_v, key);
-        below_acc = _mm256_sub_epi32(below_acc, below);
-        const __m256i outside = OutsideRange(key, lo_v, last_v);
-        const int in = ~_mm256_movemask_ps(_mm256_castsi256_ps(outside)) & 0xFF;
-        inside_acc = _mm256_add_epi32(inside_acc, _mm256_andnot_si256(outside, one));
-        const int hits = in & gather_lanes;
-        const __m256i perm = _mm256_load_si256((const __m256i*)kCompress.lanes[hits]);
-        _mm256_storeu_si256((__m256i*)(keys_out + size), _mm256_permutevar8x32_epi32(key, perm));
-        std::memcpy(lanes_out + size, &kCompress.lane_bytes[hits], 8);
-        size += __builtin_popcount(unsigned(hits));
-        if (kSums) {
-          const __m256 v = _mm256_castsi256_ps(bits);
-          const __m256i beyond = _mm256_andnot_si256(below, outside);
-          beyond_acc = _mm256_sub_epi32(beyond_acc, beyond);
-          nan_acc = _mm256_sub_epi32(nan_acc, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-          neg_nan_acc = _mm256_sub_epi32(neg_nan_acc, GreaterU32(neg_inf, key));
-          total = _mm256_add_ps(total, v);
-          excess = _mm256_add_ps(excess, _mm256_and_ps(_mm256_castsi256_ps(beyond), _mm256_sub_ps(v, offset)));
+      for (int64_t s0 = b0; s0 < b1; s0 += kSweepSumRows) {
+        const int64_t s1 = std::min(b1, s0 + kSweepSumRows);
+        // Sums over kSweepSumRows rows in floats, then added to doubles:
+        // converting every element would cost more.
+        __m256 total = _mm256_setzero_ps(), excess = _mm256_setzero_ps();
+        for (int64_t r = s0; r < s1; ++r) {
+          const __m256i bits = _mm256_loadu_si256((const __m256i*)(data + r * F + c));
+          const __m256i key = KeysOf(bits);
+          const __m256i below = GreaterU32(lo_v, key);
+          below_acc = _mm256_sub_epi32(below_acc, below);
+          const __m256i outside = OutsideRange(key, lo_v, last_v);
+          const int in = ~_mm256_movemask_ps(_mm256_castsi256_ps(outside)) & 0xFF;
+          inside_acc = _mm256_add_epi32(inside_acc, _mm256_andnot_si256(outside, one));
+          const int hits = in & gather_lanes;
+          const __m256i perm = _mm256_load_si256((const __m256i*)kCompress.lanes[hits]);
+          _mm256_storeu_si256((__m256i*)(keys_out + size), _mm256_permutevar8x32_epi32(key, perm));
+          std::memcpy(lanes_out + size, &kCompress.lane_bytes[hits], 8);
+          size += __builtin_popcount(unsigned(hits));
+          if (kSums) {
+            const __m256 v = _mm256_castsi256_ps(bits);
+            const __m256i beyond = _mm256_andnot_si256(below, outside);
+            beyond_acc = _mm256_sub_epi32(beyond_acc, beyond);
+            nan_acc = _mm256_sub_epi32(nan_acc, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+            neg_nan_acc = _mm256_sub_epi32(neg_nan_acc, GreaterU32(neg_inf, key));
+            total = _mm256_add_ps(total, v);
+            excess = _mm256_add_ps(excess, _mm256_and_ps(_mm256_castsi256_ps(beyond), _mm256_sub_ps(v, offset_v)));
+          }
+        }
+        if (!kSums) continue;
+        const int redo = NotFinite(total, excess);
+        if (!redo) {
+          AddToDoubles(total, totals.data() + slot);
+          AddToDoubles(excess, excesses.data() + slot);
+          continue;
+        }
+        // A float sum that overflowed (or met an inf or NaN): those lanes
+        // are summed again in doubles.
+        alignas(32) float part_totals[8], part_excesses[8];
+        _mm256_store_ps(part_totals, total);
+        _mm256_store_ps(part_excesses, excess);
+        for (int64_t lane = 0; lane < 8; ++lane) {
+          if (!(redo & (1 << lane))) {
+            totals[slot + lane] += part_totals[lane];
+            excesses[slot + lane] += part_excesses[lane];
+            continue;
+          }
+          const int64_t f = c + lane;
+          const double reference = offset[f];
+          double lane_total = 0, lane_excess = 0;
+          for (int64_t r = s0; r < s1; ++r) {
+            const float v = data[r * F + f];
+            const uint32_t key = Key(v);
+            lane_total += v;
+            if (key >= lo[f] && !InRange(key, lo[f], width[f] - 1)) lane_excess += double(v) - reference;
+          }
+          totals[slot + lane] += lane_total;
+          excesses[slot + lane] += lane_excess;
         }
       }
       out.group_size[g] = size;
@@ -712,8 +870,14 @@ __attribute__((target("avx2"))) void SweepAvx2(
         _mm256_storeu_si256((__m256i*)(n_beyond.data() + slot), beyond_acc);
         _mm256_storeu_si256((__m256i*)(n_nan.data() + slot), nan_acc);
         _mm256_storeu_si256((__m256i*)(n_neg_nan.data() + slot), neg_nan_acc);
-        AddToDoubles(total, totals.data() + slot);
-        AddToDoubles(excess, excesses.data() + slot);
+      }
+      if (gather_lanes) {
+        int still = gather_lanes;
+        for (int64_t lane = 0; lane < 8; ++lane)
+          if ((gather_lanes & (1 << lane)) &&
+              !budget.Keep(c + lane, n_inside[slot + lane], reported[slot + lane], b1 == r1))
+            still &= ~(1 << lane);
+        gathering[g] = still;
       }
     }
   }
@@ -750,23 +914,119 @@ void WriteCounts(const Outputs& o, int64_t f, int64_t N, const EqualKeys& e, con
   if (o.above) o.above[f] = e.known ? int32_t(N - c.not_above) : -1;
 }
 
-void WriteSums(const Outputs& o, int64_t f, int64_t N, double total, double excess, int64_t nan) {
-  o.mean[f] = float(total / double(N));
-  o.mean_excess[f] = nan > 0 ? std::numeric_limits<float>::quiet_NaN() : float(excess / double(N));
+// A double as a float, +-inf beyond float's range (a plain conversion of an
+// out-of-range value is undefined behaviour).
+inline float ToFloat(double v) {
+  constexpr double kMax = std::numeric_limits<float>::max();
+  if (v > kMax) return std::numeric_limits<float>::infinity();
+  if (v < -kMax) return -std::numeric_limits<float>::infinity();
+  return float(v);
 }
 
-// Counts over column f of the input itself: for answers whose equal keys
-// reach outside the bracket (zeros and denormals read as zero).
-Counts CountsStrided(const float* data, int64_t N, int64_t F, int64_t f, const EqualKeys& e) {
-  Counts c;
-  if (e.empty()) return c;
-  const uint32_t span = e.hi - e.lo, not_above_span = e.hi - kNegInfKey;
-  for (int64_t r = 0; r < N; ++r) {
-    const uint32_t key = Key(data[r * F + f]);
-    c.equal += InRange(key, e.lo, span);
-    c.not_above += InRange(key, kNegInfKey, not_above_span);
+void WriteSums(const Outputs& o, int64_t f, int64_t N, double total, double excess, int64_t nan) {
+  o.mean[f] = ToFloat(total / double(N));
+  o.mean_excess[f] = nan > 0 ? std::numeric_limits<float>::quiet_NaN() : ToFloat(excess / double(N));
+}
+
+// ----------------------------------------------------------------------------
+// Passes over one column of the input itself, in memory that does not grow
+// with N: for columns whose keys are not gathered.
+
+// Rows per task of a pass over one column.
+constexpr int64_t kColumnTaskRows = 1 << 18;
+// Bits of the key each histogram pass resolves: two passes settle any key.
+constexpr int kColumnDigitBits = 16;
+// A histogram bin with at most this many keys is gathered and selected.
+constexpr int64_t kColumnGatherKeys = 1 << 20;
+
+template <class Pool>
+int ColumnTasks(Pool& pool, int64_t N) {
+  return int(std::clamp<int64_t>(N / kColumnTaskRows, 1, pool.num_threads() + 1));
+}
+
+// The rank-th smallest (1-based) of the keys of column f that lie in [lo,
+// hi], of which there are at least rank. Each pass histograms the next 16
+// bits of the keys still in range (two settle any key) unless the target's
+// bin holds few enough keys to gather and select.
+template <class Pool>
+uint32_t SelectInColumn(Pool& pool, const float* data, int64_t N, int64_t F, int64_t f,
+                        uint32_t lo, uint32_t hi, int64_t rank) {
+  const int n_tasks = ColumnTasks(pool, N);
+  auto rows = [&](int t) { return std::make_pair(N * t / n_tasks, N * (t + 1) / n_tasks); };
+  while (lo != hi) {
+    const uint32_t span = hi - lo;
+    const int shift = std::max(0, 32 - __builtin_clz(span) - kColumnDigitBits);
+    const int64_t bins = int64_t(span >> shift) + 1;
+    std::vector<uint32_t> counts(size_t(n_tasks * bins), 0);  // per task and bin
+    ParallelFor(pool, n_tasks, [&](int t) {
+      uint32_t* hist = counts.data() + t * bins;
+      for (auto [r, r1] = rows(t); r < r1; ++r) {
+        const uint32_t key = Key(data[r * F + f]);
+        if (InRange(key, lo, span)) hist[(key - lo) >> shift]++;
+      }
+    });
+    int64_t digit = 0, in_bin = 0;
+    for (;; ++digit) {
+      in_bin = 0;
+      for (int t = 0; t < n_tasks; ++t) in_bin += counts[t * bins + digit];
+      if (in_bin >= rank || digit + 1 == bins) break;
+      rank -= in_bin;
+    }
+    const uint32_t bin_lo = lo + (uint32_t(digit) << shift);
+    hi = uint32_t(std::min<uint64_t>(hi, uint64_t(bin_lo) + ((uint64_t(1) << shift) - 1)));
+    lo = bin_lo;
+    if (lo == hi || in_bin > kColumnGatherKeys) continue;
+    // Few enough keys: each task packs its own into its share of one array.
+    std::vector<int64_t> start(n_tasks + 1, 0);
+    for (int t = 0; t < n_tasks; ++t) start[t + 1] = start[t] + counts[t * bins + digit];
+    std::vector<uint32_t> keys(static_cast<size_t>(in_bin)), scratch(static_cast<size_t>(2 * in_bin));
+    ParallelFor(pool, n_tasks, [&](int t) {
+      uint32_t* out = keys.data() + start[t];
+      for (auto [r, r1] = rows(t); r < r1; ++r) {
+        const uint32_t key = Key(data[r * F + f]);
+        if (InRange(key, lo, hi - lo)) *out++ = key;
+      }
+    });
+    return SelectKth(keys.data(), in_bin, rank, scratch.data(), scratch.data() + in_bin);
   }
-  return c;
+  return lo;
+}
+
+// A Summary of column f of the input (its counts only unless `sums`).
+template <class Pool>
+Summary SummarizeColumn(Pool& pool, const float* data, int64_t N, int64_t F, int64_t f,
+                        uint32_t answer, const EqualKeys& e, bool sums) {
+  const int n_tasks = ColumnTasks(pool, N);
+  std::vector<Summary> parts(n_tasks);
+  const uint32_t span = e.hi - e.lo, not_above_span = e.hi - kNegInfKey;
+  const double q = FloatOf(answer);
+  ParallelFor(pool, n_tasks, [&](int t) {
+    Summary s;
+    for (int64_t r = N * t / n_tasks, r1 = N * (t + 1) / n_tasks; r < r1; ++r) {
+      const float x = data[r * F + f];
+      const uint32_t key = Key(x);
+      if (sums) {
+        const double v = x;
+        s.total += v;
+        s.excess += key > answer ? v - q : 0.0;
+        s.nan += x != x;
+      }
+      if (!e.empty()) {
+        s.counts.equal += InRange(key, e.lo, span);
+        s.counts.not_above += InRange(key, kNegInfKey, not_above_span);
+      }
+    }
+    parts[t] = s;
+  });
+  Summary total;
+  for (const Summary& s : parts) {
+    total.total += s.total;
+    total.excess += s.excess;
+    total.nan += s.nan;
+    total.counts.equal += s.counts.equal;
+    total.counts.not_above += s.counts.not_above;
+  }
+  return total;
 }
 
 // The selection proper, for any pool with num_threads() and Schedule(task).
@@ -833,28 +1093,50 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
     }
   });
   std::vector<uint32_t> lo(F), width(F);
+  std::vector<float> offset(F);
   std::vector<uint8_t> gather(F);
   ParallelFor(pool, int(F), [&](int f) {
     const uint32_t* sample = samples.data() + f * sample_stride;
     std::vector<uint32_t> scratch(size_t(2 * M));
     const double p = (double(k[f]) - 0.5) / double(N), centre = p * double(M);
     const double half = bracket_sigmas * std::sqrt(double(M) * p * (1.0 - p)) + 2.0;
-    const int64_t a = int64_t(std::floor(centre - half));
-    const int64_t b = int64_t(std::ceil(centre + half));
-    uint32_t low = 0, high = 0xFFFFFFFFu;
+    // Clamped before the conversions (which a huge half would overflow).
+    const int64_t a = int64_t(std::floor(std::max(centre - half, -1.0)));
+    const int64_t b = int64_t(std::ceil(std::min(centre + half, double(M))));
+    uint32_t low = 0, high = 0xFFFFFFFFu, top = 0xFFFFFFFFu;
     if (a >= 0) low = SelectKth(sample, M, a + 1, scratch.data(), scratch.data() + M);
     if (b < M) {
-      const uint32_t top = SelectKth(sample, M, b + 1, scratch.data(), scratch.data() + M);
+      top = SelectKth(sample, M, b + 1, scratch.data(), scratch.data() + M);
       // The top sample value itself falls inside: with repeated values (an
       // atom such as ReLU's zeros) the target is often that very value.
       high = top == 0xFFFFFFFFu ? top : top + 1;
     }
     // One value across the bracket (an atom): [v, v + 1) holds just that key.
-    width[f] = high > low ? high - low : 1;
+    bool single = high <= low || high - low == 1;
+    // A bracket open at one end (a target rank near it) that the sample
+    // fills with one value, an atom at the column's end (a constant column,
+    // ReLU's zeros at a small alpha), would gather that whole atom: it is
+    // that value alone. Should the target lie beyond it after all, the
+    // bracket misses and the column is selected whole.
+    if (!single && (a < 0) != (b >= M)) {
+      const auto [smallest, largest] = MinMax(sample, M);
+      if (a < 0 && smallest == top) {
+        low = smallest;
+        single = true;
+      } else if (b >= M && largest == low) {
+        single = true;
+      }
+    }
+    width[f] = single ? 1 : high - low;
     lo[f] = low;
-    gather[f] = width[f] > 1;
+    offset[f] = ExcessOffset(low, width[f]);
+    gather[f] = !single;
   });
 
+  // The sweep gathers at most an eighth of a column's keys (more would take
+  // several times that memory in buffers and selection scratch).
+  const int64_t threads = pool.num_threads() + 1;
+  GatherBudget budget(F, N / 8, std::max<int64_t>(256, N / (32 * threads)));
   const int n_tasks = int(std::clamp<int64_t>(N * F / kElementsPerTask, 1, 256));
   std::vector<Sweep> sweeps(n_tasks);
   ParallelFor(pool, n_tasks, [&](int t) {
@@ -873,20 +1155,29 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
 #ifdef GBN_X86
     if (items.grouped) {
       if (sums)
-        SweepAvx2<true>(data, r0, r1, F, items, lo.data(), width.data(), gather.data(), s);
+        SweepAvx2<true>(data, r0, r1, F, items, lo.data(), width.data(), offset.data(),
+                        gather.data(), budget, s);
       else
-        SweepAvx2<false>(data, r0, r1, F, items, lo.data(), width.data(), gather.data(), s);
+        SweepAvx2<false>(data, r0, r1, F, items, lo.data(), width.data(), offset.data(),
+                         gather.data(), budget, s);
       return;
     }
 #endif
     for (int64_t f = 0; f < F; ++f)
       if (gather[f]) s.keys[f].reserve(size_t((r1 - r0) / 16 + 16));
     if (sums)
-      SweepScalar<true>(data, r0, r1, F, lo.data(), width.data(), gather.data(), s);
+      SweepScalar<true>(data, r0, r1, F, lo.data(), width.data(), offset.data(), gather.data(),
+                        budget, s);
     else
-      SweepScalar<false>(data, r0, r1, F, lo.data(), width.data(), gather.data(), s);
+      SweepScalar<false>(data, r0, r1, F, lo.data(), width.data(), offset.data(), gather.data(),
+                         budget, s);
   });
 
+  // A missed bracket's column is gathered whole (4 bytes a row, 8 more of
+  // selection scratch) where that, for as many columns as run at once, stays
+  // within the input's size (always with AVX2 groups: one column of eight at
+  // a time); otherwise (few columns) it is selected by histogram passes.
+  const bool gather_missed = 3 * std::min<int64_t>(items.count(), threads) <= F;
   ParallelFor(pool, items.count(), [&](int item) {
     const int64_t c = items.first(item), n_columns = items.width();
     std::vector<int64_t> below(n_columns, 0), inside(n_columns, 0);
@@ -895,16 +1186,21 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
         below[j] += s.below[c + j];
         inside[j] += s.inside[c + j];
       }
-    // The gathered keys of each column, unpacked from the group buffers.
+    // The gathered keys of each column, unpacked from the group buffers
+    // (none of a column that ran out of budget).
+    uint8_t take[8] = {0};
     std::vector<std::vector<uint32_t>> keys(n_columns);
-    for (int64_t j = items.skip(item); j < n_columns; ++j)
-      if (gather[c + j]) keys[j].reserve(size_t(inside[j]));
+    for (int64_t j = items.skip(item); j < n_columns; ++j) {
+      take[j] = gather[c + j] && !budget.Stopped(c + j);
+      if (take[j]) keys[j].reserve(size_t(inside[j]));
+    }
     for (const Sweep& s : sweeps) {
       if (items.grouped) {
         const uint32_t* group_keys = s.group_keys[item].data();
         const uint8_t* lanes = s.group_lanes[item].data();
-        for (int64_t i = 0; i < s.group_size[item]; ++i) keys[lanes[i]].push_back(group_keys[i]);
-      } else {
+        for (int64_t i = 0; i < s.group_size[item]; ++i)
+          if (take[lanes[i]]) keys[lanes[i]].push_back(group_keys[i]);
+      } else if (take[0]) {
         keys[0].insert(keys[0].end(), s.keys[c].begin(), s.keys[c].end());
       }
     }
@@ -912,12 +1208,11 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
     for (int64_t j = items.skip(item); j < n_columns; ++j) {
       const int64_t f = c + j, rank = k[f] - below[j];
       const bool hit = rank >= 1 && rank <= inside[j];
-      uint32_t answer;
-      if (!hit) {  // the bracket missed: select over the whole column
+      if (!hit && gather_missed) {  // select over the whole column, gathered
         std::vector<uint32_t> column(N);
         Columns(data, N, F, f, 1, N, column.data());
         scratch.resize(2 * N);
-        answer = SelectKth(column.data(), N, k[f], scratch.data(), scratch.data() + N);
+        const uint32_t answer = SelectKth(column.data(), N, k[f], scratch.data(), scratch.data() + N);
         const EqualKeys equal(answer, mode);
         o.key[f] = int32_t(answer ^ kSign);
         o.path[f] = kMissedBracket;
@@ -930,9 +1225,22 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
         }
         continue;
       }
+      if (!hit || (gather[f] && !take[j])) {  // by passes over the column
+        const uint32_t answer =
+            hit ? SelectInColumn(pool, data, N, F, f, lo[f], lo[f] + (width[f] - 1), rank)
+                : SelectInColumn(pool, data, N, F, f, 0, 0xFFFFFFFFu, k[f]);
+        const EqualKeys equal(answer, mode);
+        o.key[f] = int32_t(answer ^ kSign);
+        o.path[f] = hit ? kHistogram : kMissedBracket;
+        const Summary summary = SummarizeColumn(pool, data, N, F, f, answer, equal, sums);
+        WriteCounts(o, f, N, equal, summary.counts);
+        if (sums) WriteSums(o, f, N, summary.total, summary.excess, summary.nan);
+        continue;
+      }
       // Every copy of the answer lies inside the bracket: a single key where
       // the bracket holds just one, else among the gathered keys.
       const std::vector<uint32_t>& column = keys[j];
+      uint32_t answer;
       if (gather[f]) {
         scratch.resize(2 * column.size());
         answer = SelectKth(column.data(), int64_t(column.size()), rank, scratch.data(),
@@ -967,18 +1275,22 @@ void SelectKeys(Pool& pool, const float* data, int64_t N, int64_t F, const int32
       }
       Counts counts;
       if (!equal_inside) {
-        counts = CountsStrided(data, N, F, f, equal);
+        counts = SummarizeColumn(pool, data, N, F, f, answer, equal, false).counts;
       } else if (!equal.empty()) {
         counts = gathered.counts;
-        counts.not_above += below[j] - neg_nan;
+        // The keys below the bracket are at most the answer, bar negative
+        // NaNs: all of them where the bracket starts at -inf or above, and
+        // only such where it starts among them (then they are all below).
+        if (lo[f] >= kNegInfKey) counts.not_above += below[j] - neg_nan;
       }
       WriteCounts(o, f, N, equal, counts);
       if (sums) {
         // Keys beyond the bracket are above the answer: their sum of (x - q)
-        // is their sum of (x - offset) less (q - offset) each (none: no term,
-        // since an infinite q times zero would be NaN).
+        // is their sum of (x - offset) plus (offset - q) >= 0 each (no term
+        // where there are none: an infinite difference times zero is NaN).
         double excess = gathered.excess;
-        if (beyond > 0) excess += beyond_excess - (double(FloatOf(answer)) - Offset(lo[f])) * double(beyond);
+        if (beyond > 0)
+          excess += beyond_excess + (double(offset[f]) - double(FloatOf(answer))) * double(beyond);
         WriteSums(o, f, N, total, excess, nan);
       }
     }
@@ -1001,15 +1313,41 @@ ffi::Error KthSmallest(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       mean->element_count() != n_results || mean_excess->element_count() != n_results ||
       above->element_count() != n_results)
     return ffi::Error::InvalidArgument("k and the results must have shape (F,)");
-  if (!(bracket_sigmas >= 0.0)) return ffi::Error::InvalidArgument("bracket_sigmas must be >= 0");
+  if (!(bracket_sigmas >= 0.0 && bracket_sigmas <= kMaxBracketSigmas))
+    return ffi::Error::InvalidArgument("bracket_sigmas must lie in [0, 1e6]");
+  if (N > kMaxRows)
+    return ffi::Error::InvalidArgument("x may have at most 2**31 - 1 rows (int32 counts)");
   Outputs o{result->typed_data(), ties->typed_data(), path->typed_data()};
   if (kSums) {
     o.mean = mean->typed_data();
     o.mean_excess = mean_excess->typed_data();
     o.above = above->typed_data();
   }
-  SelectKeys(pool, x.typed_data(), N, F, k_buffer.typed_data(), bracket_sigmas, o);
-  return ffi::Error::Success();
+  // Every task has finished when SelectKeys returns or throws (ParallelFor
+  // waits for them), so an exception leaves nothing running.
+  const char* failure;
+  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
+  std::string detail;
+  try {
+    SelectKeys(pool, x.typed_data(), N, F, k_buffer.typed_data(), bracket_sigmas, o);
+    return ffi::Error::Success();
+  } catch (const std::bad_alloc&) {
+    code = ffi::ErrorCode::kResourceExhausted;
+    failure = "gbn_jax k-th smallest kernel: out of memory";
+  } catch (const std::exception& e) {
+    failure = "gbn_jax k-th smallest kernel failed";
+    try {
+      detail = e.what();
+    } catch (...) {
+    }
+  } catch (...) {
+    failure = "gbn_jax k-th smallest kernel failed";
+  }
+  try {
+    return ffi::Error(code, detail.empty() ? std::string(failure) : std::string(failure) + ": " + detail);
+  } catch (...) {
+    return ffi::Error(code, std::string());
+  }
 }
 
 }  // namespace
