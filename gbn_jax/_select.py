@@ -74,7 +74,9 @@ __all__ = ["METHODS", "kth_smallest", "kth_smallest_reference"]
 #: ``"adaptive"``: sample + interpolating counting passes + fold.
 #: ``"bisect"``: counting passes that split the int32 key range in four (17
 #: passes, data-independent cost). ``"sort"``: sorts int keys (the reference).
-METHODS = ("native", "adaptive", "bisect", "sort")
+#: ``"accelerator"``: radix select, four fixed histogram passes and no loop
+#: (``gbn_jax._radix_select``), for GPUs/TPUs; runs anywhere.
+METHODS = ("native", "adaptive", "bisect", "sort", "accelerator")
 
 #: Overrides the size-based default of ``kth_smallest`` when not ``None``.
 DEFAULT_METHOD: str | None = None
@@ -90,6 +92,9 @@ _KEY_POS_INF = int(np.float32(np.inf).view(np.int32))
 _KEY_BEYOND = _KEY_POS_INF + 1
 _INT_MAX = np.iinfo(np.int32).max
 _INT_MIN = np.iinfo(np.int32).min
+#: Most elements one selection may reduce over (per position, over all
+#: devices): ranks, counts and keys are int32.
+MAX_ELEMENTS = _INT_MAX
 
 # Tuning constants of the adaptive method (see module docstring).
 _SAMPLE_ROWS = 1024  # rows sampled (over all devices) to place the first bracket
@@ -99,7 +104,9 @@ _INTERP_EPS = 1.0  # later brackets: +-eps*sqrt(width) ranks around the target
 _FIRST_INTERP_EPS = 5.0  # first interpolation: the CDF's curvature still shows
 _FOLD_MAX_WIDTH = 128  # fold once at most this many elements remain in a bracket
 _ADAPTIVE_MIN_ROWS = 16384  # default method: "bisect" below this many rows
-_ACCELERATOR_LARGE_METHOD = "adaptive"  # default at least that many rows, GPU/TPU
+# Default at least that many rows on a GPU/TPU: no data-dependent loop, so no
+# host sync per pass (the adaptive loop's cost there). Not yet timed on a GPU.
+_ACCELERATOR_LARGE_METHOD = "accelerator"
 _MAX_PASSES = 96  # >= 2 * 33 bisections; beyond it the sort fallback runs
 _CHUNK_ELEMENTS = 1 << 18  # elements per chunk of a CPU counting pass
 # Thresholds per adaptive counting pass: each costs a compare-and-add per
@@ -129,6 +136,16 @@ def _check_input(x: Any) -> Array:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"kth_smallest needs a floating-point array, got {x.dtype}.")
   return x
+
+
+def check_element_count(n: int) -> None:
+  """Raises ``ValueError`` unless ``n`` elements fit one selection (int32 ranks)."""
+  if n > MAX_ELEMENTS:
+    raise ValueError(
+        f"kth_smallest reduces over at most 2**31 - 1 = {MAX_ELEMENTS} elements per"
+        f" position (ranks and counts are int32), got {n}; reduce over fewer axes or"
+        " split the batch."
+    )
 
 
 def _to_rows(x: Array, axes: tuple[int, ...], where: Array | None):
@@ -700,6 +717,12 @@ def _default_method(n_rows: int) -> str:
   return "adaptive" if large else "bisect"
 
 
+def _compares_keep_denormals() -> bool:
+  # XLA:CPU sets denormals-are-zero (see the native kernel's tie counts);
+  # XLA:GPU keeps them unless --xla_gpu_ftz; TPUs flush them.
+  return jax.default_backend() == "gpu"
+
+
 def _on_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
@@ -756,6 +779,7 @@ def kth_smallest_with_sums(x: Array, k: int, axis: tuple[int, ...]) -> tuple[Arr
   x = _check_input(lax.stop_gradient(x))
   axes = _check_axes(x.ndim, axis)
   rows, _, kept_shape = _to_rows(x, axes, None)
+  check_element_count(rows.shape[0])
   k = _prepare_k(k, kept_shape)
   keys, ties, _, mean, mean_excess, above = _native.kth_smallest_sums(
       _replicate_explicit(rows), k
@@ -782,6 +806,7 @@ def kth_smallest_reference(
   axes = _check_axes(x.ndim, axis)
   rows, _, kept_shape = _to_rows(x, axes, where)
   comm = _Comm(axis_name, axis_index_groups)
+  check_element_count(rows.shape[0] * comm.size())
   rows = comm.gather_rows(_float_to_key(lax.stop_gradient(rows)))
   k = _prepare_k(k, kept_shape)
   index = jnp.clip(k - 1, 0, rows.shape[0] - 1)
@@ -811,7 +836,9 @@ def kth_smallest(
 
   Args:
     x: float32 array without NaN (``+-inf`` allowed). Other float dtypes use
-      the sort-based reference.
+      the sort-based reference. At most :data:`MAX_ELEMENTS` (2**31 - 1)
+      reduced elements per position, over all devices (``ValueError``
+      otherwise, when tracing).
     k: Python int or int32 array broadcastable to the reduced shape (may differ
       per position and be traced); must satisfy ``1 <= k <= n``, the number of
       masked-in elements. Positions violating it get NaN.
@@ -855,7 +882,18 @@ def kth_smallest(
   comm = _Comm(axis_name, axis_index_groups)
   rows, mask, kept_shape = _to_rows(x, axes, where)
   n_rows, n_cols = rows.shape
+  check_element_count(n_rows * comm.size())
   method = method or _default_method(n_rows * comm.size())
+  if method == "accelerator":
+    from gbn_jax import _radix_select  # pylint: disable=g-import-not-at-top
+    result = _radix_select.kth_smallest_accelerator(
+        x, k, axes, where=where, axis_name=axis_name,
+        axis_index_groups=axis_index_groups, return_ties=return_ties)
+    if return_ties and not _compares_keep_denormals():
+      # Its integer counts tell denormals from zero; XLA:CPU's float compares
+      # (which the caller's tie split uses) do not: let the caller count.
+      return result[0], None
+    return result
   if method == "native" and not _native_applies(axis_name):
     method = "adaptive"
   k = _prepare_k(k, kept_shape)

@@ -1,0 +1,340 @@
+"""Exact k-th smallest by radix select: a fixed number of passes, no data-dependent loop.
+
+For accelerators. ``_select``'s ``"adaptive"`` method runs a
+``lax.while_loop`` whose predicate is data-dependent: on a GPU every pass costs
+a kernel launch *and* a device-to-host copy of the predicate, so the device
+idles while the host decides. Radix select needs no decision on the host:
+
+* Work on the order-preserving int32 keys of ``_select`` (``_float_to_key``),
+  with ``-0.0`` merged into ``+0.0`` (key ``-1`` -> ``0``, adjacent keys, so the
+  k-th smallest only changes from ``-0.0`` to ``+0.0``, which the contract
+  returns anyway, and ties count both zeros, as ``x == 0.0`` does). Flipping
+  the sign bit (``u = key ^ INT_MIN``) makes the unsigned order of ``u`` the
+  key order.
+* ``32 / digit_bits`` passes (4 with the default 8-bit digits), most
+  significant digit first. Pass ``p`` histograms, per feature, digit ``p`` of
+  the elements whose higher digits equal the prefix chosen so far (and that are
+  masked in): ``2**digit_bits`` bins x ``F`` int32 counts. The histograms are
+  ``psum``-ed over ``axis_name`` (exact: integer counts), cumulatively summed,
+  and the bin holding the remaining rank is chosen; it extends the prefix and
+  the counts below it leave the rank. After the last pass the prefix *is* the
+  answer's key. The pass count is static: a Python loop, traced once, so the
+  program has no ``while`` at all (checked by the tests with ``make_jaxpr``).
+* The last histogram also gives the tie count (the chosen bin) and, with the
+  counts below the chosen bins of every pass, ``#{not x <= answer}``, both for
+  the pooled rows and for this device's rows alone (the quantile's custom JVP
+  sums its local tie counts across devices itself).
+
+Comparisons are integer ones on keys: a denormal is distinct from zero and from
+other denormals (as in ``kth_smallest_reference`` and ``np.sort``). XLA:GPU's
+float32 compares do not flush denormals by default, so there the counts equal
+``x == answer`` / ``~(x <= answer)`` as XLA evaluates them; XLA:CPU (and
+TPUs) read denormals as zero in float compares, so for a zero or denormal
+answer such a count can differ from the key counts returned here.
+
+Histogram kernels (``histogram=``):
+
+* ``"scatter"`` (default): one scatter-add (``jax.ops.segment_sum``) of the
+  0/1 "matches the prefix" flags to bin ``digit * F + feature``. XLA lowers it
+  on GPU to one kernel of atomic adds into the ``256 x F`` counters, which is
+  what a hand-written histogram kernel does (minus shared-memory privatisation:
+  heavy ties, e.g. ReLU zeros, make many atomics hit one counter; unmeasured).
+  Elements off the prefix add 0 to a bin spread by their row index, not to one
+  dump bin, so they do not all contend for one address. On TPU scatters
+  serialise; prefer ``"compare"`` there (unmeasured).
+* ``"compare"``: cumulative counts ``#{match & digit <= t}`` for every bin ``t``
+  as one fused compare-and-sum reduction over the rows (no atomics, but
+  ``2**digit_bits`` compare-adds per element: with 8-bit digits compute-bound;
+  ``digit_bits=4`` gives 16 per element over 8 passes). On XLA:CPU the
+  ``N x 2**digit_bits x F`` temporary may be materialised: small inputs only.
+
+``jnp.bincount`` per feature is the same scatter as ``"scatter"`` (under
+``vmap`` over features), so it is not a separate option.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gbn_jax import _select
+from gbn_jax._select import (
+    _Comm,
+    _check_axes,
+    _check_input,
+    _float_to_key,
+    _key_to_output,
+    _prepare_k,
+    _replicate_explicit,
+    _to_rows,
+)
+
+from gbn_jax._select import check_element_count
+
+Array = jax.Array
+
+__all__ = [
+    "HISTOGRAMS",
+    "RadixSelection",
+    "kth_smallest_accelerator",
+    "kth_smallest_with_sums_accelerator",
+    "radix_kth_smallest",
+    "radix_sums",
+]
+
+#: Histogram kernels accepted by ``radix_kth_smallest(..., histogram=...)``.
+HISTOGRAMS = ("scatter", "compare")
+
+_I32 = jnp.int32
+_F32 = jnp.float32
+_SIGN = np.int32(np.iinfo(np.int32).min)  # 0x80000000
+
+
+class RadixSelection(NamedTuple):
+  """Result of :func:`radix_kth_smallest`, per feature (all ``[F]`` int32).
+
+  ``keys``: the k-th smallest key (``-0.0`` merged into ``+0.0``: key ``0``);
+  ``_select._key_to_output(keys)`` is the float. ``n``: masked-in elements;
+  ``ties``: of them, how many have the answer's key; ``above``: how many have
+  a larger key, i.e. are not ``<= answer``. ``n``, ``ties`` and ``above`` count
+  all devices along ``axis_name``; ``local_*`` only this device's rows.
+  """
+
+  keys: Array
+  n: Array
+  ties: Array
+  above: Array
+  local_n: Array
+  local_ties: Array
+  local_above: Array
+
+
+def _merged_keys(rows: Array) -> Array:
+  """Keys with ``-0.0`` (key ``-1``) merged into ``+0.0`` (key ``0``)."""
+  key = _float_to_key(rows)
+  return jnp.where(key == -1, _I32(0), key)
+
+
+def _histogram_scatter(digit: Array, match: Array, n_bins: int) -> Array:
+  """``[n_bins, F]`` counts of ``digit`` over the rows where ``match``."""
+  n_rows, n_cols = digit.shape
+  col = lax.broadcasted_iota(_I32, digit.shape, 1)
+  # Off-prefix elements add 0, to a bin spread by row index (no hot dump bin).
+  spread = lax.broadcasted_iota(_I32, digit.shape, 0) & _I32(n_bins - 1)
+  ids = jnp.where(match, digit, spread) * _I32(n_cols) + col
+  counts = jax.ops.segment_sum(
+      match.astype(_I32).reshape(-1), ids.reshape(-1), num_segments=n_bins * n_cols
+  )
+  return counts.reshape(n_bins, n_cols)
+
+
+def _histogram_compare(digit: Array, match: Array, n_bins: int) -> Array:
+  """Same counts from cumulative compare-and-sum counts (no scatter)."""
+  bins = jnp.arange(n_bins, dtype=_I32)[None, :, None]
+  at_most = (digit[:, None, :] <= bins) & match[:, None, :]
+  cum = jnp.sum(at_most, axis=0, dtype=_I32)  # [n_bins, F]: #{digit <= t}
+  return jnp.diff(cum, axis=0, prepend=jnp.zeros_like(cum[:1]))
+
+
+_HISTOGRAM_FNS = {"scatter": _histogram_scatter, "compare": _histogram_compare}
+
+
+def _take(a: Array, idx: Array) -> Array:
+  """``a[idx[f], f]`` for every column ``f``."""
+  return jnp.take_along_axis(a, idx[None, :], axis=0)[0]
+
+
+def radix_kth_smallest(
+    rows: Array,
+    mask: Array | None,
+    k: Array,
+    comm: _Comm,
+    *,
+    digit_bits: int = 8,
+    histogram: str = "scatter",
+) -> RadixSelection:
+  """Exact k-th smallest key per column of ``rows``, in ``32 / digit_bits`` passes.
+
+  Args:
+    rows: float32 ``[N, F]`` (``_select._to_rows``); masked-out entries may hold
+      anything (``_to_rows`` puts ``+inf`` there): ``mask`` decides.
+    mask: bool ``[N, F]`` or ``None`` (all masked in).
+    k: int32 ``[F]`` 1-based ranks over the masked-in elements of all devices.
+      Out of ``[1, n]`` the key returned is meaningless (callers put NaN).
+    comm: ``_select._Comm``: histograms are ``psum``-ed along its axis.
+    digit_bits: bits per pass, dividing 32 (8: 4 passes of 256 bins).
+    histogram: one of :data:`HISTOGRAMS`.
+
+  Returns:
+    :class:`RadixSelection`. Any int32 key is handled (NaN ones sort by their
+    key, as in the reference).
+  """
+  if digit_bits not in (1, 2, 4, 8, 16):
+    raise ValueError(f"digit_bits must divide 32 (1, 2, 4, 8 or 16), got {digit_bits}.")
+  if histogram not in HISTOGRAMS:
+    raise ValueError(f"histogram must be one of {HISTOGRAMS}, got {histogram!r}.")
+  hist_fn = _HISTOGRAM_FNS[histogram]
+  n_bins = 1 << digit_bits
+  n_passes = 32 // digit_bits
+  # Unsigned order of u (as bits) is the key order.
+  u = _merged_keys(rows) ^ _SIGN
+  prefix = jnp.zeros(rows.shape[1:], _I32)  # chosen digits so far, low bits
+  below = local_below = None
+  for p in range(n_passes):
+    shift = 32 - digit_bits * (p + 1)
+    digit = lax.shift_right_logical(u, _I32(shift)) & _I32(n_bins - 1)
+    if p == 0:
+      match = jnp.ones(rows.shape, bool) if mask is None else mask
+    else:
+      match = lax.shift_right_logical(u, _I32(shift + digit_bits)) == prefix[None]
+      if mask is not None:
+        match = match & mask
+    local_hist = hist_fn(digit, match, n_bins)
+    hist = comm.psum(local_hist)
+    cum = jnp.cumsum(hist, axis=0)
+    local_cum = jnp.cumsum(local_hist, axis=0)
+    if p == 0:
+      n, local_n = cum[-1], local_cum[-1]
+      rank = jnp.clip(k, 1, jnp.maximum(n, 1))  # remaining rank within the prefix
+      below = jnp.zeros_like(n)
+      local_below = jnp.zeros_like(local_n)
+    # The chosen bin: the first whose inclusive count reaches the rank.
+    chosen = jnp.minimum(jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1)
+    in_bin, local_in_bin = _take(hist, chosen), _take(local_hist, chosen)
+    before = _take(cum, chosen) - in_bin
+    rank = rank - before
+    below = below + before
+    local_below = local_below + _take(local_cum, chosen) - local_in_bin
+    prefix = (prefix << digit_bits) | chosen
+  keys = prefix ^ _SIGN
+  return RadixSelection(
+      keys=keys,
+      n=n,
+      ties=in_bin,
+      above=n - below - in_bin,
+      local_n=local_n,
+      local_ties=local_in_bin,
+      local_above=local_n - local_below - local_in_bin,
+  )
+
+
+def radix_sums(rows: Array, mask: Array | None, keys: Array, n: Array, comm: _Comm):
+  """``(mean, mean_excess)`` per column: ``E[x]`` and ``E[(x - q)^+]``, ``q`` the answer.
+
+  One fused reduction over the rows after the selection (a fifth pass: the
+  excess needs ``q``). ``(x - q)`` is summed relative to ``q`` for precision,
+  over the elements that are not ``<= q`` as a float compare says (so a NaN
+  makes the excess NaN, as in ``quantiles._quantile_and_mean_excess``). float32
+  sums (XLA's tree reductions), ``psum``-ed over devices; divided by the pooled
+  count ``n`` (NaN where it is 0).
+  """
+  q = _key_to_output(keys)[None]
+  x = rows.astype(_F32)
+  inside = jnp.ones(x.shape, bool) if mask is None else mask
+  total = jnp.sum(jnp.where(inside, x, 0.0), axis=0)
+  excess = jnp.sum(jnp.where(inside & ~(x <= q), x - q, 0.0), axis=0)
+  total, excess = comm.psum((total, excess))
+  count = n.astype(_F32)
+  return total / count, excess / count
+
+
+# --------------------------------------------------------------------------
+# Drop-in entry points with the contract of _select.kth_smallest.
+
+
+def _prepare(x, axis, where, axis_name, axis_index_groups):
+  x = _check_input(x)
+  axes = _check_axes(x.ndim, axis)
+  x = lax.stop_gradient(x)
+  if x.dtype in (jnp.bfloat16, jnp.float16):
+    x = x.astype(_F32)  # exact and order-preserving
+  if where is not None:
+    where = lax.stop_gradient(jnp.asarray(where, bool))
+  comm = _Comm(axis_name, axis_index_groups)
+  return x, axes, where, comm
+
+
+def kth_smallest_accelerator(
+    x: Array,
+    k: int | Array,
+    axis: tuple[int, ...],
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    return_ties: bool = False,
+    digit_bits: int = 8,
+    histogram: str = "scatter",
+) -> Array | tuple[Array, Array | None]:
+  """:func:`_select.kth_smallest` by radix select: 4 passes, no while loop.
+
+  Same contract: the k-th smallest (1-based) over ``axis`` of the masked-in
+  elements of all devices along ``axis_name``, float32, an element of ``x``
+  bit for bit (``-0.0`` as ``+0.0``), NaN where ``k`` is not in ``[1, n]``.
+  float16/bfloat16 are upcast (exactly); float64 takes the sort reference.
+
+  ``return_ties``: also return, as float32, how many masked-in elements of
+  *this device's* rows equal the answer (key equality, ``-0.0 == +0.0``; see
+  the module docstring for denormals) -- what the quantile's JVP counts before
+  its own ``psum``. Without ``axis_name`` that is the whole count. ``None``
+  for float64 input.
+  """
+  x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
+  if x.dtype != _F32:
+    value = _select.kth_smallest_reference(
+        x, k, axes, where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
+    )
+    return (value, None) if return_ties else value
+  rows, mask, kept_shape = _to_rows(x, axes, where)
+  check_element_count(rows.shape[0] * comm.size())
+  k = _prepare_k(k, kept_shape)
+  sel = radix_kth_smallest(
+      _replicate_explicit(rows),
+      None if mask is None else _replicate_explicit(mask),
+      k, comm, digit_bits=digit_bits, histogram=histogram,
+  )
+  bad_k = (k < 1) | (k > sel.n)
+  value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys)).reshape(kept_shape)
+  if return_ties:
+    return value, sel.local_ties.astype(_F32).reshape(kept_shape)
+  return value
+
+
+def kth_smallest_with_sums_accelerator(
+    x: Array,
+    k: int | Array,
+    axis: tuple[int, ...],
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    digit_bits: int = 8,
+    histogram: str = "scatter",
+) -> tuple[Array, ...]:
+  """The k-th smallest and a superquantile's sums (``_select.kth_smallest_with_sums``).
+
+  For float32 ``x`` (others upcast to float32); may be masked and pooled over
+  ``axis_name``. Returns, each of the non-reduced shape: the value (as
+  :func:`kth_smallest_accelerator`, NaN where ``k`` is out of range), the tie
+  count, the mean, the mean of ``(x - value)^+`` and ``#{not x <= value}``.
+  Counts are int32 over all devices (key comparisons, see the module
+  docstring); the means are over the pooled masked-in elements. Not
+  differentiable.
+  """
+  x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
+  x = x.astype(_F32)
+  rows, mask, kept_shape = _to_rows(x, axes, where)
+  check_element_count(rows.shape[0] * comm.size())
+  k = _prepare_k(k, kept_shape)
+  rows = _replicate_explicit(rows)
+  mask = None if mask is None else _replicate_explicit(mask)
+  sel = radix_kth_smallest(rows, mask, k, comm, digit_bits=digit_bits, histogram=histogram)
+  mean, mean_excess = radix_sums(rows, mask, sel.keys, sel.n, comm)
+  bad_k = (k < 1) | (k > sel.n)
+  value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys))
+  out = (value, sel.ties, mean, mean_excess, sel.above)
+  return tuple(a.reshape(kept_shape) for a in out)
