@@ -319,3 +319,32 @@ def test_report_paper_row_for_table2_setting(tmp_path):
   report.write_report([tmp_path / "c"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
   assert "paper, Table 2" in text and "28.74 ± 0.36" in text
+
+
+def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):
+  sweep_dir, data = fake_sweep
+  timing = tmp_path / "timing"
+  quiet = {"bn": [20.0, 22.0, 30.0], "sqd1": [25.0], "rsd": [21.0, 23.0]}
+  for norm, seconds in quiet.items():
+    _write_run(timing / norm, norm, 0, 0.01, [0.5] * len(seconds), seconds)
+  report.write_report([sweep_dir], tmp_path / "out", timing=[timing])
+  text = (tmp_path / "out" / "report.md").read_text()
+  section = text.split("lr=0.01, batch=1000")[2].split("**dataset")[0]
+  target = np.mean([100 * data[(0.01, "bn", s)][0][-1] for s in range(3)])
+  for norm, seconds in quiet.items():
+    speed = float(np.median(seconds))
+    epochs = [np.flatnonzero(100 * data[(0.01, norm, s)][0] <= target)
+              for s in range(3)]
+    reached = [e[0] + 1 for e in epochs if e.size]
+    line = next(l for l in section.splitlines() if l.startswith(f"| {norm} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == f"{speed:.1f}"
+    if reached:
+      assert cells[5] == _pm(np.multiply(reached, speed), 0) if len(
+          reached) > 1 else f"{reached[0] * speed:.0f}"
+    else:
+      assert cells[5] == "not reached"
+  # lr 0.1 has no timing runs: the columns stay empty.
+  other = text.split("lr=0.1, batch=1000")[2].split("**dataset")[0]
+  line = next(l for l in other.splitlines() if l.startswith("| bn |"))
+  assert [c.strip() for c in line.strip("|").split("|")][4:6] == ["", ""]

@@ -284,9 +284,32 @@ class Reach:
     return epochs, seconds
 
 
-def convergence_table(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
-  """Markdown lines: epochs and seconds to reach BatchNorm's final error."""
+def _speed_key(config: dict[str, Any]) -> str:
+  return _setting_key(config, ("epochs", "eval_every")) + config["norm"]
+
+
+def epoch_seconds(timing_runs: Sequence[Run]) -> dict[str, float]:
+  """Median seconds per epoch of each (setting, norm) among ``timing_runs``.
+
+  Timing runs are separate runs on an otherwise idle machine; their epochs
+  give each norm's speed where the runs of a sweep shared the machine.
+  """
+  by_key: dict[str, list[float]] = {}
+  for run in timing_runs:
+    by_key.setdefault(_speed_key(run.config), []).extend(
+        row["seconds"] for row in run.rows)
+  return {k: float(np.median(v)) for k, v in by_key.items() if v}
+
+
+def convergence_table(groups: dict[str, dict[str, list[Run]]],
+                      quiet: dict[str, float] | None = None) -> list[str]:
+  """Markdown lines: epochs and seconds to reach BatchNorm's final error.
+
+  With ``quiet`` (:func:`epoch_seconds`), also the seconds to target at the
+  timing runs' speed: the epochs to target times their seconds per epoch.
+  """
   extra = _row_extra(groups)
+  quiet = quiet or {}
   lines = []
   for by_norm in groups.values():
     config = _first_config(by_norm)
@@ -300,18 +323,27 @@ def convergence_table(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
     lines += [f"Target: {target:.2f} % (BatchNorm's mean final test error, "
               f"n={len(baseline.final_errors())}).", "",
               "| norm | epochs to target | seconds to target | "
-              "seconds per epoch | final test error (%) |",
-              "|---|---|---|---|---|"]
+              "seconds per epoch | quiet seconds per epoch | seconds to "
+              "target at quiet speed | final test error (%) |",
+              "|---|---|---|---|---|---|---|"]
     for norm in norm_order(by_norm):
       cell = Cell.of(by_norm[norm])
       if not cell.finished:
-        lines.append(f"| {norm} | {cell.others_text()} | | | |")
+        lines.append(f"| {norm} | {cell.others_text()} | | | | | |")
         continue
-      epochs, seconds = Reach.of(cell.finished, target).text()
+      reach = Reach.of(cell.finished, target)
+      epochs, seconds = reach.text()
       per_epoch = [r["seconds"] for run in cell.finished for r in run.rows]
       final = _pm(*mean_std(cell.final_errors()))
+      speed = quiet.get(_speed_key(cell.finished[0].config))
+      quiet_text = quiet_reach = ""
+      if speed is not None:
+        quiet_text = f"{speed:.1f}"
+        quiet_reach = (_pm(*mean_std([e * speed for e in reach.epochs]),
+                           digits=0) if reach.epochs else "not reached")
       lines.append(f"| {norm} | {epochs} | {seconds} | "
-                   f"{_pm(*mean_std(per_epoch), digits=1)} | {final} |")
+                   f"{_pm(*mean_std(per_epoch), digits=1)} | {quiet_text} | "
+                   f"{quiet_reach} | {final} |")
     lines.append("")
   return lines
 
@@ -458,8 +490,12 @@ def run_list(runs: Sequence[Run], out: Path) -> list[str]:
 
 
 def write_report(dirs: Sequence[str | Path], out: str | Path,
-                 command: str | None = None) -> Path:
+                 command: str | None = None,
+                 timing: Sequence[str | Path] = ()) -> Path:
   """Writes ``out/report.md`` and its PNGs; returns the report's path.
+
+  ``timing`` folders hold runs timed on an idle machine (see
+  :func:`epoch_seconds`); they are not part of the tables otherwise.
 
   Raises:
     FileNotFoundError: If a DIR is missing.
@@ -490,8 +526,13 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
       "## Convergence", "",
       "Epochs and seconds (cumulative training wall-clock, compilation "
       "excluded) until a run's test error first falls to the target; mean ± "
-      "std over the runs that reached it.", "",
-      *convergence_table(groups)]
+      "std over the runs that reached it."
+      + (" Quiet seconds per epoch: the median epoch of the timing runs "
+         f"({', '.join(map(str, timing))}), run one at a time on an idle "
+         "machine; seconds to target at quiet speed = epochs to target x "
+         "that." if timing else ""), "",
+      *convergence_table(groups,
+                         epoch_seconds(find_runs(timing)) if timing else None)]
   lr_lines = best_lr_table(runs)
   if lr_lines:
     lines += ["## Best learning rate", "",
@@ -527,12 +568,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       + " Writes OUT/report.md plus PNGs; see train/report.py.")
   parser.add_argument("dirs", nargs="+", metavar="DIR",
                       help="run directories or folders above them")
+  parser.add_argument("--timing", nargs="+", default=(), metavar="DIR",
+                      help="runs timed on an idle machine: their seconds per "
+                      "epoch give each norm's speed in the convergence table")
   parser.add_argument("--out", required=True,
                       help="folder for report.md and the PNGs")
   args = parser.parse_args(argv)
   command = " ".join([_PROG, *(argv if argv is not None else sys.argv[1:])])
   try:
-    path = write_report(args.dirs, args.out, command=command)
+    path = write_report(args.dirs, args.out, command=command,
+                        timing=args.timing)
   except (FileNotFoundError, ValueError) as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 1
