@@ -658,7 +658,14 @@ def _load_tfds(
   except Exception as e:  # ImportError, NotImplementedError, OSError, ...
     reason = f"{call} failed: {type(e).__name__}: {e}"
     if not can_prepare:
-      reason = (f"no prepared {info.tfds_name!r} found, and downloading one "
+      # tfds says "not found" as NotImplementedError (no array_record
+      # files to read) or DatasetNotFoundError; anything else is news.
+      missing = (isinstance(e, NotImplementedError)
+                 or type(e).__name__ == "DatasetNotFoundError")
+      detail = (str(e).strip().splitlines() or [""])[0][:200]
+      found = ("found" if missing else
+               f"could be read ({type(e).__name__}: {detail})")
+      reason = (f"no prepared {info.tfds_name!r} {found}, and preparing one "
                 "needs TensorFlow, which is not installed")
     raise _TfdsUnavailable(reason) from e
   arrays = (*_tfds_split_to_arrays(train, info, "train"),
