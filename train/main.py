@@ -38,24 +38,23 @@ def _norm_arg(value: str) -> str:
   return value.strip()
 
 
-def _positive_int(value: str) -> int:
-  try:
-    number = int(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-  if number < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-  return number
+def _int_at_least(minimum: int):
+  """An argparse type: an integer >= ``minimum``."""
+
+  def parse(value: str) -> int:
+    try:
+      number = int(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < minimum:
+      raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
+    return number
+
+  return parse
 
 
-def _nonnegative_int(value: str) -> int:
-  try:
-    number = int(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-  if number < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-  return number
+_positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
