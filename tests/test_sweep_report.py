@@ -229,6 +229,10 @@ def fake_sweep(tmp_path):
                       [0.35], [30], epochs=4)
   (failed / "sweep_status.json").write_text(json.dumps(
       {"status": "failed", "error": "training loss became nan"}))
+  # A rerun of one config (as an activation-recording run is): counted once.
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.copytree(tmp_path / "sweep" / "bn-lr0.1-seed0",
+                  tmp_path / "sweep" / "zz-rerun" / "bn-lr0.1-seed0")
   return tmp_path / "sweep", data
 
 
@@ -295,7 +299,8 @@ def test_report_numbers_equal_numpy(fake_sweep, tmp_path, capsys):
                 if l.startswith(f"| {norm} |"))
     assert f"| {best_lr} |" in line and f"{per_lr[best_lr]:.2f} ±" in line
   # Every run is listed, with its state.
-  assert text.count("| finished |") == 18
+  assert text.count("| finished |") == 19  # the rerun is listed
+  assert "(and 1 repeated configs, counted once)" in text
   assert "unfinished |" in text and "failed: training loss became nan" in text
   pngs = sorted(p.name for p in out.glob("curves_*.png"))
   assert len(pngs) == 2

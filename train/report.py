@@ -134,6 +134,22 @@ def find_runs(dirs: Iterable[str | Path]) -> list[Run]:
   return sorted(found.values(), key=lambda r: str(r.path))
 
 
+def distinct_runs(runs: Sequence[Run]) -> list[Run]:
+  """One run per config (seed included): a rerun is the same experiment.
+
+  Keeps the first of equal configs that has the most epochs, so that n
+  counts seeds, not copies (e.g. a run repeated with
+  ``--record-activations``, which trains identically).
+  """
+  best: dict[str, Run] = {}
+  for run in runs:
+    key = json.dumps(run.config, sort_keys=True)
+    if key not in best or run.epochs_done > best[key].epochs_done:
+      best[key] = run
+  return [run for run in runs if best[json.dumps(run.config,
+                                                 sort_keys=True)] is run]
+
+
 def _setting_key(config: dict[str, Any], drop: Sequence[str]) -> str:
   return json.dumps({k: v for k, v in sorted(config.items())
                      if k not in ("norm", "seed", *drop)})
@@ -507,6 +523,7 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
                      f"in {', '.join(map(str, dirs))}")
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
+  all_runs, runs = runs, distinct_runs(runs)
   groups = group_runs(runs)
   extra = _row_extra(groups)
   finished = sum(r.finished for r in runs)
@@ -516,7 +533,10 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
   lines += [
       f"{len(runs)} runs: {finished} finished, "
       f"{sum(r.state == 'unfinished' for r in runs)} unfinished, "
-      f"{sum(r.state == 'failed' for r in runs)} failed. Means and standard "
+      f"{sum(r.state == 'failed' for r in runs)} failed"
+      + (f" (and {len(all_runs) - len(runs)} repeated configs, counted once)"
+         if len(all_runs) > len(runs) else "")
+      + ". Means and standard "
       "deviations (sample, ddof=1) are over the finished runs (seeds) of a "
       "cell; errors in %.", "",
       "## Best test error (the paper's table layout)", "",
@@ -544,7 +564,8 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
     name = f"curves_{index + 1:02d}_{_slug(label)[:80]}.png"
     curves_figure(by_norm, label, out / name)
     lines += [f"![{label}]({name})", ""]
-  activation_runs = [r for r in runs if (r.path / ACTIVATIONS_FILE).exists()]
+  activation_runs = [r for r in all_runs
+                     if (r.path / ACTIVATIONS_FILE).exists()]
   if activation_runs:
     lines += ["## Activations", ""]
     by_setting = group_runs(activation_runs)
@@ -556,7 +577,7 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
         lines += [f"{label}: " + ", ".join(
             f"{r.config['norm']} seed {r.config['seed']}" for r in chosen), "",
                   f"![activations]({name})", ""]
-  lines += ["## Runs", "", *run_list(runs, out), ""]
+  lines += ["## Runs", "", *run_list(all_runs, out), ""]
   path = out / "report.md"
   path.write_text("\n".join(lines))
   return path
