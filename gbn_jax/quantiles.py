@@ -204,10 +204,15 @@ def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
     equal = x == _expand(value, axes)
     return equal if where is None else equal & where
 
-  moved = jnp.sum(jnp.where(selected(), x_dot, 0), axes)
+  # The tangent must have the primal's dtype, which need not be x's: the
+  # selection returns float32 for half-precision x (sqd with
+  # force_float32_reductions=False passes bfloat16 here). Sum in the wider
+  # of the two, then cast.
+  dtype = jnp.promote_types(x_dot.dtype, value.dtype)
+  moved = jnp.sum(jnp.where(selected(), x_dot.astype(dtype), 0), axes)
   ties = _known_or_counted(known_ties, selected, axes)
   moved, ties = _global_sum((moved, ties), axis_name, groups)
-  return value, moved / jnp.maximum(ties, 1).astype(moved.dtype)
+  return value, (moved / jnp.maximum(ties, 1).astype(dtype)).astype(value.dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
@@ -224,8 +229,11 @@ def _tie_split(
   ``select`` returns ``(value, ties)``, ``ties`` the number of elements equal
   to ``value`` where the selection knew it (``-1`` elsewhere) or ``None``.
   The tangent is the mean tangent of the elements equal to the selected value,
-  so the cotangent is split equally among tied elements. Collectives in the
-  tangent are JAX's own ``psum``, so pmap and shard_map transpose them correctly.
+  so the cotangent is split equally among tied elements; it has the dtype of
+  the value, which is float32 for half-precision ``x`` where ``select`` is
+  the quantile's (``_select.kth_smallest`` selects in float32). Collectives
+  in the tangent are JAX's own ``psum``, so pmap and shard_map transpose them
+  correctly.
   """
   del axes, axis_name, groups
   return select(x, where)[0]
