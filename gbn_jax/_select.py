@@ -86,6 +86,7 @@ _F32 = jnp.float32
 # Order-preserving int32 image ("key") of float32: non-negative floats keep
 # their bits, negative ones get their magnitude bits flipped.
 _FLIP = 0x7FFFFFFF
+_FLIP64 = 0x7FFFFFFFFFFFFFFF
 _KEY_NEG_INF = int(np.float32(-np.inf).view(np.int32)) ^ _FLIP
 _KEY_POS_INF = int(np.float32(np.inf).view(np.int32))
 # Exclusive upper bound of the keys of all non-NaN floats.
@@ -175,11 +176,19 @@ def _float_to_key(v: Array) -> Array:
   # Integer ops only: XLA:CPU flushes denormals to zero in float compares and
   # min/max, so float arithmetic could not order them. -0.0 gets key -1, just
   # below +0.0 with nothing in between; results are canonicalised to +0.0.
+  # float64 (only under jax_enable_x64, only on the sort path) keeps its
+  # precision in int64 keys; every other float is exact in float32.
+  if v.dtype == jnp.float64:
+    b = lax.bitcast_convert_type(v, jnp.int64)
+    return b ^ ((b >> 63) & jnp.int64(_FLIP64))
   b = lax.bitcast_convert_type(v.astype(_F32), _I32)
   return b ^ ((b >> 31) & _I32(_FLIP))
 
 
 def _key_to_float(key: Array) -> Array:
+  if key.dtype == jnp.int64:
+    return lax.bitcast_convert_type(key ^ ((key >> 63) & jnp.int64(_FLIP64)),
+                                    jnp.float64)
   return lax.bitcast_convert_type(key ^ ((key >> 31) & _I32(_FLIP)), _F32)
 
 
@@ -861,8 +870,9 @@ def kth_smallest(
       below.
 
   Returns:
-    Array of the non-reduced shape, float32, holding elements of ``x``
-    (``-0.0`` returned as ``+0.0``), and the tie counts if ``return_ties``.
+    Array of the non-reduced shape, float32 (float64 for float64 ``x``, under
+    ``jax_enable_x64``), holding elements of ``x`` (``-0.0`` returned as
+    ``+0.0``), and the tie counts if ``return_ties``.
     Not differentiable (gradient zero): the caller defines the derivative.
   """
   x = _check_input(x)

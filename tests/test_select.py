@@ -466,3 +466,30 @@ def test_multidevice_equals_single_device_on_concatenated_batch():
       timeout=600,
   )
   assert proc.returncode == 0 and "MULTIDEVICE OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]
+
+
+def test_float64_keeps_its_precision_under_x64():
+  """float64 selects in int64 keys: the answer is an element, not its float32."""
+  import gbn_jax  # pylint: disable=g-import-not-at-top
+  import reference as ref  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  # Values float32 cannot tell apart, ties, -0.0/+0.0, +-inf, denormals.
+  x = 1.0 + rng.integers(0, 40, (97, 3)) * 1e-12
+  x[:5, 0] = [-0.0, 0.0, np.inf, -np.inf, 5e-324]
+  x[10:20, 1] = x[0, 1]
+  with jax.enable_x64(True):
+    xj = jnp.asarray(x, jnp.float64)
+    for k in (1, 13, 49, 97):
+      got = _select.kth_smallest(xj, k, (0,))
+      assert got.dtype == jnp.float64
+      np.testing.assert_array_equal(np.asarray(got),
+                                    np.sort(x, axis=0)[k - 1] + 0.0)
+    for alpha in (0.05, 0.5, 0.9):
+      q = gbn_jax.quantile(xj[:, 1:], alpha, axis=0)
+      qbar = gbn_jax.superquantile(xj[:, 1:], alpha, axis=0)
+      assert q.dtype == qbar.dtype == jnp.float64
+      np.testing.assert_array_equal(
+          np.asarray(q), [ref.quantile_1d(x[:, j], alpha) for j in (1, 2)])
+      np.testing.assert_allclose(
+          np.asarray(qbar), [ref.superquantile_1d(x[:, j], alpha)
+                             for j in (1, 2)], rtol=1e-13)
