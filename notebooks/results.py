@@ -195,6 +195,19 @@ show(report.best_lr_table(RUNS),
      "No setting was run at more than one learning rate (yet).")
 
 # %% [markdown]
+# ## Precise statistics
+#
+# For runs trained with `--precise-stats N` (the small-batch study): the
+# final test error with the running averages the layers keep, and with the
+# statistics recomputed as equal-weight averages over N training batches
+# (PreciseBN), per norm; the paired difference is negative where precise
+# statistics help.
+
+# %%
+show(report.precise_table(GROUPS) if GROUPS else [],
+     "No run was trained with --precise-stats (yet).")
+
+# %% [markdown]
 # ## Curves
 #
 # Per setting: training loss and test error against epochs and wall-clock

@@ -188,7 +188,8 @@ def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
 
 
 def _write_run(folder: Path, norm: str, seed: int, lr: float, errors,
-               seconds, epochs: int | None = None, dataset="fashion_mnist"):
+               seconds, epochs: int | None = None, dataset="fashion_mnist",
+               precise_errors=None):
   folder.mkdir(parents=True)
   config = configs.MNIST.replace(dataset=dataset, norm=norm, seed=seed,
                                  learning_rate=lr, augment=False,
@@ -202,6 +203,8 @@ def _write_run(folder: Path, norm: str, seed: int, lr: float, errors,
                  "train_error": error + 0.01, "test_loss": 1.0 / epoch,
                  "test_error": error, "best_test_error": best,
                  "seconds": sec, "elapsed_seconds": elapsed})
+    if precise_errors is not None:
+      rows[-1]["test_error_precise"] = precise_errors[epoch - 1]
   checkpointing.write_metrics(folder, rows)
   return folder
 
@@ -324,6 +327,37 @@ def test_report_paper_row_for_table2_setting(tmp_path):
   report.write_report([tmp_path / "c"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
   assert "paper, Table 2" in text and "28.74 ± 0.36" in text
+
+
+def test_report_precise_statistics_table(tmp_path):
+  rng = np.random.default_rng(1)
+  finals = {}
+  for norm in ("bn", "sqd2"):
+    for seed in range(3):
+      ema = rng.uniform(0.1, 0.4, 3)
+      precise = ema + rng.normal(0, 0.02, 3)
+      _write_run(tmp_path / "s" / f"{norm}{seed}", norm, seed, 0.01,
+                 ema.tolist(), [10, 10, 10], precise_errors=precise.tolist())
+      finals.setdefault(norm, []).append((100 * ema[-1], 100 * precise[-1]))
+  # Without precise statistics: not part of the table.
+  _write_run(tmp_path / "s" / "rsd0", "rsd", 0, 0.01, [0.3, 0.2, 0.1],
+             [10, 10, 10])
+  report.write_report([tmp_path / "s"], tmp_path / "out")
+  text = (tmp_path / "out" / "report.md").read_text()
+  section = text.split("## Precise statistics")[1].split("## Curves")[0]
+  for norm, pairs in finals.items():
+    ema, precise = np.array(pairs).T
+    line = next(l for l in section.splitlines() if l.startswith(f"| {norm} |"))
+    assert line == (f"| {norm} | {_pm(ema)} | {_pm(precise)} | "
+                    f"{_pm(precise - ema)} | 3 |"), line
+  assert "| rsd |" not in section
+
+
+def test_report_without_precise_runs_has_no_precise_section(fake_sweep,
+                                                             tmp_path):
+  report.write_report([fake_sweep[0]], tmp_path / "out")
+  assert "Precise statistics" not in (tmp_path / "out" / "report.md"
+                                      ).read_text()
 
 
 def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):

@@ -15,6 +15,10 @@ found recursively. ``OUT/report.md`` then holds:
   error, BatchNorm's mean final test error in the same setting.
 * **Best learning rate**: per norm, its lowest mean over the learning-rate
   grid of a setting, and at which rate.
+* **Precise statistics**, for runs trained with ``--precise-stats``: per
+  norm, the final test error with the running averages (EMA) and with the
+  statistics recomputed over training batches (PreciseBN), and their paired
+  difference.
 * **Curves** (``curves_*.png``): training loss and test error against epoch
   and seconds, the mean over seeds with a ±std band, one line per norm.
 * **Activations** (``activations_*.png``), for runs trained with
@@ -91,9 +95,8 @@ class Run:
               if r.get("test_error") is not None]
     return min(errors) if errors else None
 
-  def final_error(self) -> float | None:
-    errors = [r["test_error"] for r in self.rows
-              if r.get("test_error") is not None]
+  def final_error(self, key: str = "test_error") -> float | None:
+    errors = [r[key] for r in self.rows if r.get(key) is not None]
     return errors[-1] if errors else None
 
 
@@ -395,6 +398,38 @@ def best_lr_table(runs: Sequence[Run]) -> list[str]:
   return lines
 
 
+def precise_table(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
+  """Markdown lines: final test error with running averages vs precise stats.
+
+  Only finished runs whose last evaluation has ``test_error_precise`` (runs
+  trained with ``--precise-stats``) enter; the difference is paired per run
+  (precise minus EMA, percentage points), negative when precise statistics
+  help.
+  """
+  extra = _row_extra(groups)
+  lines = []
+  for by_norm in groups.values():
+    rows = []
+    for norm in norm_order(by_norm):
+      pairs = [(100 * run.final_error(), 100 * run.final_error(
+          "test_error_precise")) for run in Cell.of(by_norm[norm]).finished
+               if run.rows[-1].get("test_error_precise") is not None]
+      if not pairs:
+        continue
+      ema, precise = (list(v) for v in zip(*pairs))
+      rows.append(f"| {norm} | {_pm(*mean_std(ema))} | "
+                  f"{_pm(*mean_std(precise))} | "
+                  f"{_pm(*mean_std([p - e for e, p in pairs]))} | "
+                  f"{len(pairs)} |")
+    if rows:
+      lines += [f"**{_setting_label(_first_config(by_norm), extra)}**", "",
+                "| norm | final test error, running averages (%) | "
+                "final test error, precise statistics (%) | precise − "
+                "running (points, paired) | n |", "|---|---|---|---|---|",
+                *rows, ""]
+  return lines
+
+
 def _slug(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
 
@@ -558,6 +593,14 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
     lines += ["## Best learning rate", "",
               "Per norm, the learning rate with the lowest mean best test "
               "error.", "", *lr_lines]
+  precise_lines = precise_table(groups)
+  if precise_lines:
+    lines += ["## Precise statistics", "",
+              "Runs trained with `--precise-stats N`: before each evaluation "
+              "the norms' statistics were also recomputed as equal-weight "
+              "averages over N training batches (PreciseBN) and the test set "
+              "evaluated with them; the model trained the same either way.",
+              "", *precise_lines]
   lines += ["## Curves", ""]
   for index, by_norm in enumerate(groups.values()):
     label = _setting_label(_first_config(by_norm), extra)
