@@ -269,3 +269,86 @@ def test_norm_names_cover_every_measure():
 def test_create_model_unknown():
   with pytest.raises(ValueError, match="unknown model 'vgg'"):
     models.create_model("vgg", num_classes=10, norm=models.make_norm("bn"))
+
+
+# --- LeNet's max-pool -----------------------------------------------------------
+
+
+def _numpy_pool_and_grad(x: np.ndarray, g: np.ndarray):
+  """2x2/2 max-pool from its definition; gradient split equally over ties."""
+  n, h, w, c = x.shape
+  y = np.zeros((n, h // 2, w // 2, c))
+  dx = np.zeros_like(x)
+  for b, i, j, f in np.ndindex(*y.shape):
+    window = x[b, 2 * i:2 * i + 2, 2 * j:2 * j + 2, f]
+    y[b, i, j, f] = window.max()
+    hit = window == window.max()
+    dx[b, 2 * i:2 * i + 2, 2 * j:2 * j + 2, f] += hit * g[b, i, j, f] / hit.sum()
+  return y, dx
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (3, 7, 9, 2), (1, 2, 2, 1)])
+def test_max_pool_2x2_matches_flax_and_numpy(shape):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=shape).astype(np.float32)
+  x[0, :2, :2, 0] = 1.5  # a window of four tied maxima
+  g = rng.normal(size=(shape[0], shape[1] // 2, shape[2] // 2, shape[3]))
+  g = g.astype(np.float32)
+  y, vjp = jax.vjp(models.max_pool_2x2, jnp.asarray(x))
+  np.testing.assert_array_equal(
+      y, nn.max_pool(jnp.asarray(x), (2, 2), strides=(2, 2)))
+  want_y, want_dx = _numpy_pool_and_grad(x, g)
+  np.testing.assert_array_equal(y, want_y)
+  np.testing.assert_allclose(vjp(jnp.asarray(g))[0], want_dx, rtol=1e-6)
+  # Where every window's maximum is unique, flax's own gradient agrees.
+  x[0, :2, :2, 0] = [[1.5, 0.1], [0.2, 0.3]]
+  flax_vjp = jax.vjp(lambda v: nn.max_pool(v, (2, 2), strides=(2, 2)),
+                     jnp.asarray(x))[1]
+  np.testing.assert_array_equal(jax.vjp(models.max_pool_2x2, jnp.asarray(x))[1](
+      jnp.asarray(g))[0], flax_vjp(jnp.asarray(g))[0])
+
+
+# --- LeNet's convolutions as matmuls -----------------------------------------------
+
+
+@pytest.mark.parametrize("shape,features", [((2, 12, 12, 1), 20),
+                                            ((3, 9, 11, 7), 5),
+                                            ((1, 5, 5, 2), 3)])
+def test_patch_conv_equals_flax_conv(shape, features):
+  x = jax.random.normal(jax.random.key(0), shape)
+  conv = nn.Conv(features, (5, 5), padding="VALID", use_bias=False)
+  patch = models.PatchConv(features, (5, 5))
+  params = conv.init(jax.random.key(1), x)
+  # Same parameter tree and, from the same key, the same initial values.
+  jax.tree.map(np.testing.assert_array_equal, params,
+               patch.init(jax.random.key(1), x))
+  out_shape = (shape[0], shape[1] - 4, shape[2] - 4, features)
+  g = jax.random.normal(jax.random.key(2), out_shape)
+  want, want_vjp = jax.vjp(conv.apply, params, x)
+  got, got_vjp = jax.vjp(patch.apply, params, x)
+  assert got.shape == out_shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(got_vjp(g)), jax.tree.leaves(want_vjp(g))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["bn", "sqd2"])
+def test_lenet_conv_as_matmul_is_the_same_model(norm):
+  x = jax.random.normal(jax.random.key(0), (16, 28, 28, 1))
+  kwargs = dict(num_classes=10, norm=models.make_norm(norm))
+  flax_ops = models.LeNet(conv_as_matmul=False, **kwargs)
+  matmul = models.LeNet(conv_as_matmul=True, **kwargs)
+  variables = flax_ops.init(jax.random.key(1), x, train=False)
+  jax.tree.map(np.testing.assert_array_equal, variables,
+               matmul.init(jax.random.key(1), x, train=False))
+  for model in (flax_ops, matmul):
+    logits, _ = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    if model is flax_ops:
+      want = logits
+  np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+  # The default follows the backend: matmuls on the CPU.
+  assert models.LeNet(**kwargs).conv_as_matmul is None
+  default = models.LeNet(**kwargs).apply(variables, x, train=False)
+  np.testing.assert_array_equal(
+      default, (matmul if jax.default_backend() == "cpu" else flax_ops).apply(
+          variables, x, train=False))

@@ -12,7 +12,10 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   norm -> ReLU -> max-pool 2 -> conv 5x5x50 -> norm -> ReLU -> max-pool 2 ->
   dense 500 -> ReLU -> dense(classes). Convolutions use VALID padding, as in
   Caffe's LeNet, so a 28x28 input gives a 4x4x50 feature map before the dense
-  layers (5x5x50 for 32x32 inputs).
+  layers (5x5x50 for 32x32 inputs). On a CPU its convolutions run as im2col
+  matmuls and its pools as a reshape and a max (:class:`PatchConv`,
+  :func:`max_pool_2x2`): the same parameters and function, 1.7x faster train
+  steps on XLA:CPU.
 * ResNet20 (He et al. 2016, CIFAR variant): 3x3 conv 16 -> norm -> ReLU, then
   3 stages x 3 basic blocks with 16/32/64 channels (stride 2 at the start of
   stages 2 and 3), global average pooling and a dense classifier. Shortcuts
@@ -143,26 +146,91 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
                            **common)
 
 
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+  """2x2 stride-2 VALID max-pool of NHWC ``x``, as a reshape and a max.
+
+  The values are ``nn.max_pool(x, (2, 2), strides=(2, 2))``'s. The gradient
+  goes to each window's maximum, split equally over tied maxima, where
+  ``nn.max_pool``'s (``select_and_scatter``) gives it all to one of them; the
+  two agree wherever a window's maximum is unique, and after a ReLU the ties
+  are zeros, whose ReLU gradient is zero either way. Why not ``nn.max_pool``:
+  on XLA:CPU its gradient builds index arrays and a scatter and took about a
+  third of a LeNet step (``benchmarks/bench_lenet_step.py``).
+
+  >>> x = jnp.arange(16.).reshape(1, 4, 4, 1)
+  >>> max_pool_2x2(x)[0, :, :, 0]
+  Array([[ 5.,  7.],
+         [13., 15.]], dtype=float32)
+  """
+  n, h, w, c = x.shape
+  x = x[:, :h // 2 * 2, :w // 2 * 2, :]
+  return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
+
+
+def _patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
+  """VALID ``kh x kw`` patches of NHWC ``x``, ordered like an HWIO kernel."""
+  _, h, w, _ = x.shape
+  oh, ow = h - kh + 1, w - kw + 1
+  return jnp.concatenate([x[:, i:i + oh, j:j + ow, :]
+                          for i in range(kh) for j in range(kw)], axis=-1)
+
+
+class PatchConv(nn.Module):
+  """``nn.Conv(features, kernel_size, padding='VALID', use_bias=False)`` as a matmul.
+
+  The same parameter (``kernel``, HWIO, flax's default LeCun-normal init, so
+  the same values from the same key) and the same function up to float32
+  summation order, computed as an im2col matmul: the patches side by side,
+  times the flattened kernel. Why: on XLA:CPU (jaxlib 0.10) LeNet's
+  convolutions, and above all their gradients, ran several times slower
+  than these matmuls (``benchmarks/bench_lenet_step.py``).
+
+  Attributes:
+    features: Output channels.
+    kernel_size: ``(height, width)`` of the kernel.
+  """
+
+  features: int
+  kernel_size: tuple[int, int]
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kh, kw = self.kernel_size
+    kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                        (kh, kw, x.shape[-1], self.features), jnp.float32)
+    return _patches(x, kh, kw) @ kernel.reshape(-1, self.features)
+
+
 class LeNet(nn.Module):
   """Caffe-style LeNet with a norm after each convolution.
 
   Attributes:
     num_classes: Number of output logits.
     norm: Norm factory from :func:`make_norm`.
+    conv_as_matmul: Convolutions as im2col matmuls (:class:`PatchConv`)
+      instead of ``nn.Conv``: the same parameters and function, faster on
+      XLA:CPU. ``None`` (default): where the default backend is the CPU.
   """
 
   num_classes: int
   norm: ModuleDef
+  conv_as_matmul: bool | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     norm = functools.partial(self.norm, use_running_average=not train)
+    as_matmul = self.conv_as_matmul
+    if as_matmul is None:
+      as_matmul = jax.default_backend() == "cpu"
     for i, features in enumerate((20, 50), start=1):
-      x = nn.Conv(features, (5, 5), padding="VALID", use_bias=False,
-                  name=f"conv{i}")(x)
+      if as_matmul:
+        x = PatchConv(features, (5, 5), name=f"conv{i}")(x)
+      else:
+        x = nn.Conv(features, (5, 5), padding="VALID", use_bias=False,
+                    name=f"conv{i}")(x)
       x = norm(name=f"norm{i}")(x)
       x = nn.relu(x)
-      x = nn.max_pool(x, (2, 2), strides=(2, 2))
+      x = max_pool_2x2(x)
     x = x.reshape((x.shape[0], -1))
     x = nn.relu(nn.Dense(500, name="fc1")(x))
     return nn.Dense(self.num_classes, name="fc2")(x)
