@@ -1000,6 +1000,19 @@ def _fmt(ms: float | None) -> str:
   return "   failed" if ms is None else f"{ms:8.1f} ms"
 
 
+def git_commit() -> str | None:
+  """The checkout's commit, ``+dirty`` if tracked files differ from it."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    dirty = subprocess.run(["git", "status", "--porcelain",
+                            "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 class Report:
   """Collects the sections, printing as it goes and saving after each."""
 
@@ -1009,6 +1022,7 @@ class Report:
         ["python -m benchmarks.bench_lenet_step", *argv]),
         "args": {k: (str(v) if isinstance(v, Path) else v)
                  for k, v in vars(args).items()},
+        "code": git_commit(),
         "complete": False}
 
   def put(self, key, value):
@@ -1153,7 +1167,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
              if k not in ("base", "flax_ops") and "median_ms" in v}
     if winner is None and timed:
       winner = min(timed, key=timed.get)
-  winner = winner or "pool_mask+wgrad"
+  winner = winner or "base"  # nothing else timed: the later sections time base
   report.data["winner"] = winner
   print(f"winner: {winner}", flush=True)
 
