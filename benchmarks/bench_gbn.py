@@ -96,7 +96,15 @@ def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
 def time_interleaved(
     fns: dict, runs: int, warmup: int = 3, inner: int = 1
 ) -> dict[str, float]:
-  """Median seconds per call of each fn, calling them round-robin.
+  """Median seconds per call of each fn (:func:`interleaved_samples`)."""
+  samples = interleaved_samples(fns, runs, warmup, inner)
+  return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def interleaved_samples(
+    fns: dict, runs: int, warmup: int = 3, inner: int = 1
+) -> dict[str, list[float]]:
+  """Seconds per call of each fn, ``runs`` samples each, called round-robin.
 
   Each fn dispatches one step and returns its (unblocked) result. A sample
   times ``inner`` back-to-back dispatches and blocks on the last: on an
@@ -114,7 +122,7 @@ def time_interleaved(
         out = fn()
       jax.block_until_ready(out)
       samples[name].append((time.perf_counter() - start) / inner)
-  return {name: statistics.median(s) for name, s in samples.items()}
+  return samples
 
 
 def target_for(norm: str) -> float:

@@ -66,6 +66,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.bench_gbn import interleaved_samples
+from train.models import im2col
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PEER = REPO.parent / "shared" / "peers" / "torch_sqd.py"
 DATASET = "fashion_mnist"
@@ -199,14 +202,6 @@ def _mm_bwd(res, g):
 
 
 conv_matmul_bwd.defvjp(_wgrad_fwd, _mm_bwd)
-
-
-def im2col(x: jax.Array, kh: int, kw: int) -> jax.Array:
-  """VALID patches ``(n, oh, ow, kh*kw*c)``, ordered like an HWIO kernel."""
-  _, h, w, _ = x.shape
-  oh, ow = h - kh + 1, w - kw + 1
-  return jnp.concatenate([x[:, i:i + oh, j:j + ow, :]
-                          for i in range(kh) for j in range(kw)], axis=-1)
 
 
 class VariantConv(nn.Module):
@@ -524,16 +519,7 @@ def check_variant(norm: str, variant: str, *, batch: int = 8,
 def time_interleaved(fns: dict[str, Callable[[], Any]], runs: int,
                      warmup: int) -> dict[str, list[float]]:
   """Seconds per call of each fn (blocked), round-robin after warm-up."""
-  for fn in fns.values():
-    for _ in range(warmup):
-      jax.block_until_ready(fn())
-  samples = {name: [] for name in fns}
-  for _ in range(runs):
-    for name, fn in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(fn())
-      samples[name].append(time.perf_counter() - t)
-  return samples
+  return interleaved_samples(fns, runs, warmup)
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:

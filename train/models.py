@@ -167,8 +167,12 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
   return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
 
 
-def _patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
-  """VALID ``kh x kw`` patches of NHWC ``x``, ordered like an HWIO kernel."""
+def im2col(x: jax.Array, kh: int, kw: int) -> jax.Array:
+  """VALID ``kh x kw`` patches ``(n, oh, ow, kh*kw*c)`` of NHWC ``x``.
+
+  Ordered like a flattened HWIO kernel, so ``im2col(x, kh, kw) @
+  kernel.reshape(-1, features)`` is the VALID convolution.
+  """
   _, h, w, _ = x.shape
   oh, ow = h - kh + 1, w - kw + 1
   return jnp.concatenate([x[:, i:i + oh, j:j + ow, :]
@@ -198,7 +202,7 @@ class PatchConv(nn.Module):
     kh, kw = self.kernel_size
     kernel = self.param("kernel", nn.initializers.lecun_normal(),
                         (kh, kw, x.shape[-1], self.features), jnp.float32)
-    return _patches(x, kh, kw) @ kernel.reshape(-1, self.features)
+    return im2col(x, kh, kw) @ kernel.reshape(-1, self.features)
 
 
 class LeNet(nn.Module):
