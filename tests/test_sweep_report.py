@@ -387,3 +387,30 @@ def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):
   other = text.split("lr=0.1, batch=1000")[2].split("**dataset")[0]
   line = next(l for l in other.splitlines() if l.startswith("| bn |"))
   assert [c.strip() for c in line.strip("|").split("|")][4:6] == ["", ""]
+
+
+def test_report_runs_without_added_fields_share_a_setting(tmp_path):
+  """A config.json written before renorm existed is the renorm=False setting."""
+  old = _write_run(tmp_path / "s" / "old", "bn", 0, 0.01, [0.3, 0.2], [1, 1])
+  data = json.loads((old / "config.json").read_text())
+  for field in configs.ADDED_FIELDS:
+    data.pop(field)
+  (old / "config.json").write_text(json.dumps(data))
+  _write_run(tmp_path / "s" / "new", "bn", 1, 0.01, [0.3, 0.1], [1, 1])
+  report.write_report([tmp_path / "s"], tmp_path / "out")
+  text = (tmp_path / "out" / "report.md").read_text()
+  row = next(l for l in text.splitlines() if l.startswith("| dataset="))
+  assert "renorm" not in row and "(n=2)" in row, row
+
+
+def test_report_rerun_removes_its_stale_figures(fake_sweep, tmp_path):
+  out = tmp_path / "out"
+  (out).mkdir()
+  (out / "curves_09_gone.png").write_bytes(b"old")
+  (out / "activations_07.png").write_bytes(b"old")
+  (out / "mine.png").write_bytes(b"keep")
+  report.write_report([fake_sweep[0]], out)
+  names = {p.name for p in out.glob("*.png")}
+  assert "curves_09_gone.png" not in names and "activations_07.png" not in names
+  assert "mine.png" in names and len([n for n in names if n.startswith(
+      "curves_")]) == 2

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -100,6 +101,23 @@ class Run:
     return errors[-1] if errors else None
 
 
+@functools.cache
+def _added_field_defaults() -> dict[str, Any]:
+  """Defaults of config fields added after some runs were written.
+
+  A run written before a field existed did what its default does, so it is
+  the same setting as a newer run with the default (else the two would
+  differ in, and be labelled by, a field one of them lacks). Empty where the
+  training package cannot be imported (it needs jax).
+  """
+  try:
+    from train import configs  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  return {f.name: f.default for f in dataclasses.fields(configs.Config)
+          if f.name in configs.ADDED_FIELDS}
+
+
 def find_runs(dirs: Iterable[str | Path]) -> list[Run]:
   """Every run directory in or under ``dirs``, sorted by path.
 
@@ -126,6 +144,7 @@ def find_runs(dirs: Iterable[str | Path]) -> list[Run]:
         continue
       if not isinstance(config, dict) or "norm" not in config:
         continue
+      config = {**_added_field_defaults(), **config}
       failure = None
       status_path = run_dir / "sweep_status.json"
       if status_path.exists():
@@ -623,7 +642,22 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
   lines += ["## Runs", "", *run_list(all_runs, out), ""]
   path = out / "report.md"
   path.write_text("\n".join(lines))
+  _remove_stale_figures(out, lines)
   return path
+
+
+def _remove_stale_figures(out: Path, lines: Sequence[str]) -> None:
+  """Deletes figures of an earlier report in ``out`` that this one lacks.
+
+  Only the report's own names (``curves_*.png``, ``activations_*.png``), so
+  that a rerun into the same folder leaves no figure of settings or labels
+  that are gone.
+  """
+  linked = set(re.findall(r"\]\(([^)]+\.png)\)", "\n".join(lines)))
+  for pattern in ("curves_*.png", "activations_*.png"):
+    for figure in out.glob(pattern):
+      if figure.name not in linked:
+        figure.unlink()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
