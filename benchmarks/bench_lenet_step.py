@@ -67,6 +67,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.bench_gbn import interleaved_samples
+from train import models
 from train.models import im2col
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,15 +85,11 @@ _RESULT = "RESULT "
 def max_pool_2x2(x: jax.Array, layout: str = "nhwc") -> jax.Array:
   """2x2 stride-2 VALID max-pool as a reshape and a max over two axes.
 
-  Its gradient goes to the window's maximum, spread equally over ties where
-  ``reduce_window``'s ``select_and_scatter`` gives it all to one. After a
-  ReLU, ties are zeros (but for exact float coincidences), whose ReLU
-  gradient is 0, so the train step's gradients are the same.
+  NHWC is ``train.models.max_pool_2x2`` (see there for its gradient on
+  ties); NCHW is the same on the other axes.
   """
   if layout == "nhwc":
-    n, h, w, c = x.shape
-    x = x[:, :h // 2 * 2, :w // 2 * 2, :]
-    return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
+    return models.max_pool_2x2(x)
   n, c, h, w = x.shape
   x = x[:, :, :h // 2 * 2, :w // 2 * 2]
   return jnp.max(x.reshape(n, c, h // 2, 2, w // 2, 2), axis=(3, 5))
@@ -508,12 +505,6 @@ def check_variants(norm: str, variants: Sequence[str], *, batch: int = 8,
     rows[name] = {"loss_rel": _rel(lv, lb), "grad_rel": _rel(gv, gb),
                   "batch_stats_rel": _rel(sv, sb)}
   return rows
-
-
-def check_variant(norm: str, variant: str, *, batch: int = 8,
-                  seed: int = 0) -> dict[str, float]:
-  """:func:`check_variants` for one variant."""
-  return check_variants(norm, [variant], batch=batch, seed=seed)[variant]
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], runs: int,

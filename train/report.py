@@ -621,10 +621,12 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
               "evaluated with them; the model trained the same either way.",
               "", *precise_lines]
   lines += ["## Curves", ""]
+  written = set()
   for index, by_norm in enumerate(groups.values()):
     label = _setting_label(_first_config(by_norm), extra)
     name = f"curves_{index + 1:02d}_{_slug(label)[:80]}.png"
     curves_figure(by_norm, label, out / name)
+    written.add(name)
     lines += [f"![{label}]({name})", ""]
   activation_runs = [r for r in all_runs
                      if (r.path / ACTIVATIONS_FILE).exists()]
@@ -635,6 +637,7 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
       chosen = [runs_[0] for runs_ in by_norm.values()]
       name = f"activations_{index + 1:02d}.png"
       if activations_figure(chosen, out / name):
+        written.add(name)
         label = _setting_label(_first_config(by_norm), extra)
         lines += [f"{label}: " + ", ".join(
             f"{r.config['norm']} seed {r.config['seed']}" for r in chosen), "",
@@ -642,21 +645,20 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
   lines += ["## Runs", "", *run_list(all_runs, out), ""]
   path = out / "report.md"
   path.write_text("\n".join(lines))
-  _remove_stale_figures(out, lines)
+  _remove_stale_figures(out, written)
   return path
 
 
-def _remove_stale_figures(out: Path, lines: Sequence[str]) -> None:
+def _remove_stale_figures(out: Path, written: set[str]) -> None:
   """Deletes figures of an earlier report in ``out`` that this one lacks.
 
   Only the report's own names (``curves_*.png``, ``activations_*.png``), so
   that a rerun into the same folder leaves no figure of settings or labels
   that are gone.
   """
-  linked = set(re.findall(r"\]\(([^)]+\.png)\)", "\n".join(lines)))
   for pattern in ("curves_*.png", "activations_*.png"):
     for figure in out.glob(pattern):
-      if figure.name not in linked:
+      if figure.name not in written:
         figure.unlink()
 
 
