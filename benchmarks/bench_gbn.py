@@ -136,6 +136,7 @@ def machine_info() -> dict:
       "processor": platform.processor() or platform.machine(),
       "cpu_count": __import__("os").cpu_count(),
       "devices": [str(d) for d in jax.devices()],
+      "device_kind": jax.devices()[0].device_kind,
       "backend": jax.default_backend(),
       "jax": jax.__version__,
       "flax": flax.__version__,
@@ -156,13 +157,16 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
                       help="input shapes like 256x32x32x16 (features last)")
-  parser.add_argument("--measures", nargs="+", default=list(DEFAULT_MEASURES),
-                      help="measure names, or sqd:<alpha>")
+  parser.add_argument("--measures", nargs="*", default=list(DEFAULT_MEASURES),
+                      help="measure names, or sqd:<alpha>; none to time only train steps")
   parser.add_argument("--runs", type=int, default=20, help="timed runs per layer (median)")
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--train-steps", nargs="*", default=list(TRAIN_STEPS),
                       help="models whose whole train step to time (lenet, resnet20); none to skip")
   parser.add_argument("--train-norm", default="sqd2", help="norm to compare with bn in train steps")
+  parser.add_argument("--train-batch", type=int, default=None,
+                      help="batch of every train step (default: LeNet 1000, ResNet20 256); "
+                           "for rehearsals")
   parser.add_argument("--inner", type=int, default=1,
                       help="dispatches per timed sample (use ~10 on a GPU/TPU)")
   parser.add_argument("--select-method", choices=_select.METHODS,
@@ -192,6 +196,7 @@ def main(argv=None) -> dict:
   steps = []
   for model_name in args.train_steps:
     batch, image_shape = TRAIN_STEPS[model_name]
+    batch = args.train_batch or batch
     norm = args.train_norm
     fns = {"bn": train_step(model_name, "bn", batch, image_shape),
            norm: train_step(model_name, norm, batch, image_shape)}

@@ -1,47 +1,282 @@
 #!/usr/bin/env bash
-# Accelerator check in one call, from the repository root:
-#   bash benchmarks/device_check.sh [radix] [methods] [full] [tests]
-# radix: the fixed-pass radix select against the other methods and a
-# mean+var pass, exactness checked (radix.json);
-# methods: sqd layers with each k-th smallest method (methods_*.json);
-# full: the whole benchmark (bench_device.json), run with the method that
-# was fastest in `methods` if that step ran; tests: the exactness tests on the
-# device. Results go to $OUT (default /tmp/gbn_device).
+# The accelerator check as one budgeted run, from the repository root:
+#
+#   BUDGET=575 OUT=/tmp/out bash benchmarks/device_check.sh [STEP...]
+#   DRY_RUN=1 OUT=/tmp/out bash benchmarks/device_check.sh      # the CPU rehearsal
+#
+# Steps, in this order by default (name some to run only those):
+#   env      versions and the card (env.txt); starts the CIFAR-10 conversion
+#   tests    the exactness tests of the selections on the device (tests.log)
+#   radix    each selection kernel alone against a mean+var pass, and one
+#            histogram pass and one sums pass alone: which pass costs what
+#            (radix.json)
+#   methods  sqd layers at alpha .25/.5/.75/.99 on the four layer shapes, per
+#            selection method; picks the fastest exact one (methods.json)
+#   steps    LeNet b1000 and ResNet20 b256 sqd2 train steps against BatchNorm,
+#            with the picked method (steps.json)
+#   full     the whole layer table with the picked method (layers.json);
+#            with steps.json it becomes bench_<card>.json
+#   torch    the PyTorch peer (../shared/peers/torch_sqd.py, carried as
+#            .device/peers/) on the same card, if torch imports (torch_sqd.json)
+#   table2   the paper's Table 2 CIFAR-10 LeNet row: batch 1024, plain SGD lr
+#            0.1, no augmentation, weight decay 1e-4 (as the committed
+#            5-epoch sweep), 200 epochs, norms bn mad rsd rbd sqd1 sqd2 sqd3,
+#            every norm's seed 0 first, then seeds 1 and 2, 7 runs sharing the
+#            card; metrics every epoch (sweeps/cifar10_lenet_gpu/). It runs in
+#            its own session (setsid), so it outlives this call until the
+#            budget of a later `collect` call ends it.
+#   collect  (a later call) waits for table2 until BUDGET ends or the sweep
+#            finishes, then stops it (KEEP_RUNNING=1: leave it running)
+#
+# The torch step runs before table2, which takes whatever time is left.
+# Every step is capped by the time left (BUDGET seconds from the start, less a
+# margin to pack); a step cut off keeps what it wrote, since the benchmarks
+# rewrite their JSON after every row and the sweep writes every epoch.
+# Everything lands in WORK (default /tmp/gbn_device), and after every step it
+# is packed into OUT/device_results.tgz (checkpoints left out), with the log
+# in OUT/log.txt: two files, whatever cut the run short.
+#
+# DRY_RUN=1 runs every step on whatever backend there is (the CPU here) with
+# tiny shapes, tiny batches, 2 epochs of synthetic CIFAR-10-format data and a
+# few seconds per step, writing the same files; tests/test_device_check.py runs
+# it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
+# converter (../shared/tools/cifar10_binary.py) travel to the device as
+# .device/data/, .device/tools/ and .device/peers/: `bash benchmarks/device_check.sh
+# prepare` lays them out here (ignored by git), and the device call carries
+# them: run(command="bash benchmarks/device_check.sh", carry=[".device"]).
 set -u
-OUT=${OUT:-/tmp/gbn_device}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi -L 2>/dev/null
-python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-best=()
-for step in "${@:-full}"; do
-  case "$step" in
-    methods)
-      for method in accelerator adaptive sort; do
-        timeout 70 python3 -m benchmarks.bench_gbn --inner 10 --runs 15 --measures sqd2 sqd:0.99 \
-          --shapes 256x32x32x16 1024x32x32x16 1000x8x8x50 --train-steps \
-          --select-method "$method" --out "$OUT/methods_$method.json" 2>&1 | tee -a "$OUT/log.txt"
-      done
-      pick=$(python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-totals = {}
-for path in pathlib.Path(sys.argv[1]).glob("methods_*.json"):
-  rows = json.loads(path.read_text())["layers"]
-  if len(rows) == 6:
-    totals[path.stem.split("_", 1)[1]] = sum(r["gbn_ms"] for r in rows)
-print(min(totals, key=totals.get) if totals else "")
+OUT=${OUT:-/tmp/gbn_device_out}
+WORK=${WORK:-/tmp/gbn_device}
+DRY_RUN=${DRY_RUN:-0}
+PYTHON=${PYTHON:-python3}
+MARGIN=${MARGIN:-8}
+if [ "$DRY_RUN" = 1 ]; then BUDGET=${BUDGET:-280}; else BUDGET=${BUDGET:-575}; fi
+deadline=$((SECONDS + BUDGET))
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# One run at a time on the card for timing; table2 sets its own fractions.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+SWEEP=$WORK/sweeps/cifar10_lenet_gpu
+DATA=$WORK/cifar10
+LOG=$WORK/log.txt
+
+log() { echo "[device_check $(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
+left() { echo $((deadline - SECONDS - MARGIN)); }
+# cap N: the seconds a step may take, at most N and what is left.
+cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+pack() {
+  tar -czf "$OUT/device_results.tgz.tmp" -C "$WORK" --exclude=checkpoints --exclude=jax_cache \
+    --exclude=cifar10 --exclude='*.lock' . 2>/dev/null && mv "$OUT/device_results.tgz.tmp" "$OUT/device_results.tgz"
+  cp "$LOG" "$OUT/log.txt" 2>/dev/null
+}
+# run_capped NAME SECONDS CMD...: runs CMD under timeout, logs its output.
+run_capped() {
+  local name=$1 limit=$2; shift 2
+  if [ "$limit" -le 3 ]; then log "$name: skipped, no time left"; return 1; fi
+  log "$name: start (at most ${limit}s)"
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$WORK/$name.log"
+  local rc=${PIPESTATUS[0]}
+  log "$name: rc=$rc"
+  pack
+  return "$rc"
+}
+picked_method() {
+  "$PYTHON" - "$WORK/methods.json" <<'PY'
+import json, sys
+try:
+  print(json.load(open(sys.argv[1])).get("fastest_exact") or "")
+except (OSError, ValueError):
+  print("")
 PY
-)
-      echo "fastest method on the large shapes: ${pick:-none}" | tee -a "$OUT/log.txt"
-      [ -n "$pick" ] && best=(--select-method "$pick") ;;
-    radix)
-      timeout 150 python3 -m benchmarks.device_check_radix --runs 20 --inner 10 \
-        --out "$OUT/radix.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    full)
-      timeout 200 python3 -m benchmarks.bench_gbn --inner 10 --runs 20 "${best[@]}" \
-        --out "$OUT/bench_device.json" 2>&1 | tee -a "$OUT/log.txt" ;;
-    tests)
-      timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider -o addopts= \
-        tests/test_radix_select.py tests/test_select.py tests/test_quantiles.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+  SHAPES=(64x8x8x16 256x16); RUNS=(--runs 3 --warmup 1 --inner 1)
+  STEP_BATCH=(--train-batch 16); MEASURES=(sd sqd2 sqd:0.99)
+  EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
+  CAPS=(tests=30 radix=25 methods=40 steps=40 full=40 torch=20)
+else
+  SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
+  STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
+  EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
+  CAPS=(tests=45 radix=45 methods=80 steps=70 full=80 torch=30)
+fi
+cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
+
+step_env() {
+  {
+    date -u; echo "DRY_RUN=$DRY_RUN BUDGET=$BUDGET"; git rev-parse HEAD 2>/dev/null
+    git status --short 2>/dev/null | head -20
+    nvidia-smi -L 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null
+    "$PYTHON" -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__); print(jax.devices())"
+    "$PYTHON" -c "import gbn_jax, train.sweep; print('gbn_jax and train import')"
+    "$PYTHON" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tail -1
+  } 2>&1 | tee "$WORK/env.txt" | tee -a "$LOG"
+  # The data for table2, converted while the other steps run (CPU only).
+  if [ "$DRY_RUN" = 1 ]; then
+    "$PYTHON" - "$DATA" <<'PY' >>"$LOG" 2>&1 &
+import pathlib, sys
+import numpy as np
+out = pathlib.Path(sys.argv[1]) / "cifar-10-batches-bin"
+out.mkdir(parents=True, exist_ok=True)
+rng = np.random.default_rng(0)
+def records(n):  # CIFAR-10 binary records: a label byte, 3072 pixel bytes
+  labels = rng.integers(0, 10, (n, 1), dtype=np.uint8)
+  pixels = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+  pixels[:, :1024] //= (1 + labels)  # a learnable signal in the red plane
+  return np.concatenate([labels, pixels], axis=1).tobytes()
+for i in range(1, 6):
+  (out / f"data_batch_{i}.bin").write_bytes(records(205))
+(out / "test_batch.bin").write_bytes(records(300))
+print("synthetic CIFAR-10 (1025 train, 300 test) in", out)
+PY
+    echo $! > "$WORK/convert.pid"
+  elif [ -f .device/tools/cifar10_binary.py ] && [ -f .device/data/cifar10-jpeg.tar.xz ]; then
+    "$PYTHON" .device/tools/cifar10_binary.py "$DATA" >>"$LOG" 2>&1 &
+    echo $! > "$WORK/convert.pid"
+  else
+    log "no .device/data/cifar10-jpeg.tar.xz: table2 will look in --data-dir $DATA and the usual places"
+  fi
+  pack
+}
+
+step_tests() {
+  # Most specific first: a step cut off by its cap has run these.
+  local tests=() t
+  for t in tests/test_radix_select.py tests/test_bracket_select.py tests/test_accelerator_sums.py \
+      tests/test_quantiles.py tests/test_select.py; do
+    [ -f "$t" ] && tests+=("$t")
+  done
+  run_capped tests "$(cap "$(cap_of tests)")" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    -o addopts= --maxfail=25 "${tests[@]}"
+}
+
+step_radix() {
+  run_capped radix "$(cap "$(cap_of radix)")" "$PYTHON" -m benchmarks.device_check_radix \
+    --shapes "${SHAPES[@]}" "${RUNS[@]}" --out "$WORK/radix.json"
+}
+
+step_methods() {
+  run_capped methods "$(cap "$(cap_of methods)")" "$PYTHON" -m benchmarks.bench_methods \
+    --shapes "${SHAPES[@]}" --alphas 0.25 0.5 0.75 0.99 "${RUNS[@]}" --out "$WORK/methods.json"
+}
+
+method_flag() {
+  local m; m=$(picked_method)
+  # The flag is this function's output: the log line goes to stderr.
+  if [ -n "$m" ]; then log "selection method: $m (fastest exact in methods.json)" >&2; echo "--select-method $m"
+  else log "selection method: the default (methods.json has no pick)" >&2; fi
+}
+
+step_steps() {
+  # shellcheck disable=SC2046
+  run_capped steps "$(cap "$(cap_of steps)")" "$PYTHON" -m benchmarks.bench_gbn --measures \
+    --train-steps lenet resnet20 "${STEP_BATCH[@]}" "${RUNS[@]}" $(method_flag) --out "$WORK/steps.json"
+}
+
+step_full() {
+  # shellcheck disable=SC2046
+  run_capped full "$(cap "$(cap_of full)")" "$PYTHON" -m benchmarks.bench_gbn --train-steps \
+    --shapes "${SHAPES[@]}" --measures "${MEASURES[@]}" "${RUNS[@]}" $(method_flag) \
+    --out "$WORK/layers.json"
+  "$PYTHON" - "$WORK" <<'PY' 2>&1 | tee -a "$LOG"
+# bench_<card>.json: the layer table and the train steps, as bench_gbn writes one file.
+import json, pathlib, re, sys
+work = pathlib.Path(sys.argv[1])
+def read(name):
+  try:
+    return json.loads((work / name).read_text())
+  except (OSError, ValueError):
+    return None
+layers, steps = read("layers.json"), read("steps.json")
+base = layers or steps
+if base is None:
+  sys.exit("bench: neither layers.json nor steps.json")
+kind = base["machine"].get("device_kind", "").lower()  # e.g. "nvidia h100 80gb hbm3"
+card = (re.search(r"\b(h100|h200|a100|l4|v100|tpu ?v\d\w*)\b", kind) or [None])[0]
+card = re.sub(r"\W", "", card) if card else base["machine"]["backend"]
+merged = {**base, "layers": (layers or {}).get("layers", []),
+          "train_steps": (steps or {}).get("train_steps", []),
+          "commands": {"layers": (layers or {}).get("command"), "steps": (steps or {}).get("command")},
+          "complete": bool(layers and layers["complete"] and steps and steps["complete"])}
+(work / f"bench_{card}.json").write_text(json.dumps(merged, indent=2))
+print(f"bench_{card}.json: {len(merged['layers'])} layers, {len(merged['train_steps'])} train steps")
+PY
+  pack
+}
+
+step_torch() {
+  local peer=.device/peers/torch_sqd.py
+  [ -f "$peer" ] || peer=../shared/peers/torch_sqd.py
+  if ! "$PYTHON" -c "import torch" 2>/dev/null || [ ! -f "$peer" ]; then
+    log "torch: skipped (no torch here, or no $peer)"; echo '{"skipped": "no torch or no peer script"}' > "$WORK/torch_sqd.json"
+    pack; return 0
+  fi
+  local runs=21; [ "$DRY_RUN" = 1 ] && runs=2
+  run_capped torch "$(cap "$(cap_of torch)")" "$PYTHON" "$peer" --runs "$runs" --out "$WORK/torch_sqd.json"
+}
+
+sweep_pid() { cat "$WORK/table2.pid" 2>/dev/null; }
+sweep_alive() { local p; p=$(sweep_pid); [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
+
+step_table2() {
+  if sweep_alive; then log "table2: already running (pid $(sweep_pid))"; else
+    local p; p=$(cat "$WORK/convert.pid" 2>/dev/null)
+    [ -n "$p" ] && while kill -0 "$p" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 1; done
+    log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time"
+    mkdir -p "$SWEEP"
+    # Several runs of one norm compile the same programs: share them.
+    JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache setsid nohup "$PYTHON" -m train.sweep \
+      --sweep-dir "$SWEEP" --defaults cifar --dataset cifar10 --model lenet --batch-size "$BATCH" \
+      --lr 0.1 --no-augment --weight-decay 1e-4 --epochs "$EPOCHS" --checkpoint-every "$CKPT_EVERY" \
+      --data-dir "$DATA" --seed "$SEEDS" --norm "$NORMS" --jobs "$JOBS" \
+      >>"$WORK/table2.log" 2>&1 < /dev/null &
+    echo $! > "$WORK/table2.pid"
+  fi
+  wait_table2
+}
+
+# Waits for the sweep until it ends or the budget does, packing every 20 s.
+wait_table2() {
+  local last=$SECONDS
+  while sweep_alive && [ "$(left)" -gt 0 ]; do
+    sleep 2
+    if [ $((SECONDS - last)) -ge 20 ]; then pack; last=$SECONDS; fi
+  done
+  if sweep_alive; then
+    if [ "${KEEP_RUNNING:-1}" = 1 ] && [ "$DRY_RUN" != 1 ]; then
+      log "table2: budget spent, sweep left running for a later 'collect' call"
+    else
+      log "table2: budget spent, stopping the sweep"; kill -TERM -- "-$(sweep_pid)" 2>/dev/null; sleep 3
+    fi
+  else
+    log "table2: sweep finished"
+  fi
+  tail -3 "$WORK/table2.log" 2>/dev/null | tee -a "$LOG"
+  pack
+}
+
+step_collect() {
+  KEEP_RUNNING=${KEEP_RUNNING:-0} wait_table2
+}
+
+step_prepare() {
+  local shared=${SHARED:-../shared}
+  mkdir -p .device/data .device/tools .device/peers
+  cp "$shared/data/cifar10-jpeg.tar.xz" .device/data/ && cp "$shared/tools/cifar10_binary.py" .device/tools/ \
+    && cp "$shared"/peers/*.py .device/peers/ || { log "prepare: $shared is incomplete"; return 1; }
+  grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+  log "prepare: .device/ holds $(du -sh .device | cut -f1) to carry"
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env tests radix methods steps full torch table2)
+log "steps: ${steps[*]} (budget ${BUDGET}s, WORK=$WORK, OUT=$OUT)"
+for step in "${steps[@]}"; do
+  case "$step" in
+    prepare|env|tests|radix|methods|steps|full|torch|table2|collect) "step_$step" ;;
+    *) log "unknown step '$step'"; exit 2 ;;
   esac
 done
+log "done"
+pack

@@ -7,10 +7,19 @@ in one process, interleaved run by run, median after warm-up (bench_gbn's
 
 * ``bn``: a jitted mean + variance (BatchNorm's statistics, the yardstick);
 * ``radix``: ``_radix_select.kth_smallest_accelerator`` (scatter histograms);
+* ``bracket``: ``_bracket_select.kth_smallest_bracket`` (sampled bracket, one
+  counting-and-compaction pass, small sorts; radix inside a ``cond`` on a
+  miss); each row's ``bracket_missed`` says whether its bracket missed on
+  the normal and the ReLU data (then that call ran radix as well);
 * ``radix_sums``: the same plus E[x] and E[(x - q)^+] (what sqd needs);
 * ``radix_cmp4``/``radix_cmp8``: compare-and-sum histograms, 4-bit digits (8
   passes) and 8-bit digits (on a CPU only with ``--variants``: XLA:CPU may
   materialise an N x 16/256 x F temporary);
+* ``pass_hist``, ``pass_hist_cmp4``, ``pass_sums``: one pass alone, to say
+  which pass costs what: radix's first 256-bin scatter histogram, one 16-bin
+  compare-and-sum histogram, and the pass of E[x] and E[(x - q)^+] given q
+  (radix is four ``pass_hist``-like passes; ``radix_sums`` adds a
+  ``pass_sums``);
 * ``adaptive``, ``sort``, ``default``: ``_select.kth_smallest`` with
   ``method="adaptive"``, ``"sort"``, and its default for this backend.
 
@@ -34,12 +43,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_gbn import DEFAULT_SHAPES, machine_info, parse_shape, time_interleaved
-from gbn_jax import _radix_select, _select
+from gbn_jax import _bracket_select, _radix_select, _select
 from gbn_jax.quantiles import quantile_rank
 
-ACCELERATOR_VARIANTS = ("bn", "radix", "radix_sums", "radix_cmp4", "radix_cmp8", "adaptive",
-                        "sort", "default")
-CPU_VARIANTS = ("bn", "radix", "radix_sums", "adaptive", "sort", "default")
+ACCELERATOR_VARIANTS = ("bn", "radix", "bracket", "radix_sums", "radix_cmp4", "radix_cmp8",
+                        "pass_hist", "pass_hist_cmp4", "pass_sums", "adaptive", "sort", "default")
+CPU_VARIANTS = ("bn", "radix", "bracket", "radix_sums", "pass_hist", "pass_sums", "adaptive",
+                "sort", "default")
+#: Variants that time part of a selection: no value to check, no while loop.
+PASSES = ("pass_hist", "pass_hist_cmp4", "pass_sums")
+
+
+def one_pass(variant: str, axes: tuple[int, ...]):
+  """A jitted single pass of the radix select over ``x``'s rows (see the docstring)."""
+  def rows_of(x):
+    rows, _, _ = _select._to_rows(x, axes, None)  # pylint: disable=protected-access
+    return rows
+
+  def hist(x, bits, histogram):
+    rows = rows_of(x)
+    u = _radix_select._merged_keys(rows) ^ _radix_select._SIGN  # pylint: disable=protected-access
+    digit = jax.lax.shift_right_logical(u, jnp.int32(32 - bits)) & jnp.int32((1 << bits) - 1)
+    fn = _radix_select._HISTOGRAM_FNS[histogram]  # pylint: disable=protected-access
+    return fn(digit, jnp.ones(rows.shape, bool), 1 << bits)
+
+  if variant == "pass_hist":
+    return jax.jit(lambda x: hist(x, 8, "scatter"))
+  if variant == "pass_hist_cmp4":
+    return jax.jit(lambda x: hist(x, 4, "compare"))
+
+  def sums(x):
+    rows = rows_of(x)
+    keys = _select._float_to_key(jnp.median(rows[:64], axis=0))  # pylint: disable=protected-access
+    n = jnp.full(rows.shape[1:], rows.shape[0], jnp.int32)
+    return _radix_select.radix_sums(rows, None, keys, n, _select._Comm(None, None))  # pylint: disable=protected-access
+  return jax.jit(sums)
 
 
 def make_fns(variant: str, axes: tuple[int, ...], k: int):
@@ -48,6 +86,7 @@ def make_fns(variant: str, axes: tuple[int, ...], k: int):
   radix = _radix_select.kth_smallest_accelerator
   select = {
       "radix": functools.partial(radix, k=k, axis=axes),
+      "bracket": functools.partial(_bracket_select.kth_smallest_bracket, k=k, axis=axes),
       "radix_cmp4": functools.partial(radix, k=k, axis=axes, histogram="compare", digit_bits=4),
       "radix_cmp8": functools.partial(radix, k=k, axis=axes, histogram="compare", digit_bits=8),
       "adaptive": functools.partial(_select.kth_smallest, k=k, axis=axes, method="adaptive"),
@@ -57,12 +96,23 @@ def make_fns(variant: str, axes: tuple[int, ...], k: int):
   if variant == "bn":
     fn = jax.jit(lambda x: (jnp.mean(x, axes), jnp.var(x, axes)))
     return fn, None
+  if variant in PASSES:
+    return one_pass(variant, axes), None
   if variant == "radix_sums":
     fn = jax.jit(functools.partial(
         _radix_select.kth_smallest_with_sums_accelerator, k=k, axis=axes))
     return fn, jax.jit(lambda x: fn(x)[0])
   fn = jax.jit(select[variant])
   return fn, fn
+
+
+def bracket_missed(x, axes: tuple[int, ...], k: int) -> bool:
+  """Whether the bracket select falls back to radix on ``x`` (the ``cond`` taken)."""
+  rows, _, kept_shape = _select._to_rows(x, axes, None)
+  ks = jnp.full((int(np.prod(kept_shape)),), k, jnp.int32)
+  sel = jax.jit(lambda r, k: _bracket_select.bracket_kth_smallest(
+      r, None, k, _select._Comm(None, None)))(rows, ks)
+  return bool(sel.missed)
 
 
 def has_while(fn, x) -> bool:
@@ -123,6 +173,12 @@ def main(argv=None) -> dict:
         fns[variant] = functools.partial(fn, x)
       except Exception as e:  # keep going: one failing variant must not lose the rest
         row["errors"][variant] = f"{type(e).__name__}: {e}"[:500]
+    if "bracket" in variants:
+      try:
+        row["bracket_missed"] = {name: bracket_missed(v, axes, k)
+                                 for name, v in (("normal", x), ("relu", relu))}
+      except Exception as e:  # report, keep timing
+        row["errors"]["bracket_missed"] = f"{type(e).__name__}: {e}"[:500]
     med = time_interleaved(fns, args.runs, args.warmup, args.inner)
     row["ms"] = {name: t * 1e3 for name, t in med.items()}
     if "bn" in med:
@@ -132,6 +188,7 @@ def main(argv=None) -> dict:
     timings = "  ".join(f"{name} {t * 1e3:.3f}" for name, t in med.items())
     print(f"{shape_text:>14} ms: {timings}", flush=True)
     print(f"{'':>14} exact: {row['exact']}  while: {row['while_loop']}"
+          + (f"  bracket missed: {row['bracket_missed']}" if "bracket_missed" in row else "")
           + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
   result["complete"] = True
   write()

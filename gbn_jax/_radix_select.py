@@ -54,6 +54,8 @@ Histogram kernels (``histogram=``):
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -84,6 +86,7 @@ __all__ = [
     "kth_smallest_with_sums_accelerator",
     "radix_kth_smallest",
     "radix_sums",
+    "sums_apply",
 ]
 
 #: Histogram kernels accepted by ``radix_kth_smallest(..., histogram=...)``.
@@ -163,7 +166,10 @@ def radix_kth_smallest(
     rows: float32 ``[N, F]`` (``_select._to_rows``); masked-out entries may hold
       anything (``_to_rows`` puts ``+inf`` there): ``mask`` decides.
     mask: bool ``[N, F]`` or ``None`` (all masked in).
-    k: int32 ``[F]`` 1-based ranks over the masked-in elements of all devices.
+    k: int32 ``[F]`` 1-based ranks over the masked-in elements of all devices,
+      or a function of the pooled count ``n`` (int32 ``[F]``) returning them:
+      the first pass counts ``n``, which spares a caller that derives ``k``
+      from ``n`` (a quantile of a masked batch) its own pass over the mask.
       Out of ``[1, n]`` the key returned is meaningless (callers put NaN).
     comm: ``_select._Comm``: histograms are ``psum``-ed along its axis.
     digit_bits: bits per pass, dividing 32 (8: 4 passes of 256 bins).
@@ -199,6 +205,8 @@ def radix_kth_smallest(
     local_cum = jnp.cumsum(local_hist, axis=0)
     if p == 0:
       n, local_n = cum[-1], local_cum[-1]
+      if callable(k):
+        k = k(n)
       rank = jnp.clip(k, 1, jnp.maximum(n, 1))  # remaining rank within the prefix
       below = jnp.zeros_like(n)
       local_below = jnp.zeros_like(local_n)
@@ -306,7 +314,7 @@ def kth_smallest_accelerator(
 
 def kth_smallest_with_sums_accelerator(
     x: Array,
-    k: int | Array,
+    k: int | Array | Callable[[Array], Array],
     axis: tuple[int, ...],
     *,
     where: Array | None = None,
@@ -314,6 +322,7 @@ def kth_smallest_with_sums_accelerator(
     axis_index_groups: Any = None,
     digit_bits: int = 8,
     histogram: str = "scatter",
+    return_count: bool = False,
 ) -> tuple[Array, ...]:
   """The k-th smallest and a superquantile's sums (``_select.kth_smallest_with_sums``).
 
@@ -324,17 +333,51 @@ def kth_smallest_with_sums_accelerator(
   Counts are int32 over all devices (key comparisons, see the module
   docstring); the means are over the pooled masked-in elements. Not
   differentiable.
+
+  ``k`` may also be a function of the pooled masked-in count (int32, flat
+  ``[F]``) returning the ranks, as in :func:`radix_kth_smallest`: a masked
+  quantile then needs no count of its own. ``return_count``: also return that
+  count (int32), sixth.
   """
   x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
   x = x.astype(_F32)
   rows, mask, kept_shape = _to_rows(x, axes, where)
   check_element_count(rows.shape[0] * comm.size())
-  k = _prepare_k(k, kept_shape)
+  if callable(k):
+    rank_of = lambda n: _prepare_k(k(n), kept_shape)
+  else:
+    k = _prepare_k(k, kept_shape)
+    rank_of = lambda n: k
   rows = _replicate_explicit(rows)
   mask = None if mask is None else _replicate_explicit(mask)
-  sel = radix_kth_smallest(rows, mask, k, comm, digit_bits=digit_bits, histogram=histogram)
+  sel = radix_kth_smallest(rows, mask, rank_of, comm, digit_bits=digit_bits,
+                           histogram=histogram)
   mean, mean_excess = radix_sums(rows, mask, sel.keys, sel.n, comm)
+  k = rank_of(sel.n)  # [F] arithmetic, the same as inside the selection
   bad_k = (k < 1) | (k > sel.n)
   value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys))
   out = (value, sel.ties, mean, mean_excess, sel.above)
+  if return_count:
+    out += (sel.n,)
   return tuple(a.reshape(kept_shape) for a in out)
+
+
+def sums_apply(
+    x: Array, axes: tuple[int, ...], axis_name: str | None, axis_index_groups: Any
+) -> bool:
+  """Whether a superquantile of ``x`` takes :func:`kth_smallest_with_sums_accelerator`.
+
+  Where ``_select.kth_smallest`` would select with this module's radix select:
+  :data:`_select.DEFAULT_METHOD` when set, else ``_select``'s default for the
+  pooled row count (``"accelerator"`` for large batches on a GPU/TPU). For
+  float32 and half-precision ``x`` (the latter upcast exactly, so the answer
+  is the one ``kth_smallest``'s sort gives them); float64 keeps its float64
+  selection and sums, since these sum in float32.
+  """
+  if jnp.result_type(x) not in (_F32, jnp.bfloat16, jnp.float16):
+    return False
+  method = _select.DEFAULT_METHOD
+  if method is None:
+    rows = math.prod(x.shape[a] for a in axes) * _Comm(axis_name, axis_index_groups).size()
+    method = _select._default_method(rows)  # pylint: disable=protected-access
+  return method == "accelerator"

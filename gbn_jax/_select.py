@@ -76,7 +76,10 @@ __all__ = ["METHODS", "kth_smallest", "kth_smallest_reference"]
 #: passes, data-independent cost). ``"sort"``: sorts int keys (the reference).
 #: ``"accelerator"``: radix select, four fixed histogram passes and no loop
 #: (``gbn_jax._radix_select``), for GPUs/TPUs; runs anywhere.
-METHODS = ("native", "adaptive", "bisect", "sort", "accelerator")
+#: ``"bracket"``: sampled bracket, one counting-and-compaction pass and a
+#: small sort, radix on a miss (``gbn_jax._bracket_select``); a second
+#: accelerator candidate, runs anywhere.
+METHODS = ("native", "adaptive", "bisect", "sort", "accelerator", "bracket")
 
 #: Overrides the size-based default of ``kth_smallest`` when not ``None``.
 DEFAULT_METHOD: str | None = None
@@ -894,9 +897,12 @@ def kth_smallest(
   n_rows, n_cols = rows.shape
   check_element_count(n_rows * comm.size())
   method = method or _default_method(n_rows * comm.size())
-  if method == "accelerator":
-    from gbn_jax import _radix_select  # pylint: disable=g-import-not-at-top
-    result = _radix_select.kth_smallest_accelerator(
+  if method in ("accelerator", "bracket"):
+    # pylint: disable-next=g-import-not-at-top
+    from gbn_jax import _bracket_select, _radix_select
+    select = (_radix_select.kth_smallest_accelerator if method == "accelerator"
+              else _bracket_select.kth_smallest_bracket)
+    result = select(
         x, k, axes, where=where, axis_name=axis_name,
         axis_index_groups=axis_index_groups, return_ties=return_ties)
     if return_ties and not _compares_keep_denormals():

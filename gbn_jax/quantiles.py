@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gbn_jax import _native, _select
+from gbn_jax import _native, _radix_select, _select
 
 Array = jax.Array
 Axis = int | Sequence[int] | None
@@ -353,15 +353,96 @@ def _native_superquantile_parts_jvp(alpha, axes, primals, tangents):
   return (q, mean, mean_excess), (q_dot, mean_dot, excess_dot)
 
 
+def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
+  """``kth_smallest_with_sums_accelerator`` at ``q_alpha``'s rank, and the count."""
+  if where is None:
+    # Static, as _element_count gives it to the unfused path (exact for any
+    # alpha; the traced rank may round in float32).
+    k = quantile_rank(alpha, _element_count(x, axes, None, axis_name, groups))
+  else:
+    # The rank from the radix's own pooled count: no pass over the mask here.
+    k = functools.partial(quantile_rank, alpha)
+  return _radix_select.kth_smallest_with_sums_accelerator(
+      x, k, axes, where=where, axis_name=axis_name, axis_index_groups=groups,
+      return_count=True,
+  )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _accelerator_superquantile_parts(
+    alpha, axes, axis_name, groups, x, where
+) -> tuple[Array, Array, Array]:
+  """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from the radix passes and one sums pass.
+
+  ``x`` float32 or half precision (selected and summed in float32: ``q`` and
+  the excess are float32, the mean has ``x``'s dtype, as in the unfused path),
+  masked by ``where`` and pooled over ``axis_name``. Differentiated as the
+  unfused computation: the quantile's tangent split among its ties, the
+  excess's over the masked-in elements not ``<= q``.
+  """
+  q, _, mean, mean_excess, _, _ = _accelerator_sums(alpha, axes, axis_name, groups, x, where)
+  return q, mean.astype(x.dtype), mean_excess
+
+
+@_accelerator_superquantile_parts.defjvp
+def _accelerator_superquantile_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
+  x, where = primals
+  x_dot, _ = tangents
+  q, ties, mean, mean_excess, n_above, n = _accelerator_sums(
+      alpha, axes, axis_name, groups, x, where
+  )
+  q_full = _expand(q, axes)
+  selected = x == q_full
+  above = ~(x <= q_full)  # as in _quantile_and_mean_excess: NaN is above
+  if where is not None:
+    selected, above = selected & where, above & where
+  x_dot = x_dot.astype(jnp.float32)
+  sums = (
+      jnp.sum(jnp.where(selected, x_dot, 0), axes),
+      jnp.sum(jnp.where(above, x_dot, 0), axes),
+      jnp.sum(x_dot, axes, where=where),
+  )
+  if _select._compares_keep_denormals():  # pylint: disable=protected-access
+    # The radix's key counts (pooled already) are what these float compares
+    # count: XLA:GPU keeps denormals (unless run with --xla_gpu_ftz), and
+    # -0.0 == +0.0 either way. Only a NaN with its sign bit set differs (its
+    # key is below -inf, yet it is not <= q); qbar is NaN there anyway.
+    moved, above_dot, total_dot = _global_sum(sums, axis_name, groups)
+  else:
+    # XLA:CPU and TPUs read denormals as zero in float compares, where the
+    # keys tell them apart: for a zero or denormal q the key counts are not
+    # the compares' counts. Count as the unfused path's JVP does, next to
+    # the tangent sums (a lax.cond counting only for such q, as
+    # _known_or_counted does, would cost a host sync per step on a TPU).
+    sums += (count_true(selected, axes), count_true(above, axes))
+    moved, above_dot, total_dot, ties, n_above = _global_sum(sums, axis_name, groups)
+  count = n.astype(jnp.float32)
+  q_dot = moved / jnp.maximum(ties, 1).astype(jnp.float32)
+  # The fraction above first: qbar's q-derivative 1 - fraction / (1 - alpha)
+  # is then 0 in float32 too when alpha * N is whole and q untied, rather
+  # than an ulp of the O(1) terms that cancel there.
+  excess_dot = above_dot / count - q_dot * (n_above.astype(jnp.float32) / count)
+  mean_dot = total_dot / count
+  primal_out = (q, mean.astype(x.dtype), mean_excess)
+  return primal_out, (q_dot, mean_dot.astype(x.dtype), excess_dot)
+
+
 def _superquantile_and_mean(x, alpha, axes, where, axis_name, groups) -> tuple[Array, ...]:
   """``(q_alpha, qbar_alpha, E[x])`` of a prepared float array.
 
   One sweep of the native kernel where it applies (see
-  ``_select.native_sums_apply``), otherwise the selection and two means.
-  A NaN element makes the excess, hence qbar, NaN, and then q too.
+  ``_select.native_sums_apply``); where the selection would be the radix
+  select (``_radix_select.sums_apply``: accelerators, or a forced
+  ``"accelerator"`` method), its passes and one sums pass; otherwise the
+  selection and two means. A NaN element makes the excess, hence qbar, NaN,
+  and then q too.
   """
   if _select.native_sums_apply(x, where, axis_name):
     q, mean, mean_excess = _native_superquantile_parts(alpha, axes, x)
+  elif _radix_select.sums_apply(x, axes, axis_name, groups):
+    q, mean, mean_excess = _accelerator_superquantile_parts(
+        alpha, axes, axis_name, _hashable_groups(groups), x, where
+    )
   else:
     q, mean_excess = _quantile_and_mean_excess(x, alpha, axes, where, axis_name, groups)
     mean = global_mean(x, axes, where, axis_name, groups)

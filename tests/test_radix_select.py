@@ -336,7 +336,10 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers(monkeypatch):
     (_, stats), grad = jax.value_and_grad(measures, has_aux=True)(
         jnp.asarray(x))
     results[method] = (stats, grad)
+  # atol: "accelerator" takes the fused sums (one pass, counts from the
+  # radix), "sort" separate means; at q the gradient is O(1) terms that
+  # cancel, so the two round apart by an ulp of 1.
   for a, b in zip(jax.tree.leaves(results["sort"]),
                   jax.tree.leaves(results["accelerator"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                               atol=1e-7)
+                               atol=1e-6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,6 +248,31 @@ def test_resume_equals_uninterrupted(tmp_path):
   assert checkpointing.read_config(tmp_path / "part").epochs == 4
   # Asking again for what is done trains nothing and keeps the history.
   assert exact(run_quiet(config, tmp_path / "part", dataset=ds)) == exact(full)
+
+
+def test_checkpoint_every_keeps_every_metric_and_resumes_exactly(tmp_path):
+  ds = small_dataset()
+  config = TINY.replace(epochs=4)
+  full = run_quiet(config, tmp_path / "full", dataset=ds)
+  part = run_quiet(config.replace(epochs=3), tmp_path / "part", dataset=ds,
+                   checkpoint_every=2)
+  assert exact(part) == exact(full)[:3]
+  assert [r["epoch"] for r in checkpointing.read_metrics(tmp_path / "part")] \
+      == [1, 2, 3]
+  # Every 2nd epoch and the last one.
+  assert sorted(int(p.name) for p in (tmp_path / "part/checkpoints").iterdir()) \
+      == [2, 3]
+  # A kill after epoch 3's row but before its save: epoch 3 is trained again.
+  shutil.rmtree(tmp_path / "part/checkpoints/3")
+  resumed = run_quiet(config, tmp_path / "part", dataset=ds, checkpoint_every=2)
+  assert exact(resumed) == exact(full)
+  assert exact(checkpointing.read_metrics(tmp_path / "part")) == exact(full)
+
+
+@pytest.mark.parametrize("every", [0, -1, 1.5, True])
+def test_checkpoint_every_must_be_a_positive_integer(tmp_path, every):
+  with pytest.raises(ValueError, match="checkpoint_every must be a positive"):
+    run_quiet(TINY, tmp_path, dataset=small_dataset(), checkpoint_every=every)
 
 
 def test_eval_every(tmp_path):

@@ -7,12 +7,14 @@ A run directory (``--workdir``) holds:
   resumed into, and nothing in the directory is changed; unless the earlier
   run never finished an epoch (no metrics, no checkpoint), whose config is
   then replaced.
-* ``checkpoints/<epoch>/``: orbax checkpoints after each epoch (the last
+* ``checkpoints/<epoch>/``: orbax checkpoints after each epoch, or every
+  ``--checkpoint-every`` epochs and after the last (the last
   :data:`MAX_TO_KEEP` are kept), each with the train state and the metrics
   history up to that epoch.
 * ``metrics.jsonl``: one JSON row per epoch. It is rewritten from the
-  checkpoint's history on resume, so it never lists an epoch whose
-  checkpoint was lost to a kill.
+  checkpoint's history on resume, so after a resume it never lists an epoch
+  that no checkpoint holds (those epochs are trained again, with the same
+  results).
 """
 
 from __future__ import annotations

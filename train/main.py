@@ -136,6 +136,10 @@ def build_parser(defaults: configs.Config, prog: str,
       "checkpoints/) instead of refusing a different config")
   add("--no-progress", action="store_true",
       help="no progress bar on stderr")
+  add("--checkpoint-every", type=_positive_int, default=1,
+      help="save a checkpoint every N epochs (and after the last); "
+      "metrics.jsonl still gets every epoch, and a resume retrains the "
+      "epochs after the last checkpoint with the same results")
   add("--renorm", action="store_true", default=defaults.renorm,
       help="batch renormalization (Ioffe 2017) in every norm layer, for any "
       "measure (bn: GBatchNorm's sd, BatchNorm's statistics)")
@@ -251,7 +255,8 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
         config, workdir, data_dir=args.data_dir, overwrite=args.overwrite,
         progress=not args.no_progress, record=record,
         on_first_epoch=functools.partial(_first_epoch_notes, prog=prog),
-        precise_stats=args.precise_stats)
+        precise_stats=args.precise_stats,
+        checkpoint_every=args.checkpoint_every)
   except (ValueError, checkpointing.RunDirError, checkpointing.CheckpointError,
           train.NonFiniteLossError, input_pipeline.DataNotFoundError) as e:
     return _fail(prog, str(e), distributed)

@@ -576,6 +576,7 @@ def train_and_evaluate(
     record: ActivationRecording | None = None,
     on_first_epoch: Callable[..., Sequence[str]] | None = None,
     precise_stats: int = 0,
+    checkpoint_every: int = 1,
 ) -> list[dict[str, Any]]:
   """Trains ``config`` in ``workdir``, resuming from its last checkpoint.
 
@@ -596,6 +597,12 @@ def train_and_evaluate(
       this many of the epoch's training batches (0: off); adds
       ``test_loss_precise``, ``test_error_precise`` and ``precise_seconds``
       to the rows.
+    checkpoint_every: Save a checkpoint every this many epochs (and after
+      the last). ``metrics.jsonl`` still gets every epoch's row; a resume
+      restarts from the last checkpoint, rewrites the rows after it and
+      retrains those epochs (with the same results). On an accelerator,
+      where an epoch can take less than a save, this keeps long runs from
+      spending their time in orbax.
 
   Returns:
     The metrics history: one dict per epoch (what ``metrics.jsonl`` holds).
@@ -608,6 +615,10 @@ def train_and_evaluate(
     input_pipeline.DataNotFoundError: The dataset files are missing.
   """
   config = resolve(config)
+  if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+      or checkpoint_every < 1):
+    raise ValueError(f"checkpoint_every must be a positive integer, got "
+                     f"{checkpoint_every!r}")
   workdir = Path(workdir)
   primary = jax.process_index() == 0
   if not primary:  # one host reports for all
@@ -655,7 +666,8 @@ def train_and_evaluate(
     _train_epochs(config, workdir, program, train_data, test_data, state,
                   history, checkpointer, start=(last or 0) + 1,
                   progress=progress, log=log, primary=primary, record=record,
-                  on_first_epoch=on_first_epoch, devices=list(mesh.devices.flat))
+                  on_first_epoch=on_first_epoch, devices=list(mesh.devices.flat),
+                  checkpoint_every=checkpoint_every)
   finally:
     checkpointer.close()
   return history
@@ -692,7 +704,8 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
                   primary: bool,
                   record: ActivationRecording | None = None,
                   on_first_epoch: Callable[..., Sequence[str]] | None = None,
-                  devices: Sequence[jax.Device] = ()) -> None:
+                  devices: Sequence[jax.Device] = (),
+                  checkpoint_every: int = 1) -> None:
   """Runs epochs ``start..config.epochs``, appending rows to ``history``."""
   steps = program.steps
   elapsed = history[-1]["elapsed_seconds"] if history else 0.0
@@ -774,8 +787,9 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
     history.append(row)
     if primary and record is not None:  # before the save: see _keep_activations
       _append_activations(workdir, record, epoch, recorded)
-    checkpointer.save(epoch, _state_dict(state), history)
-    last_good = epoch
+    if epoch % checkpoint_every == 0 or epoch == config.epochs:
+      checkpointer.save(epoch, _state_dict(state), history)
+      last_good = epoch
     if primary:
       checkpointing.write_metrics(workdir, history)
     log(_summary_line(row, config.epochs))
