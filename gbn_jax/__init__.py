@@ -3,7 +3,8 @@
 GBN normalizes each feature by ``(x - S(x)) / D(x)`` over the batch, where
 ``D`` is a generalized deviation measure and ``S`` its natural statistic
 (Yuan, Feng, Norton, Li, AAAI 2019). Layers: :class:`GBatchNorm` (linen) and
-``gbn_jax.nnx.GBatchNorm``; measures: :func:`get_measure`, :data:`MEASURES`;
+``gbn_jax.nnx.GBatchNorm``; measures: :func:`get_measure` (with
+``calibration='normal'``, D = sigma for Gaussian data), :data:`MEASURES`;
 exact order statistics: :func:`quantile`, :func:`superquantile`; running
 statistics recomputed over many batches: :func:`precise_batch_stats`.
 """

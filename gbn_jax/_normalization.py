@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import numbers
@@ -28,18 +29,23 @@ def canonicalize_axes(rank: int, axes: Any) -> tuple[int, ...]:
 
 
 def bind_measure(
-    measure: Any, alpha: float | None, use_fast_variance: bool
+    measure: Any,
+    alpha: float | None,
+    use_fast_variance: bool,
+    calibration: str | None = None,
 ) -> measures_lib.MeasureFn:
-  """Resolves a module's ``measure``/``alpha`` fields into a callable.
+  """Resolves a module's ``measure``/``alpha``/``calibration`` fields into a
+  callable.
 
   Raises the registry's errors (unknown name, alpha outside (0, 1), unexpected
-  parameters), so a misconfigured module fails when it is constructed.
+  parameters, a calibration the measure has no constant for), so a
+  misconfigured module fails when it is constructed.
   """
-  fn = measures_lib.resolve_measure(measure, alpha=alpha)
+  fn = measures_lib.resolve_measure(measure, calibration, alpha=alpha)
   if isinstance(fn, measures_lib.Measure) and fn.fn is measures_lib.sd:
-    fn = measures_lib.Measure(
-        fn.name, fn.fn, tuple(sorted({**dict(fn.params),
-                                       "fast_variance": use_fast_variance}.items()))
+    fn = dataclasses.replace(
+        fn, params=tuple(sorted({**dict(fn.params),
+                                 "fast_variance": use_fast_variance}.items()))
     )
   return fn
 

@@ -60,6 +60,16 @@ class GBatchNorm(nn.BatchNorm):
     >>> bool((y_one == y_gbn).all()), bool((y == y_gbn).all())
     (True, False)
 
+  ``calibration='normal'`` makes ``D`` the standard deviation for Gaussian
+  data, for every measure::
+
+    >>> z = jax.random.normal(jax.random.key(2), (100_000, 3)) * 5
+    >>> cal = GBatchNorm(use_running_average=False, measure='rsd',
+    ...                  calibration='normal', momentum=0.0)
+    >>> _, updates = cal.apply(variables, z, mutable=['batch_stats'])
+    >>> [round(float(v), 1) for v in jnp.sqrt(updates['batch_stats']['var'])]
+    [5.0, 5.0, 5.0]
+
   Attributes:
     measure: a name from :data:`gbn_jax.MEASURES` (``'sd'``, ``'mad'``,
       ``'rsd'``, ``'sqd'``, ``'sqd1'``..``'sqd3'``, ``'rbd'``, ``'wcd'``,
@@ -69,6 +79,19 @@ class GBatchNorm(nn.BatchNorm):
       pools devices itself, otherwise the batch is gathered across
       ``axis_name`` for it.
     alpha: the probability level of ``'sqd'`` (strictly between 0 and 1).
+    calibration: ``None`` (the default: the raw ``D``) or ``'normal'``: ``D``
+      divided by its value for a standard normal feature, so that ``D`` is
+      ``sigma`` for Gaussian data and the layer has BatchNorm's gain at
+      initialization whatever the measure (as scipy's
+      ``median_abs_deviation(scale='normal')``). The constants: 1 (``sd``,
+      which is then unchanged), ``sqrt(2/pi)`` (``mad``, ``bpoe``),
+      ``1/sqrt(2 pi)`` (``rsd``), ``phi(Phi^-1(alpha)) / (1 - alpha)``
+      (``sqd``), and for the ``n`` values per statistic (the reduced axes'
+      sizes times the devices along ``axis_name``, or under ``mask`` each
+      feature's count) ``2 E[max_n]`` (``rbd``) and ``E[max_n]`` (``wcd``).
+      The running ``var`` holds the calibrated ``D^2``. A registered measure
+      needs a ``normal_scale`` (see :func:`gbn_jax.register_measure`); a
+      plain callable cannot be calibrated.
     use_fast_variance: for ``'sd'``, flax's one-pass variance.
     renorm: batch renormalization in training (see above); inference and the
       running statistics are unchanged.
@@ -84,11 +107,14 @@ class GBatchNorm(nn.BatchNorm):
   alpha: float | None = None
   renorm: bool = False
   renorm_clipping: Mapping[str, float] | None = None
+  calibration: str | None = None
 
   def __post_init__(self):
-    # Fail at construction, not at the first call, for a bad measure, alpha
-    # or clipping (kept hashable, like the module).
-    _normalization.bind_measure(self.measure, self.alpha, self.use_fast_variance)
+    # Fail at construction, not at the first call, for a bad measure, alpha,
+    # calibration or clipping (kept hashable, like the module).
+    _normalization.bind_measure(
+        self.measure, self.alpha, self.use_fast_variance, self.calibration
+    )
     object.__setattr__(
         self, "renorm_clipping",
         _normalization.freeze_renorm_clipping(self.renorm, self.renorm_clipping),
@@ -147,7 +173,7 @@ class GBatchNorm(nn.BatchNorm):
 
     if not use_running_average:
       measure = _normalization.bind_measure(
-          self.measure, self.alpha, self.use_fast_variance
+          self.measure, self.alpha, self.use_fast_variance, self.calibration
       )
       initializing = self.is_initializing()
       reduction = dict(

@@ -22,7 +22,7 @@ class GBatchNorm(nnx.BatchNorm):
 
   Same constructor, variables (``mean``/``var`` as ``nnx.BatchStat``, ``scale``
   and ``bias`` as ``nnx.Param``), ``train()``/``eval()`` behaviour and call as
-  ``nnx.BatchNorm``, plus ``measure`` and ``alpha`` (see
+  ``nnx.BatchNorm``, plus ``measure``, ``alpha`` and ``calibration`` (see
   :class:`gbn_jax.GBatchNorm`). ``mean`` holds the running statistic ``S`` and
   ``var`` the running ``D^2``; with ``measure='sd'`` it is BatchNorm.
 
@@ -52,13 +52,16 @@ class GBatchNorm(nnx.BatchNorm):
       alpha: float | None = None,
       renorm: bool = False,
       renorm_clipping: Mapping[str, float] | None = None,
+      calibration: str | None = None,
       **kwargs: Any,
   ):
-    """Args: as ``nnx.BatchNorm``, plus ``measure``, ``alpha``, ``renorm``
-    and ``renorm_clipping`` (see :class:`gbn_jax.GBatchNorm`)."""
+    """Args: as ``nnx.BatchNorm``, plus ``measure``, ``alpha``, ``renorm``,
+    ``renorm_clipping`` and ``calibration`` (see
+    :class:`gbn_jax.GBatchNorm`)."""
     use_fast_variance = kwargs.get("use_fast_variance", True)
-    # Validate before allocating anything: bad names/alpha/clipping fail here.
-    _normalization.bind_measure(measure, alpha, use_fast_variance)
+    # Validate before allocating anything: bad names/alpha/calibration/clipping
+    # fail here.
+    _normalization.bind_measure(measure, alpha, use_fast_variance, calibration)
     renorm_clipping = _normalization.freeze_renorm_clipping(
         renorm, renorm_clipping
     )
@@ -67,6 +70,7 @@ class GBatchNorm(nnx.BatchNorm):
     self.alpha = alpha
     self.renorm = renorm
     self.renorm_clipping = renorm_clipping
+    self.calibration = calibration
 
   def __call__(
       self,
@@ -93,7 +97,7 @@ class GBatchNorm(nnx.BatchNorm):
     )
     if not use_running_average:
       measure = _normalization.bind_measure(
-          self.measure, self.alpha, self.use_fast_variance
+          self.measure, self.alpha, self.use_fast_variance, self.calibration
       )
       reduction = dict(
           dtype=self.dtype,

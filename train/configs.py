@@ -18,6 +18,9 @@ from train import models
 #: Datasets the CLI accepts (loaded by ``train.input_pipeline``).
 DATASET_NAMES = ("cifar10", "cifar100", "svhn", "mnist", "fashion_mnist")
 
+#: ``--calibration`` values (``train.models.CALIBRATIONS``).
+CALIBRATIONS = models.CALIBRATIONS
+
 #: Fields that may change between the runs that share a workdir: raising
 #: ``epochs`` extends a finished run (the learning rate is constant, so the
 #: extended run equals one that asked for more epochs from the start).
@@ -25,7 +28,8 @@ RESUMABLE_FIELDS = frozenset({"epochs"})
 
 #: Fields newer than the first ``config.json`` files; an older file lacks
 #: them and means their defaults.
-ADDED_FIELDS = frozenset({"renorm", "renorm_rmax", "renorm_dmax"})
+ADDED_FIELDS = frozenset({"renorm", "renorm_rmax", "renorm_dmax",
+                          "calibration"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,9 @@ class Config:
       ``GBatchNorm(measure='sd')``, BatchNorm's own statistics.
     renorm_rmax: See ``renorm``.
     renorm_dmax: See ``renorm``.
+    calibration: ``none`` or ``normal``: every GBN layer's ``D`` divided by
+      its value for a standard normal feature (``GBatchNorm``'s
+      ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
   """
 
   dataset: str = "cifar10"
@@ -73,6 +80,7 @@ class Config:
   renorm: bool = False
   renorm_rmax: float = 3.0
   renorm_dmax: float = 5.0
+  calibration: str = "none"
 
   def replace(self, **changes: Any) -> Config:
     """Returns a copy with ``changes`` applied."""
@@ -173,6 +181,9 @@ def validate(config: Config) -> Config:
          f"--renorm-rmax must be >= 1, got {config.renorm_rmax!r}")
   _check(is_real(config.renorm_dmax) and config.renorm_dmax >= 0,
          f"--renorm-dmax must be >= 0, got {config.renorm_dmax!r}")
+  _check(config.calibration in CALIBRATIONS,
+         f"--calibration {config.calibration!r} is not one of: "
+         f"{', '.join(CALIBRATIONS)}")
   return config
 
 

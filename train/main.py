@@ -130,7 +130,8 @@ def build_parser(defaults: configs.Config, prog: str,
       help="folder with the dataset's canonical files (e.g. the four MNIST "
       "IDX files, or cifar-10-batches-bin/)")
   add("--workdir", default=None,
-      help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED)")
+      help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
+      "with -cal_normal after NORM for --calibration normal)")
   add("--overwrite", action="store_true",
       help="delete an existing run in --workdir (config.json, metrics.jsonl, "
       "checkpoints/) instead of refusing a different config")
@@ -147,6 +148,12 @@ def build_parser(defaults: configs.Config, prog: str,
       help="with --renorm: r is clipped to [1/rmax, rmax]")
   add("--renorm-dmax", type=float, default=defaults.renorm_dmax,
       help="with --renorm: d is clipped to [-dmax, dmax]")
+  add("--calibration", choices=configs.CALIBRATIONS,
+      default=defaults.calibration,
+      help="normal: divide every GBN layer's deviation D by its value for a "
+      "standard normal feature, so that D is the standard deviation for "
+      "Gaussian data (BatchNorm's gain at initialization whatever the "
+      "measure); a no-op for bn and sd, which stay BatchNorm")
   add("--precise-stats", type=_nonnegative_int, default=0, metavar="N",
       help="before each evaluation, also recompute the norms' statistics "
       "as equal-weight averages over the epoch's first N training batches "
@@ -174,11 +181,15 @@ def config_from_args(args: argparse.Namespace,
       weight_decay=args.weight_decay, augment=args.augment, seed=args.seed,
       eval_every=args.eval_every, norm_momentum=args.norm_momentum,
       renorm=args.renorm, renorm_rmax=args.renorm_rmax,
-      renorm_dmax=args.renorm_dmax)
+      renorm_dmax=args.renorm_dmax, calibration=args.calibration)
 
 
 def default_workdir(config: configs.Config) -> str:
   norm = config.norm.replace(":", "_")
+  # A calibrated run gets its own folder rather than a refusal to resume the
+  # uncalibrated one (older runs, without the field, keep their folders).
+  if config.calibration != "none":
+    norm += f"-cal_{config.calibration}"
   return os.path.join(
       "workdir", f"{config.dataset}-{config.model}-{norm}-seed{config.seed}")
 

@@ -48,6 +48,9 @@ ModuleDef = Callable[..., nn.Module]
 BASELINE_NORM = "bn"
 #: GBN measures that need an ``alpha`` (spelled ``sqd:<alpha>`` on the CLI).
 _ALPHA_MEASURES = ("sqd",)
+#: ``--calibration`` values: ``none``, or ``normal`` for GBatchNorm's
+#: ``calibration='normal'``.
+CALIBRATIONS = ("none", "normal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +117,8 @@ def parse_norm(spec: str) -> NormSpec:
 def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
               epsilon: float = 1e-5,
               axis_name: str | None = None,
-              renorm_clipping: dict[str, float] | None = None) -> ModuleDef:
+              renorm_clipping: dict[str, float] | None = None,
+              calibration: str | None = None) -> ModuleDef:
   """The single norm factory used by every model.
 
   Args:
@@ -128,6 +132,10 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
     renorm_clipping: If given, batch renormalization with these limits
       (``gbn_jax.GBatchNorm``'s ``renorm_clipping``); ``bn`` then means
       ``GBatchNorm(measure='sd')``, which computes BatchNorm's statistics.
+    calibration: ``None``/``'none'``, or ``'normal'``: GBN layers get
+      ``calibration='normal'``. ``bn`` ignores it and stays
+      ``flax.linen.BatchNorm`` (BatchNorm's constant is 1), as does ``sd``
+      in effect.
 
   Returns:
     A partial of ``flax.linen.BatchNorm`` or ``gbn_jax.GBatchNorm`` that the
@@ -135,6 +143,9 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
   """
   if isinstance(spec, str):
     spec = parse_norm(spec)
+  if calibration not in (None, *CALIBRATIONS):
+    raise ValueError(f"calibration {calibration!r} is not one of: "
+                     f"{', '.join(CALIBRATIONS)}")
   common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
   if renorm_clipping is not None:
     common.update(renorm=True, renorm_clipping=renorm_clipping)
@@ -142,6 +153,10 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
       spec = NormSpec(measure="sd")
   if spec.measure is None:
     return functools.partial(nn.BatchNorm, **common)
+  if calibration == "normal" and spec.measure != "sd":
+    # Left out for sd (constant 1): the module is then exactly the one
+    # without calibration, as bn's (above) is.
+    common["calibration"] = "normal"
   return functools.partial(GBatchNorm, measure=spec.measure, alpha=spec.alpha,
                            **common)
 

@@ -70,7 +70,7 @@ _NAME_FIELDS = (("norm", ""), ("batch_size", "b"), ("learning_rate", "lr"),
                 ("norm_momentum", "nm"), ("norm_epsilon", "eps"),
                 ("eval_every", "ev"), ("renorm", "renorm"),
                 ("renorm_rmax", "rmax"), ("renorm_dmax", "dmax"),
-                ("seed", "seed"))
+                ("calibration", "cal_"), ("seed", "seed"))
 # Fields a run name never shows: the first two parts, and the extendable
 # epochs; augment is spelled aug/noaug.
 _UNNAMED_FIELDS = ("dataset", "model", "epochs", "augment")
@@ -108,6 +108,9 @@ def run_name(config: configs.Config, defaults: configs.Config) -> str:
   >>> run_name(configs.MNIST.replace(momentum=0.9, augment=True,
   ...                                renorm=True), configs.MNIST)
   'mnist-lenet-bn-b1000-lr0.01-m0.9-renorm-aug-seed0'
+  >>> run_name(configs.MNIST.replace(norm="mad", calibration="normal"),
+  ...          configs.MNIST)
+  'mnist-lenet-mad-b1000-lr0.01-cal_normal-seed0'
   """
   parts = [config.dataset, config.model]
   always = {"norm", "batch_size", "learning_rate", "seed"}

@@ -177,7 +177,8 @@ def create_model(config: configs.Config, num_classes: int) -> nn.Module:
               if config.renorm else None)
   norm = models.make_norm(config.norm, momentum=config.norm_momentum,
                           epsilon=config.norm_epsilon,
-                          renorm_clipping=clipping)
+                          renorm_clipping=clipping,
+                          calibration=config.calibration)
   return models.create_model(config.model, num_classes=num_classes,
                              norm=norm)
 
