@@ -99,7 +99,7 @@ else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
   EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
-  CAPS=(tests=45 radix=45 methods=80 steps=70 full=80 torch=30)
+  CAPS=(tests=60 radix=50 methods=90 steps=70 full=90 torch=30)
 fi
 cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
 
@@ -141,13 +141,14 @@ PY
 }
 
 step_tests() {
-  # Most specific first: a step cut off by its cap has run these.
+  # Most specific first: a step cut off by its cap has run these. -v names
+  # every test in the log as it runs: a cut-off run writes no summary.
   local tests=() t
-  for t in tests/test_radix_select.py tests/test_bracket_select.py tests/test_accelerator_sums.py \
+  for t in tests/test_bracket_select.py tests/test_radix_select.py tests/test_accelerator_sums.py \
       tests/test_quantiles.py tests/test_select.py; do
     [ -f "$t" ] && tests+=("$t")
   done
-  run_capped tests "$(cap "$(cap_of tests)")" "$PYTHON" -m pytest -q -p no:cacheprovider \
+  run_capped tests "$(cap "$(cap_of tests)")" "$PYTHON" -m pytest -v -p no:cacheprovider \
     -o addopts= --maxfail=25 "${tests[@]}"
 }
 
@@ -223,8 +224,19 @@ step_table2() {
   if sweep_alive; then log "table2: already running (pid $(sweep_pid))"; else
     local p; p=$(cat "$WORK/convert.pid" 2>/dev/null)
     [ -n "$p" ] && while kill -0 "$p" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 1; done
-    log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time"
     mkdir -p "$SWEEP"
+    # Runs finished by an earlier device session (committed) are not run
+    # again; unfinished ones start over (their checkpoints stayed there).
+    local done_run
+    if [ "$DRY_RUN" != 1 ]; then
+      for done_run in results/sweeps/cifar10_lenet_gpu/*/; do
+        [ -f "$done_run/metrics.jsonl" ] || continue
+        if [ "$(wc -l < "$done_run/metrics.jsonl")" -ge "$EPOCHS" ]; then
+          cp -r "$done_run" "$SWEEP/" && log "table2: $(basename "$done_run") is finished (committed)"
+        fi
+      done
+    fi
+    log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time"
     # Several runs of one norm compile the same programs: share them.
     JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache setsid nohup "$PYTHON" -m train.sweep \
       --sweep-dir "$SWEEP" --defaults cifar --dataset cifar10 --model lenet --batch-size "$BATCH" \

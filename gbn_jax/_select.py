@@ -109,8 +109,11 @@ _FIRST_INTERP_EPS = 5.0  # first interpolation: the CDF's curvature still shows
 _FOLD_MAX_WIDTH = 128  # fold once at most this many elements remain in a bracket
 _ADAPTIVE_MIN_ROWS = 16384  # default method: "bisect" below this many rows
 # Default at least that many rows on a GPU/TPU: no data-dependent loop, so no
-# host sync per pass (the adaptive loop's cost there). Not yet timed on a GPU.
-_ACCELERATOR_LARGE_METHOD = "accelerator"
+# host sync per pass (the adaptive loop's cost there). Measured on an H100
+# (results/h100_methods.json, h100_radix.json): the sampled bracket's sqd
+# layers are 2.5-3.9x BatchNorm, the radix select's 4.8-13x (its scatter
+# histograms cost 0.66-2.4 ms a pass) and the adaptive loop's 8-11x.
+_ACCELERATOR_LARGE_METHOD = "bracket"
 _MAX_PASSES = 96  # >= 2 * 33 bisections; beyond it the sort fallback runs
 _CHUNK_ELEMENTS = 1 << 18  # elements per chunk of a CPU counting pass
 # Thresholds per adaptive counting pass: each costs a compare-and-add per

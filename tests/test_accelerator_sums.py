@@ -373,6 +373,9 @@ def test_one_call_and_default_dispatch(fused, monkeypatch):
   small = jax.ShapeDtypeStruct((8, 2), jnp.float32)
   monkeypatch.setattr(_select, "_on_cpu", lambda: False)
   monkeypatch.setattr(_select, "_native_applies", lambda axis_name: False)
+  # Accelerators default to the bracket select (measured faster): unfused.
+  assert not _radix_select.sums_apply(big, (0,), None, None)
+  monkeypatch.setattr(_select, "_ACCELERATOR_LARGE_METHOD", "accelerator")
   assert _radix_select.sums_apply(big, (0,), None, None)
   assert not _radix_select.sums_apply(small, (0,), None, None)  # sorted there
   monkeypatch.setattr(_select, "_on_cpu", lambda: True)

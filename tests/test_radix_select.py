@@ -338,8 +338,10 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers(monkeypatch):
     results[method] = (stats, grad)
   # atol: "accelerator" takes the fused sums (one pass, counts from the
   # radix), "sort" separate means; at q the gradient is O(1) terms that
-  # cancel, so the two round apart by an ulp of 1.
+  # cancel, so the two round apart by ulps of the largest term. A GPU sums
+  # in another order than a CPU (this failed there with atol=1e-6, commit
+  # b329b70), so the bound scales with the largest entry.
   for a, b in zip(jax.tree.leaves(results["sort"]),
                   jax.tree.leaves(results["accelerator"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                               atol=1e-6)
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())

@@ -198,6 +198,23 @@ def test_default_method_and_reference_agree_with_numpy():
   assert_bitwise(_select.kth_smallest(x16, 100, (0, 1, 2)), want)
 
 
+def test_accelerators_default_to_the_bracket_and_compare_histograms(monkeypatch):
+  """The defaults measured fastest on an H100 (results/h100_*.json)."""
+  from gbn_jax import _radix_select  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(_select, "_native_applies", lambda axis_name: False)
+  for backend, large, small, histogram in (("gpu", "bracket", "sort", ("compare", 4)),
+                                           ("tpu", "bracket", "sort", ("compare", 4)),
+                                           ("cpu", "adaptive", "bisect", ("scatter", 8))):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    assert _select._default_method(_select._ADAPTIVE_MIN_ROWS) == large
+    assert _select._default_method(_select._ADAPTIVE_MIN_ROWS - 1) == small
+    assert _radix_select.default_histogram() == histogram
+    assert _radix_select._resolve_histogram(None, None) == histogram
+    assert _radix_select._resolve_histogram("scatter", None)[1] == (
+        8 if histogram[0] == "compare" else histogram[1])
+    assert _radix_select._resolve_histogram("compare", 2) == ("compare", 2)
+
+
 def test_native_kernel_is_built_where_expected():
   # .ci/run sets GBN_EXPECT_NATIVE=1 when a C++ compiler is present, so a
   # kernel that silently failed to build or load fails here, not in timings.
