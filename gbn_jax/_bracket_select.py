@@ -74,15 +74,9 @@ from jax import lax
 from gbn_jax import _radix_select, _select
 from gbn_jax._select import (
     _Comm,
-    _check_axes,
-    _check_input,
     _float_to_key,
-    _key_to_output,
     _on_cpu,
-    _prepare_k,
     _replicate_explicit,
-    _to_rows,
-    check_element_count,
 )
 
 Array = jax.Array
@@ -120,21 +114,8 @@ class BracketSelection(NamedTuple):
   missed: Array
 
 
-def _merged_keys(rows: Array) -> Array:
-  """Keys with ``-0.0`` (key ``-1``) merged into ``+0.0`` (key ``0``), as radix's."""
-  key = _float_to_key(rows)
-  return jnp.where(key == -1, _I32(0), key)
-
-
-def _prepare(x, axis, where, axis_name, axis_index_groups):
-  x = _check_input(x)
-  axes = _check_axes(x.ndim, axis)
-  x = lax.stop_gradient(x)
-  if x.dtype in (jnp.bfloat16, jnp.float16):
-    x = x.astype(_F32)  # exact and order-preserving
-  if where is not None:
-    where = lax.stop_gradient(jnp.asarray(where, bool))
-  return x, axes, where, _Comm(axis_name, axis_index_groups)
+# The same keys as the radix select (its fallback).
+_merged_keys = _radix_select._merged_keys  # pylint: disable=protected-access
 
 
 def sample_size(n_rows: int) -> int:
@@ -319,20 +300,6 @@ def kth_smallest_bracket(
   ``return_ties``: also return, as float32, how many masked-in elements of
   *this device's* rows have the answer's key (``None`` for float64 input).
   """
-  x, axes, where, comm = _prepare(
-      x, axis, where, axis_name, axis_index_groups)
-  if x.dtype != _F32:
-    value = _select.kth_smallest_reference(
-        x, k, axes, where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
-    )
-    return (value, None) if return_ties else value
-  rows, mask, kept_shape = _to_rows(x, axes, where)
-  check_element_count(rows.shape[0] * comm.size())
-  k = _prepare_k(k, kept_shape)
-  sel = bracket_kth_smallest(
-      _replicate_explicit(rows), None if mask is None else _replicate_explicit(mask), k, comm)
-  bad_k = (k < 1) | (k > sel.n)
-  value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys)).reshape(kept_shape)
-  if return_ties:
-    return value, sel.local_ties.astype(_F32).reshape(kept_shape)
-  return value
+  return _radix_select.drop_in_selection(
+      bracket_kth_smallest, x, k, axis, where=where, axis_name=axis_name,
+      axis_index_groups=axis_index_groups, return_ties=return_ties)

@@ -58,6 +58,7 @@ Histogram kernels (``histogram=``):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -320,6 +321,20 @@ def kth_smallest_accelerator(
   its own ``psum``. Without ``axis_name`` that is the whole count. ``None``
   for float64 input.
   """
+  select = functools.partial(radix_kth_smallest, digit_bits=digit_bits, histogram=histogram)
+  return drop_in_selection(select, x, k, axis, where=where, axis_name=axis_name,
+                           axis_index_groups=axis_index_groups, return_ties=return_ties)
+
+
+def drop_in_selection(select_rows, x, k, axis, *, where, axis_name, axis_index_groups,
+                      return_ties):
+  """``_select.kth_smallest``'s contract around a rows selection.
+
+  ``select_rows(rows, mask, k, comm)`` returns the answer's ``keys``, the
+  pooled count ``n`` and this device's ``local_ties`` (as
+  :class:`RadixSelection` does); this handles dtypes, masks, ranks, sharding
+  and out-of-range ``k`` for every accelerator method.
+  """
   x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
   if x.dtype != _F32:
     value = _select.kth_smallest_reference(
@@ -329,11 +344,8 @@ def kth_smallest_accelerator(
   rows, mask, kept_shape = _to_rows(x, axes, where)
   check_element_count(rows.shape[0] * comm.size())
   k = _prepare_k(k, kept_shape)
-  sel = radix_kth_smallest(
-      _replicate_explicit(rows),
-      None if mask is None else _replicate_explicit(mask),
-      k, comm, digit_bits=digit_bits, histogram=histogram,
-  )
+  sel = select_rows(
+      _replicate_explicit(rows), None if mask is None else _replicate_explicit(mask), k, comm)
   bad_k = (k < 1) | (k > sel.n)
   value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys)).reshape(kept_shape)
   if return_ties:
