@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.integrate
+import scipy.stats
 
 from train import models
 
@@ -352,3 +354,26 @@ def test_lenet_conv_as_matmul_is_the_same_model(norm):
   np.testing.assert_array_equal(
       default, (matmul if jax.default_backend() == "cpu" else flax_ops).apply(
           variables, x, train=False))
+
+
+@pytest.mark.parametrize("target,constant", [
+    ("sqd1", lambda n: scipy.stats.norm.pdf(scipy.stats.norm.ppf(0.25)) / 0.75),
+    ("rsd", lambda n: 1 / np.sqrt(2 * np.pi)),
+    # E[range of n standard normals], by scipy's quadrature of n x phi Phi^(n-1).
+    ("rbd", lambda n: 2 * scipy.integrate.quad(
+        lambda t: t * n * scipy.stats.norm.pdf(t) * scipy.stats.norm.cdf(t) ** (n - 1),
+        -12, 12, limit=200)[0]),
+])
+def test_bn_gain_is_batchnorm_with_another_measures_gaussian_d(target, constant):
+  x = np.random.default_rng(4).normal(2.0, 3.0, (8, 4, 4, 3)).astype(np.float32)
+  norm = models.make_norm(f"bn_gain:{target}", momentum=0.0)
+  layer = norm(use_running_average=False)
+  variables = layer.init(jax.random.key(0), x)
+  y, updates = layer.apply(variables, x, mutable=["batch_stats"])
+  x64 = x.astype(np.float64)
+  mean, sigma = x64.mean(axis=(0, 1, 2)), x64.std(axis=(0, 1, 2))
+  d = sigma * constant(8 * 4 * 4)
+  np.testing.assert_allclose(y, (x64 - mean) / np.sqrt(d**2 + 1e-5), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(updates["batch_stats"]["var"], d**2, rtol=1e-5)
+  with pytest.raises(ValueError, match="neither a mask"):
+    layer.apply(variables, x, mask=x > 0, mutable=["batch_stats"])

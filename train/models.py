@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,11 +42,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from gbn_jax import MEASURES, GBatchNorm
+from gbn_jax import get_measure as gbn_get_measure
 
 ModuleDef = Callable[..., nn.Module]
 
 #: The ``--norm`` value that selects ``flax.linen.BatchNorm`` itself.
 BASELINE_NORM = "bn"
+#: ``bn_gain:<measure>``: BatchNorm's statistics, with D scaled to the gain
+#: that ``<measure>`` gives a Gaussian feature (the gain without the shape).
+GAIN_NORM = "bn_gain"
 #: GBN measures that need an ``alpha`` (spelled ``sqd:<alpha>`` on the CLI).
 _ALPHA_MEASURES = ("sqd",)
 #: ``--calibration`` values: ``none``, or ``normal`` for GBatchNorm's
@@ -60,10 +65,14 @@ class NormSpec:
   Attributes:
     measure: ``None`` for ``flax.linen.BatchNorm``, else a GBN measure name.
     alpha: The quantile level for ``sqd``, else ``None``.
+    gain_of: For ``bn_gain:<norm>``, that norm's own spec (``measure`` is
+      then ``'sd'``): BatchNorm's ``D = sigma`` times the ``D`` that
+      ``<norm>`` gives a standard normal feature.
   """
 
   measure: str | None
   alpha: float | None = None
+  gain_of: "NormSpec | None" = None
 
 
 def norm_names() -> tuple[str, ...]:
@@ -71,6 +80,7 @@ def norm_names() -> tuple[str, ...]:
   names = [BASELINE_NORM]
   for name in MEASURES:
     names.append(f"{name}:<alpha>" if name in _ALPHA_MEASURES else name)
+  names.append(f"{GAIN_NORM}:<norm>")
   return tuple(names)
 
 
@@ -93,6 +103,15 @@ def parse_norm(spec: str) -> NormSpec:
   choices = ", ".join(norm_names())
   if name == BASELINE_NORM and not sep:
     return NormSpec(measure=None)
+  if name == GAIN_NORM:
+    if not sep:
+      raise ValueError(f"norm {name!r} needs a norm whose gain to take: write "
+                       f"{name}:<norm>, e.g. {name}:sqd1")
+    target = parse_norm(alpha_text)
+    if target.measure is None or target.gain_of is not None:
+      raise ValueError(f"{spec!r}: the gain must be that of a GBN measure "
+                       f"(not {alpha_text!r}); choose one of: {choices}")
+    return NormSpec(measure="sd", gain_of=target)
   if name not in MEASURES:
     raise ValueError(f"unknown norm {spec!r}; choose one of: {choices}")
   if name not in _ALPHA_MEASURES:
@@ -153,12 +172,49 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
       spec = NormSpec(measure="sd")
   if spec.measure is None:
     return functools.partial(nn.BatchNorm, **common)
+  if spec.gain_of is not None:
+    # The gain study's converse: BatchNorm given another measure's gain.
+    # Calibration would undo exactly that gain, so it does not apply.
+    return functools.partial(GBatchNorm, measure=gain_measure(spec.gain_of),
+                             **common)
   if calibration == "normal" and spec.measure != "sd":
     # Left out for sd (constant 1): the module is then exactly the one
     # without calibration, as bn's (above) is.
     common["calibration"] = "normal"
   return functools.partial(GBatchNorm, measure=spec.measure, alpha=spec.alpha,
                            **common)
+
+
+@functools.lru_cache(maxsize=None)
+def gain_measure(target: NormSpec) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """BatchNorm's ``(mean, sigma)`` with ``sigma`` times ``target``'s Gaussian ``D``.
+
+  For Gaussian data this layer has the gain of ``target`` and BatchNorm's
+  shape (centering on the mean, a symmetric deviation). The constant is
+  ``gbn_jax.get_measure(target).normal_constant(n)`` for the ``n`` values
+  per statistic (static: no mask, no cross-device pooling). One function per
+  target (cached), so that jit reuses its traces.
+
+  >>> import numpy as np
+  >>> x = jnp.asarray(np.random.default_rng(0).standard_normal((4000, 2)))
+  >>> _, d = gain_measure(parse_norm("rsd"))(x, (0,))
+  >>> [round(float(v), 2) for v in d]  # about 1/sqrt(2 pi)
+  [0.4, 0.4]
+  """
+  sd = gbn_get_measure("sd")
+  reference = gbn_get_measure(target.measure, **(
+      {} if target.alpha is None else {"alpha": target.alpha}))
+
+  def measure(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
+    if where is not None or axis_name is not None:
+      raise ValueError(f"{GAIN_NORM}:{target.measure} supports neither a mask "
+                       "nor axis_name (its constant needs a static count)")
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    n = math.prod(x.shape[a] for a in axes)
+    mean, sigma = sd(x, axes)
+    return mean, sigma * reference.normal_constant(n)
+
+  return measure
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
