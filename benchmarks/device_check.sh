@@ -50,7 +50,7 @@ WORK=${WORK:-/tmp/gbn_device}
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
 MARGIN=${MARGIN:-8}
-if [ "$DRY_RUN" = 1 ]; then BUDGET=${BUDGET:-280}; else BUDGET=${BUDGET:-575}; fi
+if [ "$DRY_RUN" = 1 ]; then BUDGET=${BUDGET:-420}; else BUDGET=${BUDGET:-575}; fi
 deadline=$((SECONDS + BUDGET))
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -94,7 +94,7 @@ if [ "$DRY_RUN" = 1 ]; then
   SHAPES=(64x8x8x16 256x16); RUNS=(--runs 3 --warmup 1 --inner 1)
   STEP_BATCH=(--train-batch 16); MEASURES=(sd sqd2 sqd:0.99)
   EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
-  CAPS=(tests=30 radix=25 methods=40 steps=40 full=40 torch=20)
+  CAPS=(tests=30 radix=40 methods=100 steps=60 full=60 torch=20)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
@@ -135,7 +135,7 @@ PY
     "$PYTHON" .device/tools/cifar10_binary.py "$DATA" >>"$LOG" 2>&1 &
     echo $! > "$WORK/convert.pid"
   else
-    log "no .device/data/cifar10-jpeg.tar.xz: table2 will look in --data-dir $DATA and the usual places"
+    log "no .device/data/cifar10-jpeg.tar.xz: table2 fails unless $DATA holds cifar-10-batches-bin/"
   fi
   pack
 }

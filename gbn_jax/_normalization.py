@@ -41,13 +41,49 @@ def bind_measure(
   parameters, a calibration the measure has no constant for), so a
   misconfigured module fails when it is constructed.
   """
-  fn = measures_lib.resolve_measure(measure, calibration, alpha=alpha)
+  try:
+    fn = measures_lib.resolve_measure(measure, calibration, alpha=alpha)
+  except measures_lib.FixedParamsError as e:
+    # The module's fields, not get_measure, are what the user wrote.
+    raise measures_lib.FixedParamsError(
+        e.name, e.fixed,
+        lambda general, choose: f"GBatchNorm(measure={general!r}, {choose})",
+    ) from None
+  if not isinstance(fn, measures_lib.Measure):
+    check_measure_signature(fn)
   if isinstance(fn, measures_lib.Measure) and fn.fn is measures_lib.sd:
     fn = dataclasses.replace(
         fn, params=tuple(sorted({**dict(fn.params),
                                  "fast_variance": use_fast_variance}.items()))
     )
   return fn
+
+
+MEASURE_CONTRACT = (
+    "a custom measure is called as measure(x, axis) -> (S, D): x the"
+    " activations, axis a tuple of the reduced axes, S and D arrays of the"
+    " per-feature statistic and deviation (it may also take where=,"
+    " axis_name= and axis_index_groups= keywords)"
+)
+
+
+def check_measure_signature(fn: Any) -> None:
+  """Raises a TypeError naming the contract if ``fn`` can't take ``(x, axis)``.
+
+  A callable whose signature can't be read (some builtins) is let through:
+  only the first call can tell.
+  """
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return
+  try:
+    signature.bind(None, None)
+  except TypeError as e:
+    raise TypeError(
+        f"measure {fn!r} can't be called with two positional arguments (x,"
+        f" axis): its signature is {signature} ({e}); {MEASURE_CONTRACT}."
+    ) from None
 
 
 def _accepts(fn: Any, keyword: str) -> bool:
@@ -108,7 +144,17 @@ def batch_statistics(
   if isinstance(measure, measures_lib.Measure):
     s, d2 = measure.squared_deviation(x, reduction_axes, **reduction)
   else:
-    s, d = measure(x, reduction_axes, **reduction)
+    result = measure(x, reduction_axes, **reduction)
+    # Unpacking a single array would iterate over it, and fail (or not)
+    # with a message about shapes that does not point at the measure.
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+      what = (f"an array of shape {result.shape}" if hasattr(result, "shape")
+              else f"a {type(result).__name__}")
+      raise TypeError(
+          f"measure {measure!r} returned {what}, not a pair (S, D);"
+          f" {MEASURE_CONTRACT}."
+      )
+    s, d = result
     d2 = jnp.square(d)
   feature_shape = tuple(
       n for i, n in enumerate(x.shape) if i not in reduction_axes

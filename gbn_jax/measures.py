@@ -518,6 +518,42 @@ def _no_constant_message(name: str) -> str:
   )
 
 
+def _general_name(name: str) -> str | None:
+  """The registered name of ``name``'s function with no parameter fixed."""
+  fn = _REGISTRY[name].fn
+  for other, entry in _REGISTRY.items():
+    if entry.fn is fn and not entry.fixed:
+      return other
+  return None
+
+
+class FixedParamsError(TypeError):
+  """Parameters passed to a measure whose registration fixes them.
+
+  Attributes:
+    name: The measure's registered name (e.g. ``'sqd2'``).
+    fixed: The parameters passed that ``name`` fixes (e.g. ``['alpha']``).
+    general: The registered name of the same function with nothing fixed
+      (e.g. ``'sqd'``), or None if there is none.
+  """
+
+  def __init__(self, name: str, fixed: list[str],
+               call: Callable[[str, str], str] | None = None):
+    """``call(general, 'alpha=...')`` writes the fix in the caller's terms
+    (default: a :func:`get_measure` call)."""
+    self.name, self.fixed, self.general = name, fixed, _general_name(name)
+    if call is None:
+      call = lambda general, choose: f"get_measure({general!r}, {choose})"
+    choose = ", ".join(f"{k}=..." for k in fixed)
+    if self.general is None:
+      fix = (" register the measure's function under another name without"
+             " fixing them to choose them.")
+    else:
+      fix = (" use the general measure to choose them:"
+             f" {call(self.general, choose)}.")
+    super().__init__(f"measure {name!r} fixes {fixed};{fix}")
+
+
 def get_measure(
     name: str, calibration: str | None = None, **params: Any
 ) -> Measure:
@@ -552,10 +588,7 @@ def get_measure(
   entry = _REGISTRY[name]
   fixed = entry.fixed & set(params)
   if fixed:
-    raise TypeError(
-        f"measure {name!r} fixes {sorted(fixed)}; use the general measure to"
-        " choose them (e.g. get_measure('sqd', alpha=...))."
-    )
+    raise FixedParamsError(name, sorted(fixed))
   _check_params(name, entry.fn, params)
   bound = {**entry.params, **params}
   accepted = _keyword_params(entry.fn)

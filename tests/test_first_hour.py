@@ -87,6 +87,55 @@ def test_first_epoch_notes():
           "about 60s"]
   assert train_main._first_epoch_notes(
       configs.MNIST.replace(epochs=1), 30.0, cpu, prog="p") == []
+  # After a resume, only the epochs after the first one trained remain.
+  assert train_main._first_epoch_notes(
+      configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=3) == [
+          "p: the first epoch took 30s; the remaining 2 epochs should take "
+          "about 60s"]
+  assert train_main._first_epoch_notes(
+      configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=5) == []
+
+
+def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
+    tmp_path, capsys):
+  data = write_tiny_mnist(tmp_path / "data")  # 64 images: 4 batches of 16
+  run = ["--workdir", str(tmp_path / "run"), "--data-dir", str(data),
+         "--batch-size", "16", "--no-progress"]
+  code, _, err = _run_cli([*run, "--epochs", "1"], capsys)
+  assert code == 0, err
+  assert "(4 batches of 16), " in err and "dropped" not in err
+  assert f"data: mnist files in {data}" in err
+  # Resumed at epoch 2 of 3: one epoch remains after it, not two.
+  code, _, err = _run_cli([*run, "--epochs", "3"], capsys)
+  assert code == 0, err
+  assert "the remaining 1 epoch should take" in err
+  # Resumed at the final epoch: nothing remains to estimate.
+  code, _, err = _run_cli([*run, "--epochs", "4"], capsys)
+  assert code == 0, err
+  assert "remaining" not in err
+  assert (tmp_path / "run" / checkpointing.DATA_SOURCE_FILE).read_text() == (
+      "".join(f"from epoch {e}: mnist files in {data}: train-images-idx3-"
+              "ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-"
+              "ubyte.gz, t10k-labels-idx1-ubyte.gz\n" for e in (1, 2, 4)))
+
+
+def test_data_dir_without_the_data_is_an_error_not_another_copy(
+    tmp_path, capsys, monkeypatch):
+  from train import datasets  # pylint: disable=g-import-not-at-top
+  installed = write_tiny_mnist(tmp_path / "installed" / "mnist")
+  monkeypatch.setattr(datasets, "SYSTEM_DATA_DIRS",
+                      (str(tmp_path / "installed"),))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for data_dir in (empty, tmp_path / "typo"):
+    code, _, err = _run_cli(["--workdir", str(tmp_path / "run"), "--data-dir",
+                             str(data_dir), "--batch-size", "16", "--epochs",
+                             "1", "--no-progress"], capsys)
+    assert code == 1
+    first = err.splitlines()[0]
+    assert first.startswith("train.mnist: error: could not find the mnist")
+    assert str(data_dir) in first and "train-images-idx3-ubyte" in first
+    assert str(installed) in err  # the copy it did not use, named
 
 
 def test_cli_prints_estimate_after_first_epoch(tmp_path):
@@ -107,6 +156,9 @@ def test_interrupt_before_first_epoch_says_nothing_was_saved(tmp_path):
   checkpointing.write_metrics(tmp_path, [{"epoch": 1}, {"epoch": 2}])
   hint = train_main._resume_hint(str(tmp_path))
   assert "epochs 1-2 are saved" in hint and "resume" in hint
+  checkpointing.write_metrics(tmp_path, [{"epoch": 1}])
+  hint = train_main._resume_hint(str(tmp_path))
+  assert hint.startswith("epoch 1 is saved in") and "1-1" not in hint
 
 
 def test_norm_momentum_error_names_the_flag(capsys):
@@ -190,6 +242,28 @@ def test_plot_skips_run_without_epochs_and_defaults_out_beside_runs(
   assert (tmp_path / "runs" / "plots" / "test_error_vs_epoch.png").exists()
   assert plot.main([str(empty)]) == 1
   assert "none of the runs" in capsys.readouterr().err
+
+
+def test_plot_takes_a_sweep_glob_and_a_folder_above_the_runs(tmp_path, capsys):
+  sweep = tmp_path / "sweeps" / "x"
+  _fake_run(sweep / "bn", "bn", 0)
+  _fake_run(sweep / "mad", "mad", 1)
+  (sweep / "report").mkdir()  # what train.report writes beside the runs
+  (sweep / "report" / "report.md").write_text("# report\n")
+  # The shell's expansion of sweeps/x/*/: two runs and the report folder.
+  assert plot.main([str(sweep / "bn"), str(sweep / "mad"),
+                    str(sweep / "report"), "--out", str(tmp_path / "a")]) == 0
+  err = capsys.readouterr().err
+  assert [l for l in err.splitlines() if str(sweep / "report") in l] == [
+      f"note: skipped {sweep / 'report'}: not a run directory (no "
+      "config.json in or under it)"]
+  assert len(list((tmp_path / "a").glob("*.png"))) == 4
+  # The sweep folder itself; the PNGs go beside its runs by default.
+  assert plot.main([str(sweep)]) == 0
+  assert len(list((sweep / "plots").glob("*.png"))) == 4
+  # Nothing but a report folder: an error.
+  assert plot.main([str(sweep / "report")]) == 1
+  assert "none of the given folders holds a run" in capsys.readouterr().err
 
 
 # --- library ---------------------------------------------------------------------

@@ -200,12 +200,32 @@ def test_search_order(places):
   _assert_split(load(), "train", *variants["user"][0])
   shutil.rmtree(places["user"])
   _assert_split(load(), "train", *variants["system"][0])
-  # An installed copy beats tfds data prepared in data_dir itself.
-  _assert_split(load(places["tfds"]), "train", *variants["system"][0])
-  shutil.rmtree(places["system"])
+  # Without data_dir, an installed copy beats tfds data ($TFDS_DATA_DIR) ...
+  _assert_split(load(), "train", *variants["system"][0])
+  # ... but an explicit data_dir is the only place searched: its tfds data
+  # wins over the installed copy.
   ds = load(places["tfds"])
   assert "tensorflow-datasets" in ds.source
   _assert_same_examples(ds.train_images, ds.train_labels, *variants["tfds"][0])
+
+
+@pytest.mark.parametrize("missing", ["absent", "empty"])
+def test_data_dir_without_the_dataset_is_an_error(places, missing):
+  # An installed copy exists, but the folder the user named is what counts.
+  dh.write_idx_dataset(places["system"] / "mnist", *_idx_splits(3))
+  data_dir = places["data"] / "typo" if missing == "absent" else places["data"]
+  with pytest.raises(datasets.DataNotFoundError) as e:
+    datasets.load_dataset("mnist", data_dir, use_tfds=False)
+  # The first line alone says what is wrong and what the folder should hold.
+  first = str(e.value).splitlines()[0]
+  assert str(data_dir) in first
+  assert ("does not exist" in first) == (missing == "absent")
+  for name in ("train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    assert name in first
+  assert str(places["system"] / "mnist") in str(e.value)  # the copy, named
+  # Without data_dir the installed copy is found as before.
+  ds = datasets.load_dataset("mnist", use_tfds=False)
+  assert str(places["system"] / "mnist") in ds.source
 
 
 def test_shared_locations_need_the_dataset_subfolder(places):

@@ -170,6 +170,26 @@ def test_custom_callable_measure():
     GBatchNorm(measure=trimmed, alpha=0.3)
 
 
+def test_measure_errors_speak_the_module_and_the_contract():
+  # A fixed alpha: the fix is written as the module call, not get_measure.
+  with pytest.raises(TypeError) as e:
+    GBatchNorm(measure="sqd2", alpha=0.3)
+  assert "GBatchNorm(measure='sqd', alpha=...)" in str(e.value)
+  assert "get_measure" not in str(e.value)
+  # A callable that can't take (x, axis) fails at construction, naming the
+  # contract, before any array reaches it.
+  for bad in (lambda x: (x.mean(0), x.std(0)),
+              lambda x, axis, scale: (x.mean(axis), x.std(axis))):
+    with pytest.raises(TypeError, match=r"measure\(x, axis\) -> \(S, D\)"):
+      GBatchNorm(use_running_average=False, measure=bad)
+  # Keyword-only extras and *args are fine.
+  GBatchNorm(measure=lambda *args, **kwargs: None)
+  # A callable that returns one array, not (S, D): the contract, at the call.
+  with pytest.raises(TypeError, match=r"not a pair \(S, D\)"):
+    GBatchNorm(use_running_average=False, measure=lambda x, axis: x.std(axis)
+               ).init(jax.random.key(0), _x((8, 3)))
+
+
 def test_bad_configuration_fails_at_construction():
   with pytest.raises(ValueError, match="valid names"):
     GBatchNorm(measure="batchnorm")

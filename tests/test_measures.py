@@ -153,6 +153,9 @@ def test_registry_errors():
     gbn_jax.get_measure("sqd")
   with pytest.raises(TypeError, match="fixes"):
     gbn_jax.get_measure("sqd2", alpha=0.3)
+  # The suggested general measure is the one with the same function.
+  with pytest.raises(TypeError, match=r"get_measure\('sqd', alpha=\.\.\.\)"):
+    gbn_jax.get_measure("sqd1", alpha=0.3)
   with pytest.raises(ValueError, match="alpha"):
     gbn_jax.get_measure("sqd", alpha=1.0)
   with pytest.raises(ValueError, match="already registered"):

@@ -75,6 +75,15 @@ def test_sqd_alpha_and_errors():
     gnnx.GBatchNorm(5, measure="std", rngs=nnx.Rngs(0))
 
 
+def test_measure_errors_speak_the_module_and_the_contract():
+  with pytest.raises(TypeError) as e:
+    gnnx.GBatchNorm(5, measure="sqd2", alpha=0.3, rngs=nnx.Rngs(0))
+  assert "GBatchNorm(measure='sqd', alpha=...)" in str(e.value)
+  with pytest.raises(TypeError, match=r"measure\(x, axis\) -> \(S, D\)"):
+    gnnx.GBatchNorm(5, measure=lambda x: (x.mean(0), x.std(0)),
+                    rngs=nnx.Rngs(0))
+
+
 def test_nnx_jit_train_step_updates_batch_stats():
   class Net(nnx.Module):
     def __init__(self, rngs):

@@ -58,6 +58,31 @@ def test_expand_names_ignore_epochs_and_defaults():
   assert len(sweep.expand(["--norm", "bn,bn,mad"])) == 2
 
 
+@pytest.mark.parametrize("argv, implied", [
+    ([], "cifar"),
+    (["--dataset", "svhn,cifar100"], "cifar"),
+    (["--dataset", "fashion_mnist"], "mnist"),
+    (["--norm", "bn", "--dataset=mnist,fashion_mnist"], "mnist"),
+])
+def test_defaults_follow_the_dataset(argv, implied, tmp_path, capsys):
+  assert sweep.implied_defaults(argv) == implied
+  # Without --defaults, the runs are those of the implied CLI: Fashion-MNIST
+  # gets LeNet and batch 1000 (train.mnist's), not CIFAR's ResNet20.
+  assert sweep.main(["--sweep-dir", str(tmp_path), "--dry-run", *argv]) == 0
+  names = capsys.readouterr().out.splitlines()
+  model = "lenet" if implied == "mnist" else "resnet20"
+  assert names and all(f"-{model}-" in name for name in names)
+
+
+def test_defaults_required_for_mixed_datasets(tmp_path, capsys):
+  argv = ["--sweep-dir", str(tmp_path), "--dry-run", "--dataset",
+          "cifar10,fashion_mnist"]
+  with pytest.raises(SystemExit):
+    sweep.main(argv)
+  assert "pass --defaults" in capsys.readouterr().err
+  assert sweep.main([*argv, "--defaults", "cifar"]) == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workdir", "x"], "set by the sweep"),
     (["--overwrite"], "set by the sweep"),

@@ -37,6 +37,10 @@ from train import configs
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+# One line per command that trained in the run: the first epoch it trained
+# and where its data came from. Not a Config field: configs name runs, and
+# the same run may be resumed from another copy of the same data.
+DATA_SOURCE_FILE = "data_source.txt"
 CHECKPOINT_DIR = "checkpoints"
 MAX_TO_KEEP = 3
 
@@ -115,7 +119,8 @@ def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
     workdir: The run directory (created if missing).
     config: The fully resolved config of this run.
     overwrite: Delete an existing run's files (``config.json``,
-      ``metrics.jsonl``, ``checkpoints/``) instead of refusing.
+      ``metrics.jsonl``, ``data_source.txt``, ``checkpoints/``) instead of
+      refusing.
     is_primary: Only the primary process writes files.
 
   Raises:
@@ -128,7 +133,7 @@ def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
           workdir / CHECKPOINT_DIR]
   if overwrite:
     if is_primary:
-      for path in ours:
+      for path in [*ours, workdir / DATA_SOURCE_FILE]:
         if path.is_dir():
           shutil.rmtree(path)
         elif path.exists():
@@ -152,6 +157,13 @@ def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
         "new --workdir, or pass --overwrite to delete them.")
   if is_primary and not config_path.exists():
     write_config(workdir, config)
+
+
+def append_data_source(workdir: str | os.PathLike[str], epoch: int,
+                       source: str) -> None:
+  """Appends ``from epoch EPOCH: SOURCE`` to ``data_source.txt``."""
+  with open(Path(workdir) / DATA_SOURCE_FILE, "a") as f:
+    f.write(f"from epoch {epoch}: {source}\n")
 
 
 def write_config(workdir: str | os.PathLike[str],

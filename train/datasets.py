@@ -4,7 +4,10 @@
 TensorFlow) and takes the first of these sources that has the dataset:
 
 1. ``data_dir`` when given, holding the dataset's files directly or in a
-   subfolder named after it (`dataset_layout` lists the exact names):
+   subfolder named after it (`dataset_layout` lists the exact names), or
+   tensorflow-datasets data prepared there. A ``data_dir`` that lacks the
+   dataset is an error: the other sources below are then not searched, so
+   that a mistyped folder never trains on another copy:
 
    * mnist, fashion_mnist: the IDX files ``train-images-idx3-ubyte.gz``,
      ``train-labels-idx1-ubyte.gz``, ``t10k-images-idx3-ubyte.gz`` and
@@ -791,6 +794,7 @@ def load_dataset(
     name: One of `DATASETS`.
     data_dir: A folder holding the dataset's canonical files, directly or in
       a subfolder named after it; also the tensorflow-datasets data folder.
+      When given, only this folder is searched.
     use_tfds: Whether to fall back on tensorflow-datasets when no local files
       are found.
     download: Whether tensorflow-datasets may download and prepare data it
@@ -801,10 +805,14 @@ def load_dataset(
 
   Raises:
     ValueError: Unknown ``name``.
-    DataNotFoundError: The data is nowhere; the message says how to get it.
+    DataNotFoundError: The data is nowhere, or not in ``data_dir``; the
+      message says how to get it, or which files ``data_dir`` lacks.
     MalformedDataError: A file was found but is not in its canonical format.
   """
   info = dataset_info(name)
+  if data_dir is not None:
+    return _load_from_data_dir(name, data_dir, use_tfds=use_tfds,
+                               download=download)
   notes: list[str] = []
   found = _find_local(name, data_dir, notes)
   if found is not None:
@@ -828,6 +836,79 @@ def load_dataset(
       num_classes=info.num_classes,
       source=source,
   )
+
+
+def _expected_files(name: str, folder: Path) -> str:
+  """The files ``name`` needs in ``folder``, in words, for error messages."""
+  layout = _LAYOUTS[name]
+  gz = " (gzipped or not)" if layout.gzip_ok else ""
+  files = ", ".join(layout.files) + gz
+  where = f"{folder}/ or a subfolder {'/, '.join(layout.subdirs)}/"
+  archive = f", or {layout.archive}" if layout.archive else ""
+  return f"{files} in {where}{archive}"
+
+
+def _load_from_data_dir(name: str, data_dir: str | os.PathLike[str], *,
+                        use_tfds: bool, download: bool) -> Dataset:
+  """Loads ``name`` from ``data_dir`` only: its files, else its tfds data.
+
+  A folder that the user named and that lacks the data is a mistake (a typo,
+  the wrong mount), not a reason to train quietly on another copy found
+  elsewhere, so it is an error; its message's first line says what the
+  folder should hold, and copies found elsewhere are mentioned.
+  """
+  info = dataset_info(name)
+  folder = Path(data_dir).expanduser()
+  notes: list[str] = []
+  arrays = None
+  if folder.is_dir():
+    state = "does not hold it"
+    for candidate in _candidate_dirs(_LAYOUTS[name], folder, True):
+      found = candidate.is_dir() and _find_in_dir(name, candidate, notes)
+      if found:
+        arrays, source = found.read(), found.source
+        break
+    if arrays is None:
+      reason = "tensorflow-datasets not tried (use_tfds=False)"
+      if use_tfds:
+        try:
+          arrays, source = _load_tfds(name, folder, download)
+        except _TfdsUnavailable as e:
+          reason = f"tensorflow-datasets: {e}"
+  else:
+    state = "does not exist" if not folder.exists() else "is not a folder"
+    reason = "tensorflow-datasets not tried"
+  if arrays is None:
+    elsewhere = [base for base, explicit in search_locations() if not explicit]
+    for base in elsewhere:
+      if base.is_dir():
+        _note_pickles(name, base, notes)
+      for candidate in _candidate_dirs(_LAYOUTS[name], base, False):
+        try:
+          found = candidate.is_dir() and _find_in_dir(name, candidate, [])
+        except DataNotFoundError:  # a partial copy: not worth a note
+          found = None
+        if found:
+          notes.append(f"A copy is in {candidate} (used when no data folder "
+                       "is given).")
+    raise DataNotFoundError("\n".join([
+        f"could not find the {name} dataset. data_dir (--data-dir) {folder} "
+        f"{state}; expected {_expected_files(name, folder)} (or "
+        f"tensorflow-datasets {info.tfds_name!r} data there; {reason}).",
+        *notes,
+        "Other folders are not searched when a data folder is given; "
+        "without it: " + ", ".join(str(base) for base in elsewhere) + ".",
+        "To provide it:",
+        f"  * {_HOW_TO_GET[name]};",
+        "  * or let tensorflow-datasets download and prepare"
+        f" {info.tfds_name!r} into DIR (needs internet and TensorFlow): pip"
+        " install tensorflow-cpu importlib_resources.",
+    ]))
+  train_images, train_labels, test_images, test_labels = arrays
+  return Dataset(name=name, train_images=train_images,
+                 train_labels=train_labels, test_images=test_images,
+                 test_labels=test_labels, num_classes=info.num_classes,
+                 source=source)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:

@@ -87,7 +87,8 @@ def build_parser(defaults: configs.Config, prog: str,
       epilog=(
           "Outputs in --workdir: config.json, metrics.jsonl (one row per "
           "epoch: train/test loss and error, best test error, seconds, "
-          "data seconds, images/s) and checkpoints/. Plot runs with "
+          "data seconds, images/s), data_source.txt (where each command's "
+          "data came from) and checkpoints/. Plot runs with "
           "`python -m train.plot RUN_DIR...`. Training uses a constant "
           "learning rate and drops the last partial batch of each epoch; "
           "the test error is over the whole test set, with the norms' "
@@ -99,8 +100,9 @@ def build_parser(defaults: configs.Config, prog: str,
       f"baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
       f"with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: {norms}")
   add("--dataset", choices=configs.DATASET_NAMES, default=defaults.dataset,
-      help="dataset; looked up in --data-dir, then $GBN_DATA_DIR, "
-      "~/.cache/gbn_jax, /usr/share/datasets (see train/datasets.py)")
+      help="dataset; looked up in --data-dir alone when given, else in "
+      "$GBN_DATA_DIR, ~/.cache/gbn_jax, /usr/share/datasets, then "
+      "tensorflow-datasets (see train/datasets.py)")
   add("--model", choices=tuple(models.MODELS), default=defaults.model,
       help="lenet: Caffe LeNet (VALID 5x5 convs 20/50, dense 500) with a "
       "norm after each conv; resnet20: He et al.'s CIFAR ResNet20 with "
@@ -128,7 +130,9 @@ def build_parser(defaults: configs.Config, prog: str,
       help="momentum of the norms' running averages")
   add("--data-dir", default=None,
       help="folder with the dataset's canonical files (e.g. the four MNIST "
-      "IDX files, or cifar-10-batches-bin/)")
+      "IDX files, or cifar-10-batches-bin/), directly or in a subfolder named "
+      "after the dataset; if it lacks them, that is an error (no other copy "
+      "is used)")
   add("--workdir", default=None,
       help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
       "with -cal_normal after NORM for --calibration normal)")
@@ -296,14 +300,25 @@ def _resume_hint(workdir: str) -> str:
   if not rows:
     return ("no epoch had finished, so nothing was saved; rerunning the same "
             "command starts the run from the beginning")
-  return (f"epochs 1-{rows[-1]['epoch']} are saved in {workdir}; rerun the "
-          "same command to resume after the last one")
+  last = rows[-1]["epoch"]
+  saved = "epoch 1 is" if last == 1 else f"epochs 1-{last} are"
+  return (f"{saved} saved in {workdir}; rerun the same command to resume "
+          "after the last one")
 
 
 def _first_epoch_notes(config: configs.Config, seconds: float, devices: list,
-                       *, prog: str) -> list[str]:
-  """Lines printed once after the first epoch: ETA, CPU advice."""
-  remaining = config.epochs - 1
+                       *, prog: str, epoch: int = 1) -> list[str]:
+  """Lines printed once after the first epoch: ETA, CPU advice.
+
+  Args:
+    config: The run's config.
+    seconds: How long that epoch took.
+    devices: The devices it ran on.
+    prog: Program name for the lines.
+    epoch: The epoch it was: after a resume, the first one this command
+      trained, so only the epochs after it are estimated.
+  """
+  remaining = max(config.epochs - epoch, 0)
   lines = []
   if remaining:
     lines.append(f"{prog}: the first epoch took {seconds:.0f}s; the "

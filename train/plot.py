@@ -1,6 +1,8 @@
 """``python -m train.plot RUN_DIR... [--out DIR]``: curves of several runs.
 
-Reads ``config.json`` and ``metrics.jsonl`` of each run directory and writes
+Reads ``config.json`` and ``metrics.jsonl`` of each run directory (a
+RUN_DIR without ``config.json`` stands for the runs under it, as in
+:mod:`train.report`, and is skipped with a note if it holds none) and writes
 four PNGs to ``--out`` (default: ``plots/`` beside the runs, in the folder
 that holds them all), each overlaying all runs:
 
@@ -128,30 +130,74 @@ def default_out(run_dirs: Sequence[str | Path]) -> Path:
   return common / "plots"
 
 
+def _stderr(message: str) -> None:
+  print(message, file=sys.stderr)
+
+
+def expand_run_dirs(paths: Sequence[str | Path], warn=_stderr
+                    ) -> list[tuple[Path, bool]]:
+  """The run directories that ``paths`` name or hold, as ``(dir, named)``.
+
+  A path with a ``config.json`` is a run directory (``named``: True); any
+  other folder stands for the run directories under it, as in
+  :mod:`train.report` (a sweep folder, whose ``report/`` is no run). A
+  folder with no run in or under it is skipped with a ``warn`` note, so that
+  ``sweeps/x/*/`` works.
+
+  Raises:
+    PlotError: If a path does not exist or is not a folder (a typo is no
+      reason to plot the other runs only).
+  """
+  found: list[tuple[Path, bool]] = []
+  for path in map(Path, paths):
+    if not path.is_dir():
+      state = "it does not exist" if not path.exists() else "not a folder"
+      raise PlotError(f"{path} is not a readable run directory: {state}")
+    if (path / "config.json").is_file():
+      found.append((path, True))
+      continue
+    below = sorted(c.parent for c in path.rglob("config.json")
+                   if "checkpoints" not in c.relative_to(path).parts)
+    if not below:
+      warn(f"note: skipped {path}: not a run directory (no config.json in or "
+           "under it)")
+    found += [(run_dir, False) for run_dir in below]
+  return found
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path,
-              warn=lambda message: print(message, file=sys.stderr)
-              ) -> list[Path]:
+              warn=_stderr) -> list[Path]:
   """Writes the four PNGs for ``run_dirs`` into ``out_dir``.
 
-  Runs without a finished epoch are skipped, each with a ``warn`` message.
+  ``run_dirs`` may also name folders above the runs (see
+  :func:`expand_run_dirs`). Runs without a finished epoch, folders that are
+  not run directories, and unreadable runs found under a folder are skipped,
+  each with a ``warn`` message.
 
   Returns:
     The paths written.
 
   Raises:
-    PlotError: If no run directories are given, one is unreadable, or none
-      has a finished epoch.
+    PlotError: If no run directories are given, a path does not exist, a
+      run directory named itself is unreadable, or no run with a finished
+      epoch is left.
   """
   if not run_dirs:
     raise PlotError("no run directories given")
   runs = []
-  for run_dir in run_dirs:
+  expanded = expand_run_dirs(run_dirs, warn)
+  if not expanded:
+    raise PlotError("none of the given folders holds a run directory")
+  for run_dir, named in expanded:
     try:
       runs.append(load_run(run_dir))
     except PlotError as e:
-      if "no finished epoch" not in str(e):
+      if "no finished epoch" in str(e):
+        warn(f"warning: skipped {run_dir}: no finished epoch yet")
+      elif named:
         raise
-      warn(f"warning: skipped {run_dir}: no finished epoch yet")
+      else:
+        warn(f"warning: skipped {e}")
   if not runs:
     raise PlotError("none of the runs has a finished epoch")
   labels = run_labels([config for config, _ in runs])
@@ -188,13 +234,19 @@ def main(argv: Sequence[str] | None = None) -> int:
       "whatever else differs between the runs. For means over seeds and "
       "tables, see `python -m train.report`.")
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                      help="--workdir of a train.cifar / train.mnist run")
+                      help="--workdir of a train.cifar / train.mnist run, or "
+                      "a folder above runs (e.g. a sweep's); folders without "
+                      "a run are skipped with a note")
   parser.add_argument("--out", default=None,
                       help="folder for the PNGs (default: plots/ in the "
                       "folder that holds the runs)")
   args = parser.parse_args(argv)
-  out = Path(args.out) if args.out else default_out(args.run_dirs)
   try:
+    # Expanded here too (quietly: plot_runs gives the notes), so that the
+    # default --out of a sweep folder lands inside it, beside its runs.
+    run_dirs = [d for d, _ in expand_run_dirs(args.run_dirs, lambda _: None)]
+    out = Path(args.out) if args.out else default_out(
+        run_dirs or args.run_dirs)
     paths = plot_runs(args.run_dirs, out)
   except PlotError as e:
     print(f"python -m train.plot: error: {e}", file=sys.stderr)

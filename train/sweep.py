@@ -6,6 +6,12 @@ a value may be a comma-separated list; the sweep runs the cross product::
   python -m train.sweep --sweep-dir results/fmnist --defaults mnist \\
       --dataset fashion_mnist --norm bn,sqd1,rsd --lr 0.01,0.1 --seed 0,1,2
 
+``--defaults`` picks the CLI whose defaults fill the flags left out; without
+it the dataset decides: ``--dataset mnist`` or ``fashion_mnist`` takes the
+``train.mnist`` defaults (LeNet, batch 1000, lr 0.01), any other dataset or
+none the ``train.cifar`` ones (ResNet20); a ``--dataset`` list of both kinds
+is an error that asks for ``--defaults``.
+
 Each run is a ``python -m train.cifar`` (or ``train.mnist`` with
 ``--defaults mnist``) subprocess in its own run directory under
 ``--sweep-dir``, named after its config (:func:`run_name`): ``config.json``,
@@ -200,6 +206,36 @@ def expand(argv: Sequence[str], defaults_name: str = "cifar") -> list[Run]:
     seen.add(name)
     runs.append(Run(name=name, argv=flags, config=config))
   return runs
+
+
+#: The ``--defaults`` that each dataset implies when the flag is left out.
+_DATASET_DEFAULTS = {"mnist": "mnist", "fashion_mnist": "mnist"}
+
+
+def implied_defaults(argv: Sequence[str]) -> str:
+  """The ``--defaults`` that the train flags' ``--dataset`` values imply.
+
+  mnist and fashion_mnist imply ``mnist`` (LeNet, as ``train.mnist``), the
+  others and no ``--dataset`` ``cifar``: the CIFAR defaults' ResNet20 on
+  28x28 digits is never what a sweep without ``--defaults`` means.
+
+  Raises:
+    ValueError: If the datasets imply different defaults (then
+      ``--defaults`` must say which).
+  """
+  datasets = []
+  for i, token in enumerate(argv):
+    flag, eq, inline = token.partition("=")
+    if flag == "--dataset":
+      values = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+      datasets += [v.strip() for v in values.split(",") if v.strip()]
+  implied = sorted({_DATASET_DEFAULTS.get(d, "cifar") for d in datasets})
+  if len(implied) > 1:
+    raise ValueError(
+        f"--dataset {','.join(datasets)} mixes datasets whose defaults "
+        "differ (mnist/fashion_mnist: --defaults mnist, the others: "
+        "--defaults cifar); pass --defaults, or sweep them apart")
+  return implied[0] if implied else "cifar"
 
 
 def _resolve_augment(config: configs.Config) -> configs.Config:
@@ -488,9 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
   add = parser.add_argument
   add("--sweep-dir", required=True,
       help="folder of the sweep's run directories (created if missing)")
-  add("--defaults", choices=tuple(DEFAULTS), default="cifar",
+  add("--defaults", choices=tuple(DEFAULTS), default=None,
       help="the CLI whose defaults apply to flags left out: train.cifar "
-      "(ResNet20 CIFAR-10) or train.mnist (LeNet MNIST) (default: cifar)")
+      "(ResNet20 CIFAR-10) or train.mnist (LeNet MNIST) (default: from "
+      "--dataset: mnist for mnist and fashion_mnist, cifar otherwise or "
+      "without --dataset; datasets of both kinds need --defaults)")
   add("--jobs", default="auto",
       help="runs at once (default auto: one per --devices-per-run cores on a "
       "CPU, one on an accelerator)")
@@ -514,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     _check_count("--jobs", args.jobs)
     _check_count("--devices-per-run", args.devices_per_run)
+    if args.defaults is None:
+      args.defaults = implied_defaults(train_argv)
     runs = expand(train_argv, args.defaults)
   except ValueError as e:
     parser.error(str(e))

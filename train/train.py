@@ -591,9 +591,10 @@ def train_and_evaluate(
     log: Receives one line per epoch (default: stderr).
     record: Record percentiles of one norm layer's activations every
       ``record.every`` steps into ``workdir/activations.jsonl``.
-    on_first_epoch: Called as ``on_first_epoch(config, seconds, devices)``
-      after the first epoch this call trains; the lines it returns are
-      logged (the CLI's time estimate).
+    on_first_epoch: Called as ``on_first_epoch(config, seconds, devices,
+      epoch=epoch)`` after the first epoch this call trains (``epoch``: its
+      number, past 1 after a resume); the lines it returns are logged (the
+      CLI's time estimate).
     precise_stats: Also evaluate with the norms' statistics recomputed over
       this many of the epoch's training batches (0: off); adds
       ``test_loss_precise``, ``test_error_precise`` and ``precise_seconds``
@@ -642,12 +643,15 @@ def train_and_evaluate(
                                     dataset.num_classes, record,
                                     precise_stats)
   n_train = len(dataset.train_images)
+  dropped = n_train - program.steps * config.batch_size
+  batches = f"{program.steps} batches of {config.batch_size}" + (
+      f", the last {dropped} dropped" if dropped else "")
   log(f"{config.model}/{config.norm} on {config.dataset}: {n_train} train "
-      f"images ({program.steps} batches of {config.batch_size}, the last "
-      f"{n_train - program.steps * config.batch_size} dropped), "
+      f"images ({batches}), "
       f"{len(dataset.test_images)} test images, {mesh.size} device(s); "
       + ("compiled program reused" if cached else
          f"compiled in {time.perf_counter() - t0:.1f}s"))
+  log(f"data: {dataset.source}")
   state = program.init(jax.random.fold_in(jax.random.key(config.seed), _INIT))
 
   checkpointer = checkpointing.Checkpointer(workdir)
@@ -664,6 +668,9 @@ def train_and_evaluate(
       log(f"resumed from {checkpointer.directory / str(last)}")
     if primary and record is not None:
       _keep_activations(workdir, last or 0)
+    if primary and (last or 0) < config.epochs:
+      checkpointing.append_data_source(workdir, (last or 0) + 1,
+                                       dataset.source)
     _train_epochs(config, workdir, program, train_data, test_data, state,
                   history, checkpointer, start=(last or 0) + 1,
                   progress=progress, log=log, primary=primary, record=record,
@@ -795,5 +802,5 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
       checkpointing.write_metrics(workdir, history)
     log(_summary_line(row, config.epochs))
     if on_first_epoch is not None and epoch == start:
-      for line in on_first_epoch(config, seconds, list(devices)):
+      for line in on_first_epoch(config, seconds, list(devices), epoch=epoch):
         log(line)
