@@ -8,9 +8,13 @@ or :data:`MNIST` (``python -m train.mnist``) and override fields from flags.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import enum
 import json
 import math
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from train import models
@@ -26,15 +30,138 @@ CALIBRATIONS = models.CALIBRATIONS
 #: extended run equals one that asked for more epochs from the start).
 RESUMABLE_FIELDS = frozenset({"epochs"})
 
-#: Fields newer than the first ``config.json`` files; an older file lacks
-#: them and means their defaults.
-ADDED_FIELDS = frozenset({"renorm", "renorm_rmax", "renorm_dmax",
-                          "calibration"})
+
+# --- how a field is declared --------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[Any], str | None]:
+  return lambda v: None if v in choices else (
+      f"{v!r} is not one of: {', '.join(choices)}")
+
+
+def _integer(minimum: int, maximum: int | None = None,
+             maximum_text: str | None = None) -> Callable[[Any], str | None]:
+  if maximum is None:
+    what = ("a positive integer" if minimum == 1 else
+            f"an integer >= {minimum}")
+  else:
+    what = f"an integer in [{minimum}, {maximum_text or maximum})"
+  return lambda v: None if (
+      _is_int(v) and v >= minimum and (maximum is None or v < maximum)
+  ) else f"must be {what}, got {v!r}"
+
+
+def _real(requirement: str, valid: Callable[[float], bool]
+          ) -> Callable[[Any], str | None]:
+  return lambda v: None if _is_real(v) and valid(v) else (
+      f"{requirement}, got {v!r}")
+
+
+def _boolean(v: Any) -> str | None:
+  return None if isinstance(v, bool) else f"must be true or false, got {v!r}"
+
+
+def _norm(v: Any) -> str | None:
+  try:
+    models.parse_norm(v)
+  except (ValueError, AttributeError, TypeError) as e:
+    return f": {e}"
+  return None
+
+
+class Flag(enum.Enum):
+  """How a field's flag reads its value."""
+  VALUE = "value"  # --flag VALUE, parsed by ``FieldSpec.parse``
+  SWITCH = "switch"  # --flag sets True
+  ON_OFF = "on_off"  # --flag / --no-flag; absent keeps the default (None)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+  """Everything about one :class:`Config` field besides its type and default.
+
+  The CLI's flags (``train.main.build_parser``), the config they give
+  (``train.main.config_from_args``), :func:`validate`, the sweep's run names
+  (``train.sweep.run_name``) and the loading of older ``config.json`` files
+  all follow from these, so a new field is one declaration in
+  :class:`Config`.
+
+  Attributes:
+    check: ``check(value)`` is ``None`` for a valid value, else what is wrong
+      (shown after the flag, or the field's name when it has no flag).
+    flag: Its command-line flag, ``None`` for a field set only in code.
+    help: The flag's help.
+    kind: How the flag reads its value.
+    parse: The flag's argparse ``type`` (``Flag.VALUE``).
+    choices: The flag's allowed values, for argparse.
+    run_name: Its prefix in sweep run names; ``None``: never in a name.
+      Named fields appear where their value differs from the sweep's
+      defaults, in field order, except where ``train.sweep.run_name`` says.
+    added: Newer than the first ``config.json`` files: an older file lacks
+      it and means its default.
+  """
+
+  check: Callable[[Any], str | None]
+  flag: str | None = None
+  help: str = ""
+  kind: Flag = Flag.VALUE
+  parse: Callable[[str], Any] | None = None
+  choices: tuple[str, ...] | None = None
+  run_name: str | None = None
+  added: bool = False
+
+  @property
+  def dest(self) -> str | None:
+    """The flag's attribute on the parsed namespace."""
+    return self.flag[2:].replace("-", "_") if self.flag else None
+
+
+def _field(default: Any, spec: FieldSpec) -> Any:
+  return dataclasses.field(default=default, metadata={"spec": spec})
+
+
+def _parse_norm(value: str) -> str:
+  try:
+    models.parse_norm(value)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return value.strip()
+
+
+def _parse_int_at_least(minimum: int) -> Callable[[str], int]:
+  """An argparse type: an integer >= ``minimum``."""
+
+  def parse(value: str) -> int:
+    try:
+      number = int(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < minimum:
+      raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
+    return number
+
+  return parse
+
+
+parse_positive_int = _parse_int_at_least(1)
+parse_nonnegative_int = _parse_int_at_least(0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Hyperparameters of one training run.
+
+  Each field's flag, help, check and run-name prefix are declared with it
+  (:class:`FieldSpec`, in the field's metadata; :data:`FIELDS`).
 
   Attributes:
     dataset: One of :data:`DATASET_NAMES`.
@@ -49,10 +176,10 @@ class Config:
     augment: Random crop (pad 4) + horizontal flip; ``None`` means the
       dataset's default (``input_pipeline.dataset_info``).
     seed: Seeds initialization, shuffling and augmentation.
-    eval_every: Evaluate on the test set every this many epochs (and after
-      the last epoch).
     norm_momentum: Running-average momentum of the norm layers.
     norm_epsilon: Norm epsilon.
+    eval_every: Evaluate on the test set every this many epochs (and after
+      the last epoch).
     renorm: Batch renormalization (Ioffe, 2017) in every norm layer, with
       ``r`` clipped to ``[1 / renorm_rmax, renorm_rmax]`` and ``d`` to
       ``[-renorm_dmax, renorm_dmax]``. With ``norm='bn'`` the layers are
@@ -64,23 +191,78 @@ class Config:
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
   """
 
-  dataset: str = "cifar10"
-  model: str = "resnet20"
-  norm: str = "bn"
-  epochs: int = 100
-  batch_size: int = 256
-  learning_rate: float = 0.1
-  momentum: float = 0.0
-  weight_decay: float = 1e-4
-  augment: bool | None = None
-  seed: int = 0
-  eval_every: int = 1
-  norm_momentum: float = 0.9
-  norm_epsilon: float = 1e-5
-  renorm: bool = False
-  renorm_rmax: float = 3.0
-  renorm_dmax: float = 5.0
-  calibration: str = "none"
+  dataset: str = _field("cifar10", FieldSpec(
+      _one_of(DATASET_NAMES), "--dataset", choices=DATASET_NAMES,
+      help="dataset; looked up in --data-dir alone when given, else in "
+      "$GBN_DATA_DIR, ~/.cache/gbn_jax, /usr/share/datasets, then "
+      "tensorflow-datasets (see train/datasets.py)"))
+  model: str = _field("resnet20", FieldSpec(
+      _one_of(tuple(models.MODELS)), "--model", choices=tuple(models.MODELS),
+      help="lenet: Caffe LeNet (VALID 5x5 convs 20/50, dense 500) with a "
+      "norm after each conv; resnet20: He et al.'s CIFAR ResNet20 with "
+      "parameter-free (option A) shortcuts"))
+  norm: str = _field("bn", FieldSpec(
+      _norm, "--norm", parse=_parse_norm, run_name="",
+      help="normalization layer: 'bn' is flax.linen.BatchNorm (the "
+      "baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
+      "with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: "
+      + ", ".join(models.norm_names())))
+  epochs: int = _field(100, FieldSpec(
+      _integer(1), "--epochs", parse=parse_positive_int,
+      help="total epochs; raise it and rerun to extend a finished run"))
+  batch_size: int = _field(256, FieldSpec(
+      _integer(1), "--batch-size", parse=parse_positive_int, run_name="b",
+      help="global batch size, split evenly over the devices (on one host "
+      "the most devices that divide it; on several hosts all of them)"))
+  learning_rate: float = _field(0.1, FieldSpec(
+      _real("must be a positive number", lambda v: v > 0), "--lr",
+      parse=float, run_name="lr", help="constant SGD learning rate"))
+  momentum: float = _field(0.0, FieldSpec(
+      _real("must be in [0, 1)", lambda v: 0 <= v < 1), "--momentum",
+      parse=float, run_name="m",
+      help="SGD momentum (0 = plain SGD, as in the paper)"))
+  weight_decay: float = _field(1e-4, FieldSpec(
+      _real("must be >= 0", lambda v: v >= 0), "--weight-decay", parse=float,
+      run_name="wd",
+      help="L2 penalty on all parameters, added to the gradients"))
+  augment: bool | None = _field(None, FieldSpec(
+      lambda v: None if v is None or isinstance(v, bool) else (
+          f"must be true, false or null, got {v!r}"),
+      "--augment", kind=Flag.ON_OFF,
+      help="random crop (pad 4) + horizontal flip of training images; "
+      "default: on for cifar10/cifar100/svhn, off for mnist/fashion_mnist"))
+  seed: int = _field(0, FieldSpec(
+      _integer(0, 2**32, "2**32"), "--seed", parse=int, run_name="seed",
+      help="seeds initialization, shuffling and augmentation; the same seed "
+      "on the same machine gives the same metrics"))
+  norm_momentum: float = _field(0.9, FieldSpec(
+      _real("must be in [0, 1)", lambda v: 0 <= v < 1), "--norm-momentum",
+      parse=float, run_name="nm",
+      help="momentum of the norms' running averages"))
+  norm_epsilon: float = _field(1e-5, FieldSpec(
+      _real("must be > 0", lambda v: v > 0), run_name="eps"))
+  eval_every: int = _field(1, FieldSpec(
+      _integer(1), "--eval-every", parse=parse_positive_int, run_name="ev",
+      help="evaluate on the test set every N epochs (and after the last)"))
+  renorm: bool = _field(False, FieldSpec(
+      _boolean, "--renorm", kind=Flag.SWITCH, run_name="renorm", added=True,
+      help="batch renormalization (Ioffe 2017) in every norm layer, for any "
+      "measure (bn: GBatchNorm's sd, BatchNorm's statistics)"))
+  renorm_rmax: float = _field(3.0, FieldSpec(
+      _real("must be >= 1", lambda v: v >= 1), "--renorm-rmax", parse=float,
+      run_name="rmax", added=True,
+      help="with --renorm: r is clipped to [1/rmax, rmax]"))
+  renorm_dmax: float = _field(5.0, FieldSpec(
+      _real("must be >= 0", lambda v: v >= 0), "--renorm-dmax", parse=float,
+      run_name="dmax", added=True,
+      help="with --renorm: d is clipped to [-dmax, dmax]"))
+  calibration: str = _field("none", FieldSpec(
+      _one_of(CALIBRATIONS), "--calibration", choices=CALIBRATIONS,
+      run_name="cal_", added=True,
+      help="normal: divide every GBN layer's deviation D by its value for a "
+      "standard normal feature, so that D is the standard deviation for "
+      "Gaussian data (BatchNorm's gain at initialization whatever the "
+      "measure); a no-op for bn and sd, which stay BatchNorm"))
 
   def replace(self, **changes: Any) -> Config:
     """Returns a copy with ``changes`` applied."""
@@ -102,13 +284,21 @@ class Config:
     """
     if not isinstance(data, dict):
       raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    missing = names - set(data) - ADDED_FIELDS
+    unknown = set(data) - set(FIELDS)
+    missing = set(FIELDS) - set(data) - ADDED_FIELDS
     if unknown or missing:
       raise ValueError(f"unknown fields {sorted(unknown)}, missing fields "
                        f"{sorted(missing)}")
     return cls(**data)
+
+
+#: Every field's :class:`FieldSpec`, in field order.
+FIELDS: Mapping[str, FieldSpec] = types.MappingProxyType(
+    {f.name: f.metadata["spec"] for f in dataclasses.fields(Config)})
+
+#: Fields newer than the first ``config.json`` files; an older file lacks
+#: them and means their defaults.
+ADDED_FIELDS = frozenset(name for name, spec in FIELDS.items() if spec.added)
 
 
 #: ``python -m train.cifar``: the paper's ResNet20 CIFAR setting (batch 256;
@@ -119,11 +309,6 @@ CIFAR = Config()
 #: learning rate 0.01; 20 epochs and Caffe LeNet's weight decay are ours).
 MNIST = Config(dataset="mnist", model="lenet", epochs=20, batch_size=1000,
                learning_rate=0.01, weight_decay=5e-4)
-
-
-def _check(condition: bool, message: str) -> None:
-  if not condition:
-    raise ValueError(message)
 
 
 def validate(config: Config) -> Config:
@@ -138,52 +323,12 @@ def validate(config: Config) -> Config:
   Raises:
     ValueError: On the first invalid field.
   """
-  _check(config.dataset in DATASET_NAMES,
-         f"--dataset {config.dataset!r} is not one of: "
-         f"{', '.join(DATASET_NAMES)}")
-  _check(config.model in models.MODELS,
-         f"--model {config.model!r} is not one of: {', '.join(models.MODELS)}")
-  try:
-    models.parse_norm(config.norm)
-  except ValueError as e:
-    raise ValueError(f"--norm: {e}") from None
-
-  def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-  def is_real(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-  _check(is_int(config.epochs) and config.epochs >= 1,
-         f"--epochs must be a positive integer, got {config.epochs!r}")
-  _check(is_int(config.batch_size) and config.batch_size >= 1,
-         f"--batch-size must be a positive integer, got {config.batch_size!r}")
-  _check(is_real(config.learning_rate) and config.learning_rate > 0,
-         f"--lr must be a positive number, got {config.learning_rate!r}")
-  _check(is_real(config.momentum) and 0 <= config.momentum < 1,
-         f"--momentum must be in [0, 1), got {config.momentum!r}")
-  _check(is_real(config.weight_decay) and config.weight_decay >= 0,
-         f"--weight-decay must be >= 0, got {config.weight_decay!r}")
-  _check(config.augment is None or isinstance(config.augment, bool),
-         f"augment must be true, false or null, got {config.augment!r}")
-  _check(is_int(config.seed) and 0 <= config.seed < 2**32,
-         f"--seed must be an integer in [0, 2**32), got {config.seed!r}")
-  _check(is_int(config.eval_every) and config.eval_every >= 1,
-         f"--eval-every must be a positive integer, got {config.eval_every!r}")
-  _check(is_real(config.norm_momentum) and 0 <= config.norm_momentum < 1,
-         f"--norm-momentum must be in [0, 1), got {config.norm_momentum!r}")
-  _check(is_real(config.norm_epsilon) and config.norm_epsilon > 0,
-         f"norm_epsilon must be > 0, got {config.norm_epsilon!r}")
-  _check(isinstance(config.renorm, bool),
-         f"renorm must be true or false, got {config.renorm!r}")
-  _check(is_real(config.renorm_rmax) and config.renorm_rmax >= 1,
-         f"--renorm-rmax must be >= 1, got {config.renorm_rmax!r}")
-  _check(is_real(config.renorm_dmax) and config.renorm_dmax >= 0,
-         f"--renorm-dmax must be >= 0, got {config.renorm_dmax!r}")
-  _check(config.calibration in CALIBRATIONS,
-         f"--calibration {config.calibration!r} is not one of: "
-         f"{', '.join(CALIBRATIONS)}")
+  for name, spec in FIELDS.items():
+    problem = spec.check(getattr(config, name))
+    if problem is not None:
+      label = spec.flag or name
+      raise ValueError(f"{label}{'' if problem.startswith(':') else ' '}"
+                       f"{problem}")
   return config
 
 

@@ -21,40 +21,17 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from train import configs
-from train import models
 
 _EXIT_ERROR = 1
 _EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 _HEARTBEAT_ENV = "GBN_DISTRIBUTED_HEARTBEAT_SECONDS"
 
 
-def _norm_arg(value: str) -> str:
-  try:
-    models.parse_norm(value)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-  return value.strip()
-
-
-def _int_at_least(minimum: int):
-  """An argparse type: an integer >= ``minimum``."""
-
-  def parse(value: str) -> int:
-    try:
-      number = int(value)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < minimum:
-      raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
-    return number
-
-  return parse
-
-
-_positive_int = _int_at_least(1)
-_nonnegative_int = _int_at_least(0)
+_positive_int = configs.parse_positive_int
+_nonnegative_int = configs.parse_nonnegative_int
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -66,6 +43,51 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return super()._get_help_string(action)
 
 
+#: The flags that are not config fields (those are ``train.configs.FIELDS``):
+#: where a run lives and how it is watched, never what it computes.
+RUN_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--data-dir", dict(
+        default=None,
+        help="folder with the dataset's canonical files (e.g. the four MNIST "
+        "IDX files, or cifar-10-batches-bin/), directly or in a subfolder "
+        "named after the dataset; if it lacks them, that is an error (no "
+        "other copy is used)")),
+    ("--workdir", dict(
+        default=None,
+        help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
+        "with -cal_normal after NORM for --calibration normal)")),
+    ("--overwrite", dict(
+        action="store_true",
+        help="delete an existing run in --workdir (config.json, "
+        "metrics.jsonl, checkpoints/) instead of refusing a different "
+        "config")),
+    ("--no-progress", dict(action="store_true",
+                           help="no progress bar on stderr")),
+    ("--checkpoint-every", dict(
+        type=_positive_int, default=1,
+        help="save a checkpoint every N epochs (and after the last); "
+        "metrics.jsonl still gets every epoch, and a resume retrains the "
+        "epochs after the last checkpoint with the same results")),
+    ("--precise-stats", dict(
+        type=_nonnegative_int, default=0, metavar="N",
+        help="before each evaluation, also recompute the norms' statistics "
+        "as equal-weight averages over the epoch's first N training batches "
+        "(PreciseBN; the running averages are kept) and evaluate with them: "
+        "test_loss_precise/test_error_precise in metrics.jsonl; 0 = off")),
+    ("--record-activations", dict(
+        type=_positive_int, default=None, metavar="K",
+        help="every K steps, record percentiles (5/15/50/85/95) of one "
+        "feature before and after one norm layer to activations.jsonl "
+        "(plotted by `python -m train.report`, as the paper's Figure 1)")),
+    ("--record-layer", dict(
+        default="norm2",
+        help="the norm layer to record, as its module path (LeNet: norm1, "
+        "norm2; ResNet20: norm1, stage2_block1/norm1, ...)")),
+    ("--record-feature", dict(type=int, default=0,
+                              help="the channel of that layer to record")),
+)
+
+
 def build_parser(defaults: configs.Config, prog: str,
                  about: str = "") -> argparse.ArgumentParser:
   """The argument parser; ``defaults`` supplies every default value.
@@ -75,7 +97,6 @@ def build_parser(defaults: configs.Config, prog: str,
     prog: Program name for usage lines.
     about: Extra description (what the defaults reproduce).
   """
-  norms = ", ".join(models.norm_names())
   parser = argparse.ArgumentParser(
       prog=prog,
       description=(
@@ -94,98 +115,49 @@ def build_parser(defaults: configs.Config, prog: str,
           "the test error is over the whole test set, with the norms' "
           "running averages."),
       formatter_class=_HelpFormatter)
-  add = parser.add_argument
-  add("--norm", type=_norm_arg, default=defaults.norm,
-      help=f"normalization layer: 'bn' is flax.linen.BatchNorm (the "
-      f"baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
-      f"with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: {norms}")
-  add("--dataset", choices=configs.DATASET_NAMES, default=defaults.dataset,
-      help="dataset; looked up in --data-dir alone when given, else in "
-      "$GBN_DATA_DIR, ~/.cache/gbn_jax, /usr/share/datasets, then "
-      "tensorflow-datasets (see train/datasets.py)")
-  add("--model", choices=tuple(models.MODELS), default=defaults.model,
-      help="lenet: Caffe LeNet (VALID 5x5 convs 20/50, dense 500) with a "
-      "norm after each conv; resnet20: He et al.'s CIFAR ResNet20 with "
-      "parameter-free (option A) shortcuts")
-  add("--epochs", type=_positive_int, default=defaults.epochs,
-      help="total epochs; raise it and rerun to extend a finished run")
-  add("--batch-size", type=_positive_int, default=defaults.batch_size,
-      help="global batch size, split evenly over the devices (on one host "
-           "the most devices that divide it; on several hosts all of them)")
-  add("--lr", type=float, default=defaults.learning_rate,
-      help="constant SGD learning rate")
-  add("--momentum", type=float, default=defaults.momentum,
-      help="SGD momentum (0 = plain SGD, as in the paper)")
-  add("--weight-decay", type=float, default=defaults.weight_decay,
-      help="L2 penalty on all parameters, added to the gradients")
-  add("--augment", action=argparse.BooleanOptionalAction, default=None,
-      help="random crop (pad 4) + horizontal flip of training images; "
-      "default: on for cifar10/cifar100/svhn, off for mnist/fashion_mnist")
-  add("--seed", type=int, default=defaults.seed,
-      help="seeds initialization, shuffling and augmentation; the same seed "
-      "on the same machine gives the same metrics")
-  add("--eval-every", type=_positive_int, default=defaults.eval_every,
-      help="evaluate on the test set every N epochs (and after the last)")
-  add("--norm-momentum", type=float, default=defaults.norm_momentum,
-      help="momentum of the norms' running averages")
-  add("--data-dir", default=None,
-      help="folder with the dataset's canonical files (e.g. the four MNIST "
-      "IDX files, or cifar-10-batches-bin/), directly or in a subfolder named "
-      "after the dataset; if it lacks them, that is an error (no other copy "
-      "is used)")
-  add("--workdir", default=None,
-      help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
-      "with -cal_normal after NORM for --calibration normal)")
-  add("--overwrite", action="store_true",
-      help="delete an existing run in --workdir (config.json, metrics.jsonl, "
-      "checkpoints/) instead of refusing a different config")
-  add("--no-progress", action="store_true",
-      help="no progress bar on stderr")
-  add("--checkpoint-every", type=_positive_int, default=1,
-      help="save a checkpoint every N epochs (and after the last); "
-      "metrics.jsonl still gets every epoch, and a resume retrains the "
-      "epochs after the last checkpoint with the same results")
-  add("--renorm", action="store_true", default=defaults.renorm,
-      help="batch renormalization (Ioffe 2017) in every norm layer, for any "
-      "measure (bn: GBatchNorm's sd, BatchNorm's statistics)")
-  add("--renorm-rmax", type=float, default=defaults.renorm_rmax,
-      help="with --renorm: r is clipped to [1/rmax, rmax]")
-  add("--renorm-dmax", type=float, default=defaults.renorm_dmax,
-      help="with --renorm: d is clipped to [-dmax, dmax]")
-  add("--calibration", choices=configs.CALIBRATIONS,
-      default=defaults.calibration,
-      help="normal: divide every GBN layer's deviation D by its value for a "
-      "standard normal feature, so that D is the standard deviation for "
-      "Gaussian data (BatchNorm's gain at initialization whatever the "
-      "measure); a no-op for bn and sd, which stay BatchNorm")
-  add("--precise-stats", type=_nonnegative_int, default=0, metavar="N",
-      help="before each evaluation, also recompute the norms' statistics "
-      "as equal-weight averages over the epoch's first N training batches "
-      "(PreciseBN; the running averages are kept) and evaluate with them: "
-      "test_loss_precise/test_error_precise in metrics.jsonl; 0 = off")
-  add("--record-activations", type=_positive_int, default=None, metavar="K",
-      help="every K steps, record percentiles (5/15/50/85/95) of one "
-      "feature before and after one norm layer to activations.jsonl "
-      "(plotted by `python -m train.report`, as the paper's Figure 1)")
-  add("--record-layer", default="norm2",
-      help="the norm layer to record, as its module path (LeNet: norm1, "
-      "norm2; ResNet20: norm1, stage2_block1/norm1, ...)")
-  add("--record-feature", type=int, default=0,
-      help="the channel of that layer to record")
+  for name, spec in configs.FIELDS.items():
+    if spec.flag is not None:
+      _add_field_flag(parser, spec, getattr(defaults, name))
+  for flag, options in RUN_FLAGS:
+    parser.add_argument(flag, **options)
   return parser
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, spec: configs.FieldSpec,
+                    default: Any) -> None:
+  """Adds the flag of one config field (:class:`train.configs.FieldSpec`)."""
+  if spec.kind is configs.Flag.SWITCH:
+    parser.add_argument(spec.flag, action="store_true", default=default,
+                        help=spec.help)
+  elif spec.kind is configs.Flag.ON_OFF:
+    parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction,
+                        default=default, help=spec.help)
+  else:
+    parser.add_argument(spec.flag, type=spec.parse, choices=spec.choices,
+                        default=default, help=spec.help)
 
 
 def config_from_args(args: argparse.Namespace,
                      defaults: configs.Config) -> configs.Config:
   """The config that the parsed flags describe."""
-  return defaults.replace(
-      dataset=args.dataset, model=args.model, norm=args.norm,
-      epochs=args.epochs, batch_size=args.batch_size,
-      learning_rate=args.lr, momentum=args.momentum,
-      weight_decay=args.weight_decay, augment=args.augment, seed=args.seed,
-      eval_every=args.eval_every, norm_momentum=args.norm_momentum,
-      renorm=args.renorm, renorm_rmax=args.renorm_rmax,
-      renorm_dmax=args.renorm_dmax, calibration=args.calibration)
+  return defaults.replace(**{
+      name: getattr(args, spec.dest) for name, spec in configs.FIELDS.items()
+      if spec.flag is not None})
+
+
+def flag_takes_value(flag: str) -> bool | None:
+  """Whether the CLI's ``flag`` reads a value (``None``: no such flag)."""
+  for spec in configs.FIELDS.values():
+    if spec.flag is None:
+      continue
+    if flag == spec.flag:
+      return spec.kind is configs.Flag.VALUE
+    if spec.kind is configs.Flag.ON_OFF and flag == "--no-" + spec.flag[2:]:
+      return False
+  for run_flag, options in RUN_FLAGS:
+    if flag == run_flag:
+      return "action" not in options
+  return None
 
 
 def default_workdir(config: configs.Config) -> str:

@@ -69,17 +69,6 @@ _RESERVED = ("--workdir", "--overwrite", "--no-progress")
 LOG_FILE = "sweep.log"
 STATUS_FILE = "sweep_status.json"
 _LOCK_FILE = ".sweep.lock"
-# Short names of the config fields in run names, in the order a name lists
-# them; fields not listed follow under their own names.
-_NAME_FIELDS = (("norm", ""), ("batch_size", "b"), ("learning_rate", "lr"),
-                ("momentum", "m"), ("weight_decay", "wd"),
-                ("norm_momentum", "nm"), ("norm_epsilon", "eps"),
-                ("eval_every", "ev"), ("renorm", "renorm"),
-                ("renorm_rmax", "rmax"), ("renorm_dmax", "dmax"),
-                ("calibration", "cal_"), ("seed", "seed"))
-# Fields a run name never shows: the first two parts, and the extendable
-# epochs; augment is spelled aug/noaug.
-_UNNAMED_FIELDS = ("dataset", "model", "epochs", "augment")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,30 +107,25 @@ def run_name(config: configs.Config, defaults: configs.Config) -> str:
   ...          configs.MNIST)
   'mnist-lenet-mad-b1000-lr0.01-cal_normal-seed0'
   """
+  # Dataset and model lead (unprefixed), epochs never shows (raising it
+  # extends a run), augment is spelled aug/noaug just before the seed, which
+  # comes last; the other fields follow train.configs.FIELDS.
   parts = [config.dataset, config.model]
   always = {"norm", "batch_size", "learning_rate", "seed"}
-  short = dict(_NAME_FIELDS)
-  fields = [f for f, _ in _NAME_FIELDS[:-1]] + [
-      f.name for f in dataclasses.fields(configs.Config)
-      if f.name not in short and f.name not in _UNNAMED_FIELDS] + ["seed"]
-  for field in fields:
+  named = [(name, spec.run_name) for name, spec in configs.FIELDS.items()
+           if spec.run_name is not None and name != "seed"]
+  for field, prefix in named + [("seed", configs.FIELDS["seed"].run_name)]:
     value = getattr(config, field)
     if field == "seed" and config.augment != defaults.augment:
       parts.append("aug" if config.augment else "noaug")
     if field in always or value != getattr(defaults, field):
-      text = short.get(field, field) + (
-          "" if isinstance(value, bool) else _format_value(value))
+      text = prefix + ("" if isinstance(value, bool) else _format_value(value))
       parts.append(text.replace(":", "_"))
   return "-".join(parts)
 
 
-def _split_grid(argv: Sequence[str], parser: argparse.ArgumentParser
-                ) -> list[list[tuple[str, ...]]]:
+def _split_grid(argv: Sequence[str]) -> list[list[tuple[str, ...]]]:
   """Splits the train flags into axes: one list of flag tuples per flag."""
-  takes_value = {}
-  for action in parser._actions:  # pylint: disable=protected-access
-    for option in action.option_strings:
-      takes_value[option] = action.nargs is None
   axes: list[list[tuple[str, ...]]] = []
   i = 0
   while i < len(argv):
@@ -149,9 +133,10 @@ def _split_grid(argv: Sequence[str], parser: argparse.ArgumentParser
     flag, eq, inline = token.partition("=")
     if flag in _RESERVED:
       raise ValueError(f"{flag} is set by the sweep for each run; leave it out")
-    if flag not in takes_value:
+    takes_value = train_main.flag_takes_value(flag)
+    if takes_value is None:
       raise ValueError(f"unrecognized argument {token!r} (see --help)")
-    if not takes_value[flag]:
+    if not takes_value:
       axes.append([(flag,)])
       i += 1
       continue
@@ -189,7 +174,7 @@ def expand(argv: Sequence[str], defaults_name: str = "cifar") -> list[Run]:
   defaults, module = DEFAULTS[defaults_name]
   parser = train_main.build_parser(defaults, f"python -m {module}")
   parser.exit_on_error = False
-  axes = _split_grid(argv, parser)
+  axes = _split_grid(argv)
   runs, seen = [], set()
   for combo in itertools.product(*axes):
     flags = tuple(part for pair in combo for part in pair)
@@ -456,7 +441,7 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
       status = {"status": "failed", "returncode": returncode,
                 "error": _last_error_line(run_dir / LOG_FILE),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-      checkpointing._atomic_write_text(  # pylint: disable=protected-access
+      checkpointing.atomic_write_text(
           run_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
       progress.message(f"sweep: {item.run.name} failed (exit {returncode}): "
                        f"{status['error']} [{run_dir / LOG_FILE}]")
