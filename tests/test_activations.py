@@ -41,7 +41,7 @@ def test_recorded_percentiles_equal_numpy(tmp_path, norm):
   # Step 0 sees the initial state and the first batch of epoch 1.
   model = train.create_model(config, ds.num_classes)
   state = train.create_train_state(
-      jax.random.fold_in(jax.random.key(config.seed), train._INIT), model,
+      train.init_key(config.seed), model,
       ds.train_images.shape[1:], train.create_optimizer(config))
   images, _ = train.prepare_epoch(
       jax.numpy.asarray(ds.train_images), jax.numpy.asarray(ds.train_labels),

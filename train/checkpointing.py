@@ -59,7 +59,7 @@ def _umask() -> int:
   return mask
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
   """Writes via a temporary file + rename, so a kill leaves old or new."""
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                              suffix=".tmp")
@@ -103,7 +103,7 @@ def write_metrics(workdir: str | os.PathLike[str],
                   history: Sequence[dict[str, Any]]) -> None:
   """Atomically replaces ``metrics.jsonl`` with ``history``."""
   text = "".join(json.dumps(row) + "\n" for row in history)
-  _atomic_write_text(Path(workdir) / METRICS_FILE, text)
+  atomic_write_text(Path(workdir) / METRICS_FILE, text)
 
 
 def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
@@ -171,8 +171,8 @@ def write_config(workdir: str | os.PathLike[str],
   """Atomically writes ``config.json`` (creating ``workdir``)."""
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  _atomic_write_text(workdir / CONFIG_FILE,
-                     json.dumps(config.to_json(), indent=2) + "\n")
+  atomic_write_text(workdir / CONFIG_FILE,
+                    json.dumps(config.to_json(), indent=2) + "\n")
 
 
 @contextlib.contextmanager

@@ -165,6 +165,11 @@ def data_parallel_devices(batch_size: int) -> list[jax.Device]:
   return devices[:count]
 
 
+def init_key(seed: int) -> jax.Array:
+  """The key a run of ``seed`` initializes its parameters with."""
+  return jax.random.fold_in(jax.random.key(seed), _INIT)
+
+
 def epoch_key(seed: int, epoch: int) -> jax.Array:
   """The key of ``epoch``: a function of ``(seed, epoch)`` only."""
   return jax.random.fold_in(
@@ -401,7 +406,8 @@ def place_test(dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh,
                 mask=_place(reshape(mask), batched))
 
 
-def _state_dict(state: TrainState) -> dict[str, Any]:
+def state_dict(state: TrainState) -> dict[str, Any]:
+  """The pytree a checkpoint holds: ``Checkpointer.restore``'s target."""
   return flax.serialization.to_state_dict(state)
 
 
@@ -652,14 +658,14 @@ def train_and_evaluate(
       + ("compiled program reused" if cached else
          f"compiled in {time.perf_counter() - t0:.1f}s"))
   log(f"data: {dataset.source}")
-  state = program.init(jax.random.fold_in(jax.random.key(config.seed), _INIT))
+  state = program.init(init_key(config.seed))
 
   checkpointer = checkpointing.Checkpointer(workdir)
   try:
     last = checkpointer.latest_epoch()
     history: list[dict[str, Any]] = []
     if last is not None:
-      restored, history = checkpointer.restore(last, _state_dict(state))
+      restored, history = checkpointer.restore(last, state_dict(state))
       state = flax.serialization.from_state_dict(state, restored)
     if primary:
       checkpointing.write_config(workdir, config)
@@ -796,7 +802,7 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
     if primary and record is not None:  # before the save: see _keep_activations
       _append_activations(workdir, record, epoch, recorded)
     if epoch % checkpoint_every == 0 or epoch == config.epochs:
-      checkpointer.save(epoch, _state_dict(state), history)
+      checkpointer.save(epoch, state_dict(state), history)
       last_good = epoch
     if primary:
       checkpointing.write_metrics(workdir, history)
