@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path, json.dumps(result, indent=1) + "\n")
     final = result["final"]
     print(f"{path}: {result['norm']}"
-          f"{' (calibrated)' if result['calibration'] else ''} gain "
+          f"{' (calibrated)' if result['calibration'] == 'normal' else ''} gain "
           f"{result['init']['overall']:.3f} at init"
           + (f", {final['overall']:.3f} after epoch {final['epoch']}"
              if final else " (no checkpoint)"))
