@@ -25,6 +25,11 @@
 #            card; metrics every epoch (sweeps/cifar10_lenet_gpu/). It runs in
 #            its own session (setsid), so it outlives this call until the
 #            budget of a later `collect` call ends it.
+#            When the row is done, the same detached job goes on with the
+#            gain study's ResNet20 runs (issue 18 e): CIFAR-10 without
+#            augmentation, batch 256, lr 0.1, 200 epochs, bn, rbd,
+#            bn_gain:rbd and calibrated rbd, seeds 0 and 1
+#            (sweeps/cifar10_resnet20_gain_gpu/), as many as the budget allows.
 #   collect  (a later call) waits for table2 until BUDGET ends or the sweep
 #            finishes, then stops it (KEEP_RUNNING=1: leave it running)
 #
@@ -57,6 +62,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # One run at a time on the card for timing; table2 sets its own fractions.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 SWEEP=$WORK/sweeps/cifar10_lenet_gpu
+RESNET_SWEEP=$WORK/sweeps/cifar10_resnet20_gain_gpu
 DATA=$WORK/cifar10
 LOG=$WORK/log.txt
 
@@ -94,11 +100,13 @@ if [ "$DRY_RUN" = 1 ]; then
   SHAPES=(64x8x8x16 256x16); RUNS=(--runs 3 --warmup 1 --inner 1)
   STEP_BATCH=(--train-batch 16); MEASURES=(sd sqd2 sqd:0.99)
   EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
+  RESNET_EPOCHS=1; RESNET_SEEDS=0; RESNET_NORMS=bn; RESNET_CALIBRATED=; RESNET_JOBS=1
   CAPS=(tests=30 radix=40 methods=100 steps=60 full=60 torch=20)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
   EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
+  RESNET_EPOCHS=200; RESNET_SEEDS=0,1; RESNET_NORMS=bn,rbd,bn_gain:rbd; RESNET_CALIBRATED=rbd; RESNET_JOBS=4
   CAPS=(tests=60 radix=50 methods=90 steps=70 full=90 torch=30)
 fi
 cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
@@ -218,30 +226,49 @@ step_torch() {
 }
 
 sweep_pid() { cat "$WORK/table2.pid" 2>/dev/null; }
+# copy_finished FROM TO EPOCHS: runs an earlier device session finished (and
+# the repository committed) are not run again; unfinished ones start over.
+copy_finished() {
+  local done_run
+  for done_run in "$1"/*/; do
+    [ -f "$done_run/metrics.jsonl" ] || continue
+    if [ "$(wc -l < "$done_run/metrics.jsonl")" -ge "$3" ]; then
+      cp -r "$done_run" "$2/" && log "table2: $(basename "$done_run") is finished (committed)"
+    fi
+  done
+}
 sweep_alive() { local p; p=$(sweep_pid); [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
 
 step_table2() {
   if sweep_alive; then log "table2: already running (pid $(sweep_pid))"; else
     local p; p=$(cat "$WORK/convert.pid" 2>/dev/null)
     [ -n "$p" ] && while kill -0 "$p" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 1; done
-    mkdir -p "$SWEEP"
-    # Runs finished by an earlier device session (committed) are not run
-    # again; unfinished ones start over (their checkpoints stayed there).
-    local done_run
+    mkdir -p "$SWEEP" "$RESNET_SWEEP"
     if [ "$DRY_RUN" != 1 ]; then
-      for done_run in results/sweeps/cifar10_lenet_gpu/*/; do
-        [ -f "$done_run/metrics.jsonl" ] || continue
-        if [ "$(wc -l < "$done_run/metrics.jsonl")" -ge "$EPOCHS" ]; then
-          cp -r "$done_run" "$SWEEP/" && log "table2: $(basename "$done_run") is finished (committed)"
-        fi
-      done
+      copy_finished results/sweeps/cifar10_lenet_gpu "$SWEEP" "$EPOCHS"
+      copy_finished results/sweeps/cifar10_resnet20_gain_gpu "$RESNET_SWEEP" "$RESNET_EPOCHS"
     fi
-    log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time"
+    log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time;" \
+      "then ResNet20 ${RESNET_EPOCHS} epochs, seeds $RESNET_SEEDS, norms $RESNET_NORMS" \
+      "${RESNET_CALIBRATED:+and calibrated $RESNET_CALIBRATED}"
+    local sweep=("$PYTHON" -m train.sweep --defaults cifar --dataset cifar10 --lr 0.1 --no-augment
+                 --data-dir "$DATA")
+    local resnet=("${sweep[@]}" --sweep-dir "$RESNET_SWEEP" --model resnet20 --batch-size 256
+                  --epochs "$RESNET_EPOCHS" --checkpoint-every "$CKPT_EVERY" --seed "$RESNET_SEEDS"
+                  --jobs "$RESNET_JOBS")
+    # One job, in its own session (setsid), so that it outlives this call:
+    # the LeNet row, then the ResNet20 runs.
+    {
+      printf '%q ' "${sweep[@]}" --sweep-dir "$SWEEP" --model lenet --batch-size "$BATCH" \
+        --weight-decay 1e-4 --epochs "$EPOCHS" --checkpoint-every "$CKPT_EVERY" --seed "$SEEDS" \
+        --norm "$NORMS" --jobs "$JOBS"; echo
+      printf '%q ' "${resnet[@]}" --norm "$RESNET_NORMS"; echo
+      if [ -n "$RESNET_CALIBRATED" ]; then
+        printf '%q ' "${resnet[@]}" --norm "$RESNET_CALIBRATED" --calibration normal; echo
+      fi
+    } > "$WORK/table2_job.sh"
     # Several runs of one norm compile the same programs: share them.
-    JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache setsid nohup "$PYTHON" -m train.sweep \
-      --sweep-dir "$SWEEP" --defaults cifar --dataset cifar10 --model lenet --batch-size "$BATCH" \
-      --lr 0.1 --no-augment --weight-decay 1e-4 --epochs "$EPOCHS" --checkpoint-every "$CKPT_EVERY" \
-      --data-dir "$DATA" --seed "$SEEDS" --norm "$NORMS" --jobs "$JOBS" \
+    JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache setsid nohup bash "$WORK/table2_job.sh" \
       >>"$WORK/table2.log" 2>&1 < /dev/null &
     echo $! > "$WORK/table2.pid"
   fi

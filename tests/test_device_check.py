@@ -62,4 +62,10 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
     config = json.loads((sweep / run / "config.json").read_text())
     assert (config["learning_rate"], config["weight_decay"], config["augment"]) == (0.1, 1e-4, False)
     assert not (sweep / run / "checkpoints").exists()  # left out of the archive
+  # Then, in the same detached job, the gain study's ResNet20 runs.
+  resnet = unpacked / "sweeps" / "cifar10_resnet20_gain_gpu"
+  assert sorted(p.name for p in resnet.iterdir() if p.is_dir()) == [
+      "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0"]
+  rows = (resnet / "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0" / "metrics.jsonl").read_text()
+  assert [json.loads(line)["epoch"] for line in rows.splitlines()] == [1]
   assert "table2: sweep finished" in log
