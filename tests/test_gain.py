@@ -126,6 +126,7 @@ def test_without_checkpoint_only_init_and_cli_writes_file(tmp_path, capsys,
   assert gain.main([str(fresh), "--data-dir", data_dir, "--images", "8"]) == 0
   written = json.loads((fresh / gain.GAIN_FILE).read_text())
   assert written["final"] is None and "no checkpoint" in written["note"]
+  assert not (fresh / "checkpoints").exists()  # nothing created there
   assert written["images"] == 8
   # flax's BatchNorm divides by sigma itself: gain 1.
   for entry in written["init"]["layers"].values():

@@ -192,18 +192,20 @@ def run_gains(workdir: str | Path, *, data_dir: str | None = None,
     return layer_gains(capture_norm_inputs(model, variables, x))
 
   result["init"] = stage(state)
-  checkpointer = checkpointing.Checkpointer(workdir)
-  try:
-    last = checkpointer.latest_epoch()
-    if last is None:
-      result["final"] = None
-      result["note"] = "no checkpoint: only the initial gain"
-    else:
-      restored, _ = checkpointer.restore(last, train_lib.state_dict(state))
-      final = flax.serialization.from_state_dict(state, restored)
-      result["final"] = {**stage(final), "epoch": int(last)}
-  finally:
-    checkpointer.close()
+  result["final"] = None
+  result["note"] = "no checkpoint: only the initial gain"
+  # A Checkpointer would create checkpoints/ in a run directory without one.
+  if (workdir / checkpointing.CHECKPOINT_DIR).is_dir():
+    checkpointer = checkpointing.Checkpointer(workdir)
+    try:
+      last = checkpointer.latest_epoch()
+      if last is not None:
+        restored, _ = checkpointer.restore(last, train_lib.state_dict(state))
+        final = flax.serialization.from_state_dict(state, restored)
+        result["final"] = {**stage(final), "epoch": int(last)}
+        del result["note"]
+    finally:
+      checkpointer.close()
   return result
 
 
