@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 import gbn_jax
-from gbn_jax import _select
+from gbn_jax._selection import dispatch
 
 DEFAULT_SHAPES = ("256x32x32x16", "1024x32x32x16", "1000x8x8x50", "512x256")
 DEFAULT_MEASURES = ("sd", "mad", "rsd", "bpoe", "rbd", "wcd", "sqd1", "sqd2", "sqd3", "sqd:0.05", "sqd:0.99")
@@ -169,11 +169,18 @@ def main(argv=None) -> dict:
                            "for rehearsals")
   parser.add_argument("--inner", type=int, default=1,
                       help="dispatches per timed sample (use ~10 on a GPU/TPU)")
-  parser.add_argument("--select-method", choices=_select.METHODS,
+  parser.add_argument("--select-method", choices=dispatch.METHODS,
                       help="force this k-th smallest method (default: by size)")
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
-  _select.DEFAULT_METHOD = args.select_method
+  # In scope for every call, traces and timed runs alike: the method is part
+  # of jit's cache key.
+  with gbn_jax.selection_config(method=args.select_method):
+    return _run(args, argv)
+
+
+def _run(args, argv) -> dict:
+  """The timings of :func:`main` for parsed ``args``."""
   run = dict(runs=args.runs, inner=args.inner, select_method=args.select_method,
              command=" ".join(["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]))
 

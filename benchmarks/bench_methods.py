@@ -5,10 +5,10 @@ run (``bench_gbn.interleaved_samples``), median after warm-up:
 
 * ``bn``: ``flax.linen.BatchNorm``'s forward+backward (the yardstick);
 * one ``sqd:<alpha>`` GBatchNorm forward+backward per selection method, each
-  traced with ``_select.DEFAULT_METHOD`` set to that method.
+  run under ``gbn_jax.selection_config(method=...)`` for that method.
 
 Before timing, each method's ``gbn_jax.quantile`` of the layer's input is
-compared bit for bit with the sort reference (``_select.kth_smallest_reference``)
+compared bit for bit with the sort reference (``sort.kth_smallest_reference``)
 on the benchmark's normal input and on a ReLU'd copy (half zeros: heavy
 ties). The method with the smallest total layer time over every (shape,
 alpha) that it got exactly right everywhere is ``fastest_exact`` in the JSON
@@ -22,7 +22,6 @@ rewritten after every row, so a run cut off keeps what it finished.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import statistics
@@ -35,30 +34,19 @@ import numpy as np
 import gbn_jax
 from benchmarks.bench_gbn import (DEFAULT_SHAPES, interleaved_samples, layer_step, machine_info,
                                   make_module, parse_shape)
-from gbn_jax import _select
+from gbn_jax._selection import dispatch, sort
 
 DEFAULT_ALPHAS = (0.25, 0.5, 0.75, 0.99)
 
 
-@contextlib.contextmanager
-def forced_method(method: str | None):
-  """``_select.DEFAULT_METHOD`` set to ``method`` while tracing."""
-  old = _select.DEFAULT_METHOD
-  _select.DEFAULT_METHOD = method
-  try:
-    yield
-  finally:
-    _select.DEFAULT_METHOD = old
-
-
 def with_method(method: str, fn):
-  """``fn`` whose first call (the trace) runs under ``forced_method(method)``.
+  """``fn`` whose every call runs under ``gbn_jax.selection_config(method=method)``.
 
-  jit caches the compiled program on first use, so later calls keep the
-  method; setting the global on every call costs nothing measurable anyway.
+  The method is part of jit's cache key, so each call must be in scope to hit
+  the program traced for it (entering the scope costs microseconds).
   """
   def call():
-    with forced_method(method):
+    with gbn_jax.selection_config(method=method):
       return fn()
   return call
 
@@ -68,9 +56,9 @@ def exact_everywhere(method: str, x: jax.Array, alpha: float, axes: tuple[int, .
   n = int(np.prod([x.shape[a] for a in axes]))
   k = gbn_jax.quantiles.quantile_rank(alpha, n)
   for data in (x, jnp.maximum(x, 0.0)):
-    with forced_method(method):
+    with gbn_jax.selection_config(method=method):
       got = jax.jit(functools.partial(gbn_jax.quantile, alpha=alpha, axis=axes))(data)
-    want = _select.kth_smallest_reference(data, k, axes)
+    want = sort.kth_smallest_reference(data, k, axes)
     got = np.asarray(got, np.float32).view(np.int32)
     want = np.asarray(want, np.float32).view(np.int32)
     if not np.array_equal(got, want):
@@ -109,7 +97,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
   parser.add_argument("--alphas", nargs="+", type=float, default=list(DEFAULT_ALPHAS))
   parser.add_argument("--methods", nargs="+", default=None,
-                      help="default: every method of _select.METHODS without a "
+                      help="default: every method of dispatch.METHODS without a "
                            "data-dependent loop ('adaptive' and 'bisect' loop, which costs a "
                            "host sync per pass on a GPU; name them to include them) and "
                            "without 'native' (CPU only)")
@@ -118,11 +106,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)")
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
-  methods = args.methods or [m for m in _select.METHODS
+  methods = args.methods or [m for m in dispatch.METHODS
                              if m not in ("native", "adaptive", "bisect")]
-  unknown = sorted(set(methods) - set(_select.METHODS))
+  unknown = sorted(set(methods) - set(dispatch.METHODS))
   if unknown:
-    parser.error(f"unknown methods {unknown}; choose from {_select.METHODS}")
+    parser.error(f"unknown methods {unknown}; choose from {dispatch.METHODS}")
   run = dict(runs=args.runs, inner=args.inner, methods=methods,
              command=" ".join(["python -m benchmarks.bench_methods", *(argv or sys.argv[1:])]))
   rows: list[dict] = []

@@ -1,6 +1,6 @@
-"""Benchmarks exact k-th smallest selection (gbn_jax._select) against a sort.
+"""Benchmarks exact k-th smallest selection (gbn_jax._selection) against a sort.
 
-Times, under ``jax.jit``, every method of ``gbn_jax._select.kth_smallest``,
+Times, under ``jax.jit``, every method of ``gbn_jax._selection.dispatch.kth_smallest``,
 the sort-based reference and a plain mean+var reduction (a "one pass"
 yardstick) on the same float32 input. Methods are interleaved within each
 repetition so that load from other processes hits all of them alike; the table
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gbn_jax import _select
+from gbn_jax._selection import dispatch, sort
 
 DEFAULT_SHAPES = (
     "256x32x32x16:0,1,2",
@@ -79,7 +79,7 @@ def main() -> None:
   parser.add_argument("--sort-reps", type=int, default=3,
                       help="repetitions of the (slow) sort reference")
   parser.add_argument("--methods", nargs="+",
-                      default=["default"] + [m for m in _select.METHODS if m != "sort"],
+                      default=["default"] + [m for m in dispatch.METHODS if m != "sort"],
                       help='"default" is kth_smallest without method= (its own choice)')
   parser.add_argument("--out", default=None, help="write results as JSON here")
   args = parser.parse_args()
@@ -97,8 +97,8 @@ def main() -> None:
     }
     for m in args.methods:
       method = None if m == "default" else m
-      fns[m] = jax.jit(lambda x, method=method: _select.kth_smallest(x, k, axis, method=method))
-    sort_fn = {"sort": jax.jit(lambda x: _select.kth_smallest_reference(x, k, axis))}
+      fns[m] = jax.jit(lambda x, method=method: dispatch.kth_smallest(x, k, axis, method=method))
+    sort_fn = {"sort": jax.jit(lambda x: sort.kth_smallest_reference(x, k, axis))}
     expected = np.asarray(sort_fn["sort"](x))
     for m in args.methods:
       got = np.asarray(fns[m](x))

@@ -6,8 +6,8 @@ in one process, interleaved run by run, median after warm-up (bench_gbn's
 ``time_interleaved``):
 
 * ``bn``: a jitted mean + variance (BatchNorm's statistics, the yardstick);
-* ``radix``: ``_radix_select.kth_smallest_accelerator`` (scatter histograms);
-* ``bracket``: ``_bracket_select.kth_smallest_bracket`` (sampled bracket, one
+* ``radix``: ``_selection.radix.kth_smallest_accelerator`` (scatter histograms);
+* ``bracket``: ``_selection.bracket.kth_smallest_bracket`` (sampled bracket, one
   counting-and-compaction pass, small sorts; radix inside a ``cond`` on a
   miss); each row's ``bracket_missed`` says whether its bracket missed on
   the normal and the ReLU data (then that call ran radix as well);
@@ -20,7 +20,7 @@ in one process, interleaved run by run, median after warm-up (bench_gbn's
   compare-and-sum histogram, and the pass of E[x] and E[(x - q)^+] given q
   (radix is four ``pass_hist``-like passes; ``radix_sums`` adds a
   ``pass_sums``);
-* ``adaptive``, ``sort``, ``default``: ``_select.kth_smallest`` with
+* ``adaptive``, ``sort``, ``default``: ``_selection.dispatch.kth_smallest`` with
   ``method="adaptive"``, ``"sort"``, and its default for this backend.
 
 Before timing, every selection is checked bit for bit against the sort
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_gbn import DEFAULT_SHAPES, machine_info, parse_shape, time_interleaved
-from gbn_jax import _bracket_select, _radix_select, _select
+from gbn_jax._selection import bracket, common, dispatch, radix, sort
 from gbn_jax.quantiles import quantile_rank
 
 ACCELERATOR_VARIANTS = ("bn", "radix", "bracket", "radix_sums", "radix_cmp4", "radix_cmp8",
@@ -57,14 +57,14 @@ PASSES = ("pass_hist", "pass_hist_cmp4", "pass_sums")
 def one_pass(variant: str, axes: tuple[int, ...]):
   """A jitted single pass of the radix select over ``x``'s rows (see the docstring)."""
   def rows_of(x):
-    rows, _, _ = _select._to_rows(x, axes, None)  # pylint: disable=protected-access
+    rows, _, _ = common.to_rows(x, axes, None)
     return rows
 
   def hist(x, bits, histogram):
     rows = rows_of(x)
-    u = _radix_select._merged_keys(rows) ^ _radix_select._SIGN  # pylint: disable=protected-access
+    u = common.merged_keys(rows) ^ radix._SIGN  # pylint: disable=protected-access
     digit = jax.lax.shift_right_logical(u, jnp.int32(32 - bits)) & jnp.int32((1 << bits) - 1)
-    fn = _radix_select._HISTOGRAM_FNS[histogram]  # pylint: disable=protected-access
+    fn = radix._HISTOGRAM_FNS[histogram]  # pylint: disable=protected-access
     return fn(digit, jnp.ones(rows.shape, bool), 1 << bits)
 
   if variant == "pass_hist":
@@ -74,24 +74,24 @@ def one_pass(variant: str, axes: tuple[int, ...]):
 
   def sums(x):
     rows = rows_of(x)
-    keys = _select._float_to_key(jnp.median(rows[:64], axis=0))  # pylint: disable=protected-access
+    keys = common.float_to_key(jnp.median(rows[:64], axis=0))
     n = jnp.full(rows.shape[1:], rows.shape[0], jnp.int32)
-    return _radix_select.radix_sums(rows, None, keys, n, _select._Comm(None, None))  # pylint: disable=protected-access
+    return radix.radix_sums(rows, None, keys, n, common.Comm(None, None))
   return jax.jit(sums)
 
 
 def make_fns(variant: str, axes: tuple[int, ...], k: int):
   """``(timed, selection)``: jitted callables of ``x``; ``selection`` returns
   the selected value for the exactness check (``None`` for ``bn``)."""
-  radix = _radix_select.kth_smallest_accelerator
+  radix_select = radix.kth_smallest_accelerator
   select = {
-      "radix": functools.partial(radix, k=k, axis=axes),
-      "bracket": functools.partial(_bracket_select.kth_smallest_bracket, k=k, axis=axes),
-      "radix_cmp4": functools.partial(radix, k=k, axis=axes, histogram="compare", digit_bits=4),
-      "radix_cmp8": functools.partial(radix, k=k, axis=axes, histogram="compare", digit_bits=8),
-      "adaptive": functools.partial(_select.kth_smallest, k=k, axis=axes, method="adaptive"),
-      "sort": functools.partial(_select.kth_smallest, k=k, axis=axes, method="sort"),
-      "default": functools.partial(_select.kth_smallest, k=k, axis=axes),
+      "radix": functools.partial(radix_select, k=k, axis=axes),
+      "bracket": functools.partial(bracket.kth_smallest_bracket, k=k, axis=axes),
+      "radix_cmp4": functools.partial(radix_select, k=k, axis=axes, histogram="compare", digit_bits=4),
+      "radix_cmp8": functools.partial(radix_select, k=k, axis=axes, histogram="compare", digit_bits=8),
+      "adaptive": functools.partial(dispatch.kth_smallest, k=k, axis=axes, method="adaptive"),
+      "sort": functools.partial(dispatch.kth_smallest, k=k, axis=axes, method="sort"),
+      "default": functools.partial(dispatch.kth_smallest, k=k, axis=axes),
   }
   if variant == "bn":
     fn = jax.jit(lambda x: (jnp.mean(x, axes), jnp.var(x, axes)))
@@ -100,7 +100,7 @@ def make_fns(variant: str, axes: tuple[int, ...], k: int):
     return one_pass(variant, axes), None
   if variant == "radix_sums":
     fn = jax.jit(functools.partial(
-        _radix_select.kth_smallest_with_sums_accelerator, k=k, axis=axes))
+        radix.kth_smallest_with_sums_accelerator, k=k, axis=axes))
     return fn, jax.jit(lambda x: fn(x)[0])
   fn = jax.jit(select[variant])
   return fn, fn
@@ -108,10 +108,10 @@ def make_fns(variant: str, axes: tuple[int, ...], k: int):
 
 def bracket_missed(x, axes: tuple[int, ...], k: int) -> bool:
   """Whether the bracket select falls back to radix on ``x`` (the ``cond`` taken)."""
-  rows, _, kept_shape = _select._to_rows(x, axes, None)
+  rows, _, kept_shape = common.to_rows(x, axes, None)
   ks = jnp.full((int(np.prod(kept_shape)),), k, jnp.int32)
-  sel = jax.jit(lambda r, k: _bracket_select.bracket_kth_smallest(
-      r, None, k, _select._Comm(None, None)))(rows, ks)
+  sel = jax.jit(lambda r, k: bracket.bracket_kth_smallest(
+      r, None, k, common.Comm(None, None)))(rows, ks)
   return bool(sel.missed)
 
 
@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
     k = quantile_rank(args.alpha, n)
     x = jax.random.normal(jax.random.key(2), shape, jnp.float32)
     relu = jnp.maximum(jax.random.normal(jax.random.key(3), shape, jnp.float32), 0.0)
-    want = {name: _select.kth_smallest_reference(v, k, axes) for name, v in
+    want = {name: sort.kth_smallest_reference(v, k, axes) for name, v in
             (("normal", x), ("relu", relu))}
     row = {"shape": shape_text, "n": n, "k": k, "exact": {}, "while_loop": {}, "errors": {}}
     fns = {}

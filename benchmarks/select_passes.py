@@ -1,6 +1,6 @@
 """Counts the passes of the pure-JAX adaptive selection, a device-independent cost.
 
-On a GPU/TPU each pass of ``gbn_jax._select``'s loop costs a kernel launch and
+On a GPU/TPU each pass of ``gbn_jax._selection.loop``'s loop costs a kernel launch and
 a host sync, so the pass count predicts its time there; ``--accelerator``
 forces the accelerator code paths (eight thresholds per pass, one-kernel fold)
 on the CPU to count them without a device. Prints, per ``(first_eps, eps)``
@@ -18,7 +18,7 @@ import argparse
 import jax
 import numpy as np
 
-from gbn_jax import _select
+from gbn_jax._selection import common, dispatch, loop
 
 KINDS = ("normal", "relu", "halves", "lognormal", "jax_normal")
 SHAPES = ((64, 32, 32, 16), (1000, 8, 8, 50))
@@ -41,22 +41,22 @@ def make_data(kind: str, shape, rng) -> np.ndarray:
 def count_passes(x: np.ndarray, k: int) -> int:
   """Passes the loop ran for ``k`` over the leading axes of ``x``."""
   seen = []
-  narrow = _select._narrow  # pylint: disable=protected-access
+  narrow = loop._narrow  # pylint: disable=protected-access
 
   def counting_narrow(state, *args):
     state = narrow(state, *args)
     jax.debug.callback(lambda p: seen.append(int(p)), state["passes"])
     return state
 
-  _select._narrow = counting_narrow  # pylint: disable=protected-access
+  loop._narrow = counting_narrow  # pylint: disable=protected-access
   try:
     axes = tuple(range(x.ndim - 1))
     jax.block_until_ready(
-        jax.jit(lambda v: _select.kth_smallest(v, k, axes, method="adaptive"))(x)
+        jax.jit(lambda v: dispatch.kth_smallest(v, k, axes, method="adaptive"))(x)
     )
     jax.effects_barrier()
   finally:
-    _select._narrow = narrow  # pylint: disable=protected-access
+    loop._narrow = narrow  # pylint: disable=protected-access
   return max(seen, default=0)
 
 
@@ -68,12 +68,12 @@ def main(argv=None) -> None:
                       help="first_eps,eps pairs (_FIRST_INTERP_EPS, _INTERP_EPS)")
   args = parser.parse_args(argv)
   if args.accelerator:
-    _select._on_cpu = lambda: False  # pylint: disable=protected-access
+    common.on_cpu = lambda: False  # pylint: disable=protected-access
   rng = np.random.default_rng(0)
   data = [make_data(kind, shape, rng) for kind in KINDS for shape in SHAPES]
   for pair in args.eps:
     first_eps, eps = (float(v) for v in pair.split(","))
-    _select._FIRST_INTERP_EPS, _select._INTERP_EPS = first_eps, eps  # pylint: disable=protected-access
+    loop._FIRST_INTERP_EPS, loop._INTERP_EPS = first_eps, eps  # pylint: disable=protected-access
     passes = []
     for x in data:
       n = int(np.prod(x.shape[:-1]))

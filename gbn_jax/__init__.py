@@ -5,7 +5,8 @@ GBN normalizes each feature by ``(x - S(x)) / D(x)`` over the batch, where
 (Yuan, Feng, Norton, Li, AAAI 2019). Layers: :class:`GBatchNorm` (linen) and
 ``gbn_jax.nnx.GBatchNorm``; measures: :func:`get_measure` (with
 ``calibration='normal'``, D = sigma for Gaussian data), :data:`MEASURES`;
-exact order statistics: :func:`quantile`, :func:`superquantile`; running
+exact order statistics: :func:`quantile`, :func:`superquantile` (backend
+scoped by :func:`selection_config`); running
 statistics recomputed over many batches: :func:`precise_batch_stats`.
 """
 
@@ -16,6 +17,7 @@ from gbn_jax.measures import register_measure
 from gbn_jax.quantiles import quantile
 from gbn_jax.quantiles import quantile_rank
 from gbn_jax.quantiles import superquantile
+from gbn_jax._selection.dispatch import selection_config
 from gbn_jax.linen import GBatchNorm
 from gbn_jax.precise import precise_batch_stats
 
@@ -39,5 +41,6 @@ __all__ = [
     "quantile",
     "quantile_rank",
     "register_measure",
+    "selection_config",
     "superquantile",
 ]

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gbn_jax._selection.common import varying_axes
+
 __all__ = ["precise_batch_stats"]
 
 Array = jax.Array
@@ -120,15 +122,6 @@ def _same_outputs(a: PyTree, b: PyTree) -> Array:
     else:
       agree.append(jnp.all(x == y))
   return jnp.all(jnp.stack(agree))
-
-
-def _varying_axes(x: Array) -> tuple[Any, ...]:
-  """The shard_map axes along which ``x`` varies (none outside shard_map)."""
-  aval = jax.typeof(x)
-  varying = getattr(aval, "vma", None)
-  if varying is None:  # newer jax: the manual axis type's ``varying`` set
-    varying = getattr(getattr(aval, "mat", None), "varying", ())
-  return tuple(sorted(varying, key=str))
 
 
 def precise_batch_stats(
@@ -252,7 +245,7 @@ def precise_batch_stats(
   means = [(t / count).astype(v.dtype) for t, v in zip(total, old)]
 
   consistent = _same_outputs(outputs_zero, outputs_probe)
-  varying = _varying_axes(consistent)
+  varying = varying_axes(consistent)
   if varying:  # under shard_map: all devices must agree
     consistent = jax.lax.pmin(consistent.astype(jnp.int32), varying) > 0
   try:

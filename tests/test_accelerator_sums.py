@@ -1,8 +1,8 @@
 """sqd from the radix select's fused sums (the accelerator path), on the CPU.
 
-``_select.DEFAULT_METHOD = "accelerator"`` makes ``quantiles._superquantile_and_mean``
+``gbn_jax.selection_config(method="accelerator")`` makes ``quantiles._superquantile_and_mean``
 take ``q``, ``E[x]`` and ``E[(x - q)^+]`` from one call of
-``_radix_select.kth_smallest_with_sums_accelerator``, as it does by default on a
+``radix.kth_smallest_with_sums_accelerator``, as it does by default on a
 GPU for large batches. Values and gradients are checked against numpy written
 from the definitions, against finite differences along directions that keep
 ties tied, and against the unfused path (the sort reference).
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax import _radix_select, _select, measures, quantiles
+from gbn_jax import measures, quantiles
+from gbn_jax._selection import common, dispatch, native, radix
 
 ALPHAS = [1e-6, 0.25, 0.5, 0.75, 0.99, 0.999999]
 N_FEATURES = 8
@@ -31,7 +32,7 @@ N_FEATURES = 8
 def fused(monkeypatch):
   """Forces the radix select and counts the fused calls; the unfused path raises."""
   calls = []
-  original = _radix_select.kth_smallest_with_sums_accelerator
+  original = radix.kth_smallest_with_sums_accelerator
 
   def counted(*args, **kwargs):
     calls.append(1)
@@ -40,23 +41,18 @@ def fused(monkeypatch):
   def unfused(*args, **kwargs):
     raise AssertionError("sqd fell back to the unfused selection and means")
 
-  monkeypatch.setattr(_select, "DEFAULT_METHOD", "accelerator")
-  monkeypatch.setattr(_radix_select, "kth_smallest_with_sums_accelerator", counted)
+  monkeypatch.setattr(radix, "kth_smallest_with_sums_accelerator", counted)
   monkeypatch.setattr(quantiles, "_quantile_and_mean_excess", unfused)
-  return calls
+  with gbn_jax.selection_config(method="accelerator"):
+    yield calls
 
 
 _QUANTILE_AND_MEAN_EXCESS = quantiles._quantile_and_mean_excess  # pylint: disable=protected-access
 
 
 def _unfused(fn, *args, monkeypatch):
-  """``fn(*args)`` with the sort reference selecting (no fused sums).
-
-  ``fn`` must not be a jitted function already traced with the fused path:
-  jit's cache does not see ``DEFAULT_METHOD``.
-  """
-  with monkeypatch.context() as m:
-    m.setattr(_select, "DEFAULT_METHOD", "sort")
+  """``fn(*args)`` with the sort reference selecting (no fused sums)."""
+  with gbn_jax.selection_config(method="sort"), monkeypatch.context() as m:
     m.setattr(quantiles, "_quantile_and_mean_excess", _QUANTILE_AND_MEAN_EXCESS)
     return fn(*args)
 
@@ -286,7 +282,7 @@ def test_key_counts_where_compares_keep_denormals(alpha, fused, monkeypatch):
   Without denormals the key counts equal the float compares' on any backend,
   so this runs the branch on the CPU.
   """
-  monkeypatch.setattr(_select, "_compares_keep_denormals", lambda: True)
+  monkeypatch.setattr(common, "compares_keep_denormals", lambda: True)
   x, where = _data(64), _mask(64)
   # No NaN: a NaN with its sign bit set has a key below -inf, so the key
   # count above q misses it where ~(x <= q) counts it (qbar is NaN anyway).
@@ -304,10 +300,10 @@ def test_key_counts_where_compares_keep_denormals(alpha, fused, monkeypatch):
     # Full-size reductions left in the gradient: the sums pass's two (the
     # JVP's tangent sums transpose to broadcasts), no tie or "above" counts.
     assert _full_size_sums(jaxpr.jaxpr, x.size) == 2
-    monkeypatch.setattr(_select, "_compares_keep_denormals", lambda: False)
+    monkeypatch.setattr(common, "compares_keep_denormals", lambda: False)
     jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x)[1])))(jnp.asarray(x))
     assert _full_size_sums(jaxpr.jaxpr, x.size) == 4  # ... which the CPU counts
-    monkeypatch.setattr(_select, "_compares_keep_denormals", lambda: True)
+    monkeypatch.setattr(common, "compares_keep_denormals", lambda: True)
   assert fused
 
 
@@ -326,7 +322,7 @@ def test_half_precision_keeps_dtypes(dtype, fused, monkeypatch):
       return sum(jnp.sum(jnp.nan_to_num(a.astype(jnp.float32))) for a in parts), parts
     return jax.grad(loss, has_aux=True)(x)[::-1]
 
-  # Two jit objects: jit's cache does not see DEFAULT_METHOD.
+  # Two jit objects, each traced under its own method.
   got, g = jax.jit(parts_and_grad)(x)
   want, g0 = _unfused(jax.jit(parts_and_grad), x, monkeypatch=monkeypatch)
   # q, qbar float32; the mean (summed in float32 here) and the gradient in
@@ -352,7 +348,7 @@ def test_gbatchnorm_output_and_input_gradient(fused, monkeypatch):
     y, _ = norm.apply(variables, x, mutable=["batch_stats"])
     return jnp.sum(jnp.sin(y)), y
 
-  # Two jit objects: jit's cache does not see DEFAULT_METHOD.
+  # Two jit objects, each traced under its own method.
   (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
   (_, y0), g0 = _unfused(jax.jit(jax.value_and_grad(loss, has_aux=True)), x,
                          monkeypatch=monkeypatch)
@@ -367,38 +363,39 @@ def test_one_call_and_default_dispatch(fused, monkeypatch):
   x = jnp.asarray(_data(40))
   jax.make_jaxpr(jax.grad(lambda x: jnp.sum(measures.sqd(x, 0, alpha=0.5)[1])))(x)
   assert len(fused) == 1
-  monkeypatch.setattr(_select, "DEFAULT_METHOD", None)
-  rows = _select._ADAPTIVE_MIN_ROWS  # pylint: disable=protected-access
+  rows = dispatch._ADAPTIVE_MIN_ROWS  # pylint: disable=protected-access
   big = jax.ShapeDtypeStruct((rows, 2), jnp.float32)
   small = jax.ShapeDtypeStruct((8, 2), jnp.float32)
-  monkeypatch.setattr(_select, "_on_cpu", lambda: False)
-  monkeypatch.setattr(_select, "_native_applies", lambda axis_name: False)
-  # Accelerators default to the bracket select (measured faster): unfused.
-  assert not _radix_select.sums_apply(big, (0,), None, None)
-  monkeypatch.setattr(_select, "_ACCELERATOR_LARGE_METHOD", "accelerator")
-  assert _radix_select.sums_apply(big, (0,), None, None)
-  assert not _radix_select.sums_apply(small, (0,), None, None)  # sorted there
-  monkeypatch.setattr(_select, "_on_cpu", lambda: True)
-  assert not _radix_select.sums_apply(big, (0,), None, None)  # adaptive on CPU
-  monkeypatch.setattr(_select, "DEFAULT_METHOD", "accelerator")
-  with jax.enable_x64(True):
+  fuses = lambda x: dispatch.fused_sums_backend(x, (0,), None, None, None) == "accelerator"
+  monkeypatch.setattr(common, "on_cpu", lambda: False)
+  monkeypatch.setattr(native, "applies", lambda axis_name: False)
+  with gbn_jax.selection_config(method=None):
+    # Accelerators default to the bracket select (measured faster): unfused.
+    assert not fuses(big)
+    monkeypatch.setattr(dispatch, "_ACCELERATOR_LARGE_METHOD", "accelerator")
+    assert fuses(big)
+    assert not fuses(small)  # sorted there
+    monkeypatch.setattr(common, "on_cpu", lambda: True)
+    assert not fuses(big)  # adaptive on CPU
+  with jax.enable_x64(True):  # method="accelerator" from the fixture
     # The sums are float32: float64 keeps the float64 selection.
-    for dtype, fuses in ((jnp.float64, False), (jnp.float32, True)):
-      x = jnp.zeros((4, 2), dtype)
-      assert _radix_select.sums_apply(x, (0,), None, None) == fuses
+    for dtype, fused_sums in ((jnp.float64, False), (jnp.float32, True)):
+      assert fuses(jnp.zeros((4, 2), dtype)) == fused_sums
 
 
 _SHARD_MAP_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from gbn_jax import _radix_select, _select, measures
+    import gbn_jax
+    from gbn_jax import measures
+    from gbn_jax._selection import radix
 
     calls = []
-    original = _radix_select.kth_smallest_with_sums_accelerator
+    original = radix.kth_smallest_with_sums_accelerator
     def counted(*a, **k):
       calls.append(1)
       return original(*a, **k)
-    _radix_select.kth_smallest_with_sums_accelerator = counted
+    radix.kth_smallest_with_sums_accelerator = counted
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 4)).astype(np.float32)
@@ -416,14 +413,14 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
                            in_specs=(P("b"), P("b")), out_specs=(P(), (P(), P())))
     results = {}
     for method in ("accelerator", "sort"):
-      _select.DEFAULT_METHOD = method
-      for masked in (False, True):
-        w = where if masked else np.ones_like(where)
-        got = jax.jit(jax.value_and_grad(lambda x: pooled(x, w), has_aux=True))(x)
-        one = jax.jit(jax.value_and_grad(lambda x: loss(x, w, None), has_aux=True))(x)
-        results[method, masked] = got
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(one)):
-          np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+      with gbn_jax.selection_config(method=method):
+        for masked in (False, True):
+          w = where if masked else np.ones_like(where)
+          got = jax.jit(jax.value_and_grad(lambda x: pooled(x, w), has_aux=True))(x)
+          one = jax.jit(jax.value_and_grad(lambda x: loss(x, w, None), has_aux=True))(x)
+          results[method, masked] = got
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(one)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert len(calls) == 4, calls  # two with the axis name, two without
     for masked in (False, True):
       for a, b in zip(jax.tree.leaves(results["accelerator", masked]),

@@ -1,7 +1,7 @@
-"""Tests of gbn_jax._bracket_select (sampled bracket + compaction) against numpy.
+"""Tests of gbn_jax._selection.bracket (sampled bracket + compaction) against numpy.
 
-The exactness suite of tests/test_radix_select.py (its data kinds, ranks and
-numpy oracle, imported from there) run on the bracket select; tests/test_select.py
+The exactness suite shared with the radix select (tests/selection_helpers.py:
+data kinds, ranks, numpy oracle) runs on the bracket select; tests/test_select.py
 also runs ``kth_smallest(..., method="bracket")`` (a member of ``METHODS``).
 Plus: the radix fallback runs exactly when the bracket misses or its buffer
 overflows, and pooling over 4 host devices (shard_map, pmap groups) in a
@@ -22,19 +22,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax import _bracket_select, _radix_select, _select
-from gbn_jax._select import _Comm
-from test_radix_select import KINDS, assert_bitwise, columns, data, numpy_kth, rank_matrix, ranks
+from gbn_jax._selection import bracket, common, dispatch, radix, sort
+from selection_helpers import ExactnessSuite, assert_bitwise, columns, data, numpy_kth
+
 
 @functools.partial(jax.jit, static_argnames=("axis",))
 def select(x, k, axis, where=None):
-  return _bracket_select.kth_smallest_bracket(x, k, axis, where=where, return_ties=True)
+  return bracket.kth_smallest_bracket(x, k, axis, where=where, return_ties=True)
 
 
 @jax.jit
 def selection(rows, k, mask=None):
   """The raw :class:`BracketSelection` (with its ``missed`` flag)."""
-  return _bracket_select.bracket_kth_smallest(rows, mask, k, _Comm(None, None))
+  return bracket.bracket_kth_smallest(rows, mask, k, common.Comm(None, None))
 
 
 def check(x, k, axis, where=None):
@@ -49,35 +49,9 @@ def check(x, k, axis, where=None):
   np.testing.assert_array_equal(np.asarray(ties)[valid], want_ties[valid])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 20000])
-def test_row_counts_per_feature_k(n):
-  x = data("normal", (n, 13), seed=n)
-  k = rank_matrix(n, 13, seed=n)
-  check(x, k, (0,))
-  got = select(x, jnp.asarray(k), (0,))[0]
-  assert_bitwise(got, _select.kth_smallest_reference(x, k, (0,)))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_nhwc_data_kinds_and_counts(kind):
-  x = data(kind, (4, 16, 16, 3), seed=KINDS.index(kind))
-  n = 4 * 16 * 16
-  k = np.asarray([[r] * 3 for r in ranks(n)], np.int32)  # every rank, one call each
-  for row in k:
-    check(x, row, (0, 1, 2))
-
-
-@pytest.mark.parametrize("kind", ["relu", "tiny_set", "signed_zero", "denormal"])
-def test_repeated_values_at_every_target(kind):
-  x = data(kind, (300, 4), seed=3 + len(kind))
-  ordered = np.sort(x, axis=0)
-  ends = set()
-  for f in range(4):
-    change = np.flatnonzero(ordered[1:, f] != ordered[:-1, f]) + 1
-    ends.update(change.tolist())
-    ends.update((change + 1).tolist())
-  for k in sorted(e for e in ends if 1 <= e <= 300):
-    check(x, np.full(4, k), (0,))
+class TestExactness(ExactnessSuite):
+  check = staticmethod(check)
+  value = staticmethod(lambda x, k, axis, where=None: select(x, k, axis, where)[0])
 
 
 @pytest.mark.parametrize("kind", ["relu", "halves", "inf", "denormal", "wide"])
@@ -85,47 +59,11 @@ def test_large_batch_kinds_through_the_bracket(kind):
   # Enough rows that the sample is a strict subset (sample_size < N): the
   # bracket, the interior buffer and the endpoint ties all matter.
   n = 6000
-  assert _bracket_select.sample_size(n) < n
+  assert bracket.sample_size(n) < n
   x = data(kind, (n, 6), seed=11)
   x[:, 5] = -x[:, 5]  # ReLU zeros at the top end too
   for k in (1, 2, n // 5, n // 2, n // 2 + 1, (9 * n) // 10, n - 1, n):
     check(x, np.full(6, k), (0,))
-
-
-@pytest.mark.parametrize("shape,axis", [((30, 4, 70), (0, 2)), ((5, 600), (1,)),
-                                        ((3, 40, 50), (0, 1, 2))])
-def test_other_axes(shape, axis):
-  x = data("normal", shape, seed=5)
-  n = int(np.prod([shape[a] for a in axis]))
-  for k in (1, (n + 1) // 2, n):
-    check(x, k, axis)
-
-
-def test_masks_per_feature_k_and_empty_features():
-  rng = np.random.default_rng(3)
-  x = data("halves", (40, 50, 5), seed=3)
-  where = rng.random(x.shape) < 0.6
-  where[:, :, 1] = False
-  where[7, 3, 1] = True  # a feature with a single masked-in element
-  where[:, :, 2] = rng.random((40, 50)) < 0.02  # a sparse feature
-  where[:, :, 4] = False  # all masked out: NaN
-  x[~where] = -np.inf  # masked-out values must not matter (smaller than all)
-  n = where.sum(axis=(0, 1))
-  for alpha in (0.0, 0.1, 0.25, 0.5, 0.9, 1.0):
-    k = np.maximum(np.ceil(alpha * n), 1).astype(np.int32)
-    check(x, k, (0, 1), where)
-    value = np.asarray(select(x, jnp.asarray(k), (0, 1), where)[0])
-    assert np.isnan(value[4]) and not np.isnan(value[:4]).any()
-
-
-def test_out_of_range_k_gives_nan():
-  x = data("normal", (50, 4), seed=1)
-  value = select(x, jnp.asarray([0, -3, 51, 50], jnp.int32), (0,))[0]
-  assert np.isnan(np.asarray(value[:3])).all()
-  assert_bitwise(value[3], np.max(x[:, 3]))
-  row_mask = np.arange(50)[:, None] < 20  # broadcast mask: n = 20
-  value = jax.jit(lambda v: _bracket_select.kth_smallest_bracket(v, 21, (0,), where=row_mask))(x)
-  assert np.isnan(np.asarray(value)).all()
 
 
 def test_nan_inputs_sort_by_key_as_in_the_reference():
@@ -136,7 +74,7 @@ def test_nan_inputs_sort_by_key_as_in_the_reference():
   x[::3, 2] = np.nan
   x[::2, 3:] = np.nan
   for k in (1, 3000, 5900, 6000):
-    want = _select.kth_smallest_reference(x, k, (0,))
+    want = sort.kth_smallest_reference(x, k, (0,))
     assert_bitwise(select(x, jnp.full((6,), k, jnp.int32), (0,))[0], want)
 
 
@@ -146,7 +84,7 @@ def test_plain_gaussian_never_falls_back():
     sel = selection(jnp.asarray(x), jnp.full((8,), k, jnp.int32))
     assert not bool(sel.missed), k
     want, want_ties, _ = numpy_kth(x, k, (0,))
-    assert_bitwise(_select._key_to_output(sel.keys), want)
+    assert_bitwise(common.key_to_output(sel.keys), want)
     np.testing.assert_array_equal(sel.local_ties, want_ties)
 
 
@@ -156,13 +94,13 @@ def test_heavy_zeros_on_an_endpoint_fit_without_fallback():
   for k in (5000, 10000, 10500, 15000):
     sel = selection(jnp.asarray(x), jnp.full((4,), k, jnp.int32))
     assert not bool(sel.missed), k
-    assert_bitwise(_select._key_to_output(sel.keys), numpy_kth(x, k, (0,))[0])
+    assert_bitwise(common.key_to_output(sel.keys), numpy_kth(x, k, (0,))[0])
 
 
 def _adversarial(kind, n=20000, n_cols=3, seed=0):
   """Data on which the static sample misleads the bracket."""
   rng = np.random.default_rng(seed)
-  idx = _bracket_select.sample_rows(n)
+  idx = bracket.sample_rows(n)
   x = rng.standard_normal((n, n_cols)).astype(np.float32)
   if kind == "miss":
     # Sampled rows far above the rest: the bracket lies above the target.
@@ -180,22 +118,22 @@ def test_fallback_runs_on_a_miss_or_an_overflow(kind, monkeypatch):
   x = _adversarial(kind, n)
   k = jnp.asarray([1, n // 2, n], jnp.int32)
   calls = []
-  radix = _radix_select.radix_kth_smallest
+  radix_select = radix.radix_kth_smallest
 
   def spy(*args, **kwargs):
     calls.append(1)  # at trace time: the fallback branch is in the program
-    return radix(*args, **kwargs)
+    return radix_select(*args, **kwargs)
 
-  monkeypatch.setattr(_radix_select, "radix_kth_smallest", spy)
-  sel = jax.jit(lambda r, k: _bracket_select.bracket_kth_smallest(r, None, k, _Comm(None, None)))(
+  monkeypatch.setattr(radix, "radix_kth_smallest", spy)
+  sel = jax.jit(lambda r, k: bracket.bracket_kth_smallest(r, None, k, common.Comm(None, None)))(
       jnp.asarray(x), k)
   assert calls and bool(sel.missed)
   want, want_ties, _ = numpy_kth(x, np.asarray(k), (0,))
-  assert_bitwise(_select._key_to_output(sel.keys), want)
+  assert_bitwise(common.key_to_output(sel.keys), want)
   np.testing.assert_array_equal(sel.local_ties, want_ties)
   if kind == "overflow":
     # The interior really exceeds the buffer (not merely a missed bracket).
-    assert n - _bracket_select.sample_size(n) > _bracket_select.buffer_size(n)
+    assert n - bracket.sample_size(n) > bracket.buffer_size(n)
   check(x, np.asarray(k), (0,))
 
 
@@ -204,7 +142,7 @@ def test_compaction_keeps_row_order_and_counts_overflow(unique):
   rng = np.random.default_rng(5)
   keys = rng.integers(-50, 50, (200, 3)).astype(np.int32)
   interior = rng.random((200, 3)) < np.asarray([0.05, 0.2, 0.5])  # 2nd, 3rd overflow
-  buf, count = jax.jit(lambda k, i: _bracket_select._compact(k, i, 16, unique))(keys, interior)
+  buf, count = jax.jit(lambda k, i: bracket._compact(k, i, 16, unique))(keys, interior)
   np.testing.assert_array_equal(count, interior.sum(0))
   for f in range(3):
     kept = keys[interior[:, f], f][:16]
@@ -216,7 +154,7 @@ def test_one_cond_no_while_loop():
   x = jnp.asarray(data("normal", (2000, 7), seed=0))
   where = jnp.asarray(np.random.default_rng(0).random(x.shape) < 0.5)
   k = jnp.full((7,), 300, jnp.int32)
-  fn = lambda v, m: _bracket_select.kth_smallest_bracket(v, k, (0,), where=m, return_ties=True)
+  fn = lambda v, m: bracket.kth_smallest_bracket(v, k, (0,), where=m, return_ties=True)
   jaxpr = str(jax.make_jaxpr(fn)(x, where))
   assert "while" not in jaxpr and "scan" not in jaxpr
   assert jaxpr.count("cond[") == 1
@@ -225,12 +163,12 @@ def test_one_cond_no_while_loop():
 
 def test_vmap_and_vmap_axis_name_pooling():
   x = data("relu", (4, 3000, 3), seed=6)
-  got = jax.jit(jax.vmap(lambda v: _bracket_select.kth_smallest_bracket(v, 1500, (0,))))(x)
+  got = jax.jit(jax.vmap(lambda v: bracket.kth_smallest_bracket(v, 1500, (0,))))(x)
   assert_bitwise(got, np.stack([numpy_kth(v, 1500, (0,))[0] for v in x]))
   where = np.random.default_rng(6).random(x.shape) < 0.7
   k = jnp.asarray([1, 4000, 8400], jnp.int32)
   pooled = jax.jit(jax.vmap(
-      lambda v, m: _bracket_select.kth_smallest_bracket(
+      lambda v, m: bracket.kth_smallest_bracket(
           v, k, (0,), where=m, axis_name="b", return_ties=True),
       axis_name="b",
   ))(x, where)
@@ -247,37 +185,37 @@ def test_vmap_and_vmap_axis_name_pooling():
 def test_half_precision_float64_and_gradient():
   x16 = jnp.asarray(data("normal", (4, 8, 8, 5), seed=9), jnp.bfloat16)
   want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))[0]
-  got = jax.jit(lambda v: _bracket_select.kth_smallest_bracket(v, 100, (0, 1, 2)))(x16)
+  got = jax.jit(lambda v: bracket.kth_smallest_bracket(v, 100, (0, 1, 2)))(x16)
   assert_bitwise(got, want)
   x = jnp.asarray(data("normal", (300, 2), seed=7))
-  g = jax.jit(jax.grad(lambda v: jnp.sum(_bracket_select.kth_smallest_bracket(v, 70, (0,)))))(x)
+  g = jax.jit(jax.grad(lambda v: jnp.sum(bracket.kth_smallest_bracket(v, 70, (0,)))))(x)
   assert g.shape == x.shape and not np.any(np.asarray(g))
 
 
 def test_bad_arguments():
   with pytest.raises(ValueError, match="axis"):
-    _bracket_select.kth_smallest_bracket(jnp.ones((4, 3)), 1, (1, 0))
+    bracket.kth_smallest_bracket(jnp.ones((4, 3)), 1, (1, 0))
   with pytest.raises(TypeError, match="floating"):
-    _bracket_select.kth_smallest_bracket(jnp.ones((4, 3), jnp.int32), 1, (0,))
+    bracket.kth_smallest_bracket(jnp.ones((4, 3), jnp.int32), 1, (0,))
 
 
 def test_static_sample_and_buffer_sizes():
   for n in (1, 3, 255, 256, 257, 1000, 6000, 1 << 20):
-    idx = _bracket_select.sample_rows(n)
-    assert idx.size == _bracket_select.sample_size(n) <= n
+    idx = bracket.sample_rows(n)
+    assert idx.size == bracket.sample_size(n) <= n
     assert np.all(np.diff(idx) > 0) and idx[0] >= 0 and idx[-1] < n
-    assert _bracket_select.buffer_size(n) <= n
+    assert bracket.buffer_size(n) <= n
   # A million rows (the conv shapes): two sorts of a few percent of the rows.
-  assert _bracket_select.sample_size(1 << 20) < 25000
-  assert _bracket_select.buffer_size(1 << 20) < 50000
-  assert _bracket_select.buffer_size(1 << 20, 4) < _bracket_select.buffer_size(1 << 20)
+  assert bracket.sample_size(1 << 20) < 25000
+  assert bracket.buffer_size(1 << 20) < 50000
+  assert bracket.buffer_size(1 << 20, 4) < bracket.buffer_size(1 << 20)
 
 
 def test_dispatch_through_kth_smallest():
   rng = np.random.default_rng(7)
   x = rng.standard_normal((3000, 5)).astype(np.float32)
   x[::3, 1] = 0.0  # ties at the target
-  got, ties = jax.jit(lambda v: _select.kth_smallest(
+  got, ties = jax.jit(lambda v: dispatch.kth_smallest(
       v, 900, (0,), method="bracket", return_ties=True))(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got), np.sort(x, axis=0)[899])
   assert ties is None  # XLA:CPU flushes denormals in compares: the caller counts
@@ -286,7 +224,7 @@ def test_dispatch_through_kth_smallest():
 _SHARD_MAP_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
-from gbn_jax import _bracket_select, _select
+from gbn_jax._selection import bracket, sort
 mesh = Mesh(np.array(jax.devices()[:4]), ("b",))
 rng = np.random.default_rng(0)
 x = rng.standard_normal((4 * 2500, 6, 3)).astype(np.float32)
@@ -297,10 +235,10 @@ k = np.asarray([[1, 900, 7800], [2, 4000, 3000], [7500, 7000, 4], [1, 2, 3],
                 [6000, 17, 8], [5, 6, 9000]], np.int32)  # n is about 8000
 
 def local(xs, ws):
-  a = _bracket_select.kth_smallest_bracket(xs, 5000, (0,), axis_name="b")
-  b, ties = _bracket_select.kth_smallest_bracket(
+  a = bracket.kth_smallest_bracket(xs, 5000, (0,), axis_name="b")
+  b, ties = bracket.kth_smallest_bracket(
       xs, jnp.asarray(k), (0,), where=ws, axis_name="b", return_ties=True)
-  c = _bracket_select.kth_smallest_bracket(xs, 1000, (0,))  # no axis_name: this device
+  c = bracket.kth_smallest_bracket(xs, 1000, (0,))  # no axis_name: this device
   return a, b, ties[None], c[None]
 
 fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("b"), P("b")),
@@ -309,20 +247,20 @@ a, b, ties, c = fn(x, where)
 def same(u, v):
   return np.array_equal(np.asarray(u, np.float32).view(np.int32),
                         np.asarray(v, np.float32).view(np.int32))
-assert same(a, _select.kth_smallest_reference(x, 5000, (0,)))
+assert same(a, sort.kth_smallest_reference(x, 5000, (0,)))
 for d, xd in enumerate(np.split(x, 4)):
-  assert same(c[d], _select.kth_smallest_reference(xd, 1000, (0,))), d
-want = np.asarray(_select.kth_smallest_reference(x, k, (0,), where=where))
+  assert same(c[d], sort.kth_smallest_reference(xd, 1000, (0,))), d
+want = np.asarray(sort.kth_smallest_reference(x, k, (0,), where=where))
 want = np.where(k > where.sum(0), np.nan, want)  # the reference gives the +inf fill
 assert same(b, want)
 for d, (xd, wd) in enumerate(zip(np.split(x, 4), np.split(where, 4))):
   valid = ~np.isnan(want)
   assert np.array_equal(ties[d][valid], ((xd == want[None]) & wd).sum(0)[valid]), d
-g = jax.pmap(lambda xs: _bracket_select.kth_smallest_bracket(
+g = jax.pmap(lambda xs: bracket.kth_smallest_bracket(
     xs, 2500, (0,), axis_name="b", axis_index_groups=[[0, 1], [2, 3]]),
     axis_name="b")(x.reshape(4, 2500, 6, 3))
-assert same(g[0], _select.kth_smallest_reference(x[:5000], 2500, (0,))) and same(g[1], g[0])
-assert same(g[2], _select.kth_smallest_reference(x[5000:], 2500, (0,))) and same(g[3], g[2])
+assert same(g[0], sort.kth_smallest_reference(x[:5000], 2500, (0,))) and same(g[1], g[0])
+assert same(g[2], sort.kth_smallest_reference(x[5000:], 2500, (0,))) and same(g[3], g[2])
 print("OK")
 """
 

@@ -7,7 +7,7 @@ definitions: ``q_alpha`` is the ``ceil(alpha N)``-th smallest value and
 ``qbar_alpha = q_alpha + E[(x - q_alpha)^+] / (1 - alpha)``. The kernel's
 paths behind them (histogram passes for brackets over large atoms, the
 single-key bracket at an open end) are checked bit for bit through
-``gbn_jax._select``. Memory and allocation failure run in subprocesses.
+``gbn_jax._selection.dispatch``. Memory and allocation failure run in subprocesses.
 ``test_kernel_portable_code`` reruns the in-process tests on the kernel's
 portable (non-AVX2) code.
 """
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax import _native, _select
+from gbn_jax._selection import common, dispatch, native
 
 TINY = np.finfo(np.float32).tiny
-needs_native = pytest.mark.skipif(not _native.available(), reason="C++ kernel not built")
+needs_native = pytest.mark.skipif(not native.available(), reason="C++ kernel not built")
 
 
 # --------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_kernel_excess_is_never_negative(rows):
   x = np.full((rows, 9), base, np.float32)
   x[rng.integers(0, rows, 9), np.arange(9)] += np.arange(9) * np.spacing(base)
   for k in (1, 2, rows // 1000, rows // 2, rows):
-    value, _, _, excess, _ = _select.kth_smallest_with_sums(x, k, (0,))
+    value, _, _, excess, _ = native.kth_smallest_with_sums(x, k, (0,))
     want = np.maximum(x.astype(np.float64) - np.asarray(value, np.float64), 0).mean(axis=0)
     assert np.all(np.asarray(excess) >= 0)
     np.testing.assert_allclose(excess, want, rtol=1e-6, atol=0)
@@ -119,7 +119,7 @@ def test_kernel_above_count_with_negative_nans():
   # negative NaNs' keys sort first): 19993 elements are not <= q, not 19996.
   x = np.random.default_rng(4).standard_normal((20000, 1)).astype(np.float32)
   x[[5, 777, 12345], 0] = np.copysign(np.float32(np.nan), -1)
-  value, _, _, _, above = _select.kth_smallest_with_sums(x, 10, (0,))
+  value, _, _, _, above = native.kth_smallest_with_sums(x, 10, (0,))
   assert float(value[0]) == np.sort(x[~np.isnan(x)])[6]
   want = int((~(daz(x) <= daz(value)[None])).sum())
   assert want == 19993
@@ -166,9 +166,9 @@ def test_int32_row_limit_itself_traces():
   at_limit = jax.ShapeDtypeStruct((2**31 - 1, 1), jnp.float32)
   out = jax.eval_shape(lambda x: gbn_jax.superquantile(x, 0.5, axis=0), at_limit)
   assert out.shape == (1,)
-  _select.check_element_count(2**31 - 1)
+  common.check_element_count(2**31 - 1)
   with pytest.raises(ValueError, match="at most"):
-    _select.check_element_count(2**31)
+    common.check_element_count(2**31)
 
 
 # --------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def test_sqd_keeps_the_quantile_of_values_near_float_max(rows, alpha):
   x = _huge(rows)
   s, d = gbn_jax.get_measure("sqd", alpha=alpha)(x, 0)
   np.testing.assert_array_equal(s, reference_quantile(x, alpha).astype(np.float32))
-  if not _native.available():
+  if not native.available():
     return  # the sort path keeps S; only its D may overflow
   x64 = x.astype(np.float64)
   scale = 1e38
@@ -205,7 +205,7 @@ def test_kernel_sums_do_not_overflow_where_the_result_is_finite():
   for rows in (10000, 50000):
     x = np.concatenate([_huge(rows), _huge(rows, seed=7)[:, :3]], axis=1) * np.float32(3.0)
     for k in (1, rows // 2, rows):
-      value, _, mean, excess, _ = _select.kth_smallest_with_sums(x, k, (0,))
+      value, _, mean, excess, _ = native.kth_smallest_with_sums(x, k, (0,))
       x64 = x.astype(np.float64)
       want_excess = np.maximum(x64 - np.asarray(value, np.float64), 0).mean(axis=0)
       np.testing.assert_allclose(mean, x64.mean(axis=0), rtol=1e-5, atol=1e-7 * 3e38)
@@ -220,14 +220,20 @@ def test_kernel_sums_do_not_overflow_where_the_result_is_finite():
 
 @needs_native
 @pytest.mark.parametrize("sigmas", [np.inf, 1e17, np.nan, -1.0])
-def test_kernel_rejects_bad_bracket_sigmas(sigmas, monkeypatch):
-  # Only reachable through the private constant (or an ffi_call): it
-  # overflowed int64_t(floor(...)) before.
-  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
+def test_kernel_rejects_bad_bracket_sigmas(sigmas):
+  # selection_config refuses most of these; the kernel must still refuse all
+  # of them from a direct call (it overflowed int64_t(floor(...)) before).
   x = jnp.asarray(np.random.default_rng(0).standard_normal((20000, 3)), jnp.float32)
-  for call in (_native.kth_smallest_keys, _native.kth_smallest_sums):
+  for call in (native.kth_smallest_keys, native.kth_smallest_sums):
     with pytest.raises(Exception, match="bracket_sigmas"):
-      jax.block_until_ready(call(x, jnp.full((3,), 7, jnp.int32)))
+      jax.block_until_ready(call(x, jnp.full((3,), 7, jnp.int32), bracket_sigmas=sigmas))
+
+
+@pytest.mark.parametrize("sigmas", [np.inf, np.nan, -1.0])
+def test_selection_config_rejects_bad_bracket_sigmas(sigmas):
+  with pytest.raises(ValueError, match="bracket_sigmas"):
+    with gbn_jax.selection_config(bracket_sigmas=sigmas):
+      pass
 
 
 # --------------------------------------------------------------------------
@@ -244,12 +250,12 @@ def check_kernel(x, k, paths=None):
   """Value, ties, mean, excess and above count of both entry points vs numpy."""
   k = np.broadcast_to(np.asarray(k, np.int32), (x.shape[1],))
   want = numpy_kth(x, k)
-  value, ties = _select.kth_smallest(x, jnp.asarray(k), (0,), method="native", return_ties=True)
+  value, ties = dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="native", return_ties=True)
   np.testing.assert_array_equal(np.asarray(value).view(np.int32), want.view(np.int32))
   want_ties = (daz(x) == daz(want)[None]).sum(axis=0)
   np.testing.assert_array_equal(ties, want_ties)
-  got = _native.kth_smallest_sums(jnp.asarray(x), jnp.asarray(k))
-  np.testing.assert_array_equal(_select._key_to_output(got[0]), want)
+  got = native.kth_smallest_sums(jnp.asarray(x), jnp.asarray(k))
+  np.testing.assert_array_equal(common.key_to_output(got[0]), want)
   np.testing.assert_array_equal(got[1], want_ties)
   x64 = x.astype(np.float64)
   finite = np.abs(x64[np.isfinite(x64)])
@@ -261,7 +267,7 @@ def check_kernel(x, k, paths=None):
   np.testing.assert_allclose(got[4], excess, rtol=1e-6, atol=1e-7 * scale)
   np.testing.assert_array_equal(got[5], (~(daz(x) <= daz(want)[None])).sum(axis=0))
   if paths is not None:
-    got_paths = {_native.PATHS[p] for p in np.asarray(got[2])}
+    got_paths = {native.PATHS[p] for p in np.asarray(got[2])}
     assert got_paths <= set(paths), got_paths
   return got
 
@@ -279,7 +285,7 @@ def test_kernel_bracket_over_two_atoms_uses_histogram_passes(columns):
   counts = (x == -0.5).sum(axis=0)
   for k in (counts, counts + 1, counts - 5, counts + 7):
     got = check_kernel(x, k)
-    assert "histogram" in {_native.PATHS[p] for p in np.asarray(got[2])}
+    assert "histogram" in {native.PATHS[p] for p in np.asarray(got[2])}
 
 
 @needs_native
@@ -294,7 +300,7 @@ def test_kernel_histogram_pass_resolves_a_bin_too_large_to_gather():
   ])
   x = rng.permutation(x)[:, None]
   got = check_kernel(x, [50_010])
-  assert _native.PATHS[int(got[2][0])] == "histogram"
+  assert native.PATHS[int(got[2][0])] == "histogram"
   check_kernel(x, [1_250_000])
 
 
@@ -323,12 +329,12 @@ def test_kernel_missed_brackets_by_histogram_and_gather(columns, monkeypatch):
   # bracket_sigmas = 0 makes brackets miss: few columns are selected by
   # histogram passes (a gathered column would cost more than the input), many
   # gathered whole.
-  monkeypatch.setattr(_native, "BRACKET_SIGMAS", 0.0)
-  rng = np.random.default_rng(columns)
-  x = rng.standard_normal((40_000, columns)).astype(np.float32)
-  x[rng.random(x.shape) < 0.01] = np.inf
-  for k in (1, 123, 20_000, 39_999):
-    check_kernel(x, k)
+  with gbn_jax.selection_config(bracket_sigmas=0.0):
+    rng = np.random.default_rng(columns)
+    x = rng.standard_normal((40_000, columns)).astype(np.float32)
+    x[rng.random(x.shape) < 0.01] = np.inf
+    for k in (1, 123, 20_000, 39_999):
+      check_kernel(x, k)
 
 
 # --------------------------------------------------------------------------
@@ -383,9 +389,7 @@ ALLOCATION_SCRIPT = textwrap.dedent(
     """
     import gc, resource, sys
     import numpy as np, jax, gbn_jax
-    from gbn_jax import _native
     rows, columns, kind, sigmas = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    _native.BRACKET_SIGMAS = sigmas  # read when tracing
     rng = np.random.default_rng(0)
     if kind == "two_valued":
       host = (rng.random((rows, columns), dtype=np.float32) < 0.5).astype(np.float32)
@@ -396,7 +400,9 @@ ALLOCATION_SCRIPT = textwrap.dedent(
     del host
     gc.collect()
     # Compiled, not run: a run would leave freed kernel memory in the heap.
-    f = jax.jit(lambda v: gbn_jax.superquantile(v, 0.5, axis=0)).lower(x).compile()
+    # The kernel's bracket width is fixed when tracing.
+    with gbn_jax.selection_config(bracket_sigmas=sigmas):
+      f = jax.jit(lambda v: gbn_jax.superquantile(v, 0.5, axis=0)).lower(x).compile()
 
     def vm_size():
       with open("/proc/self/status") as status:

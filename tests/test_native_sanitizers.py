@@ -86,17 +86,17 @@ FUZZ_SCRIPT = textwrap.dedent(
     import os, sys, time
     import numpy as np
     import jax, jax.numpy as jnp
-    from gbn_jax import _native
+    from gbn_jax._selection import native
 
     library = os.environ["GBN_KTH_LIBRARY"]
-    assert _native.library_path() == library and _native.available(), library
+    assert native.library_path() == library and native.available(), library
     seed, seconds = int(sys.argv[1]), float(sys.argv[2])
     rng = np.random.default_rng(seed)
     TINY = np.float32(np.finfo(np.float32).tiny)
     NEG_NAN = np.copysign(np.float32(np.nan), np.float32(-1))
     SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, NEG_NAN, 1e-45, -1e-45, 3e-39,
                          -3e-39, TINY, -TINY, 1.0, -1.0, 3.4e38, -3.4e38], np.float32)
-    # Values of the key order (``gbn_jax._select``), as unsigned integers:
+    # Values of the key order (``gbn_jax._selection.common.float_to_key``), as unsigned integers:
     # NaNs of each sign beyond the infinities, -0.0 just below +0.0.
     def keys(x):
       u = np.asarray(x, np.float32).view(np.uint32)
@@ -136,10 +136,9 @@ FUZZ_SCRIPT = textwrap.dedent(
 
     def check(x, k, sigmas, label):
       n, f = x.shape
-      _native.BRACKET_SIGMAS = sigmas
       kk = np.clip(k, 1, max(n, 1))
-      got_keys, got_ties, got_path = (np.asarray(a) for a in _native.kth_smallest_keys(jnp.asarray(x), jnp.asarray(k)))
-      sums = [np.asarray(a) for a in _native.kth_smallest_sums(jnp.asarray(x), jnp.asarray(k))]
+      got_keys, got_ties, got_path = (np.asarray(a) for a in native.kth_smallest_keys(jnp.asarray(x), jnp.asarray(k), bracket_sigmas=sigmas))
+      sums = [np.asarray(a) for a in native.kth_smallest_sums(jnp.asarray(x), jnp.asarray(k), bracket_sigmas=sigmas)]
       if n == 0:
         return
       want_key = np.sort(keys(x), axis=0)[kk - 1, np.arange(f)]
@@ -150,14 +149,14 @@ FUZZ_SCRIPT = textwrap.dedent(
       nan_q = np.isnan(q)
       ties = np.where(nan_q, 0, (daz(x) == daz(q)[None]).sum(axis=0))
       above = (~(daz(x) <= daz(q)[None])).sum(axis=0)
-      if _native.counts_always_known():
+      if native.counts_always_known():
         assert np.array_equal(got_ties, ties), (label, got_ties, ties)
         assert np.array_equal(sums[1], ties), (label, sums[1], ties)
         assert np.array_equal(sums[5], above), (label, sums[5], above)
-      assert np.all((got_path >= 0) & (got_path < len(_native.PATHS))), (label, got_path)
+      assert np.all((got_path >= 0) & (got_path < len(native.PATHS))), (label, got_path)
       for path in (got_path, sums[2]):
         for p in path:
-          seen[_native.PATHS[p]] = seen.get(_native.PATHS[p], 0) + 1
+          seen[native.PATHS[p]] = seen.get(native.PATHS[p], 0) + 1
       x64 = x.astype(np.float64)
       q64 = q.astype(np.float64)[None]
       with np.errstate(invalid="ignore", over="ignore"):
@@ -211,9 +210,8 @@ FUZZ_SCRIPT = textwrap.dedent(
     check(x, np.int32([1_200_000]), 0.0, "large bin, missed")
     # Invalid bracket_sigmas are FFI errors (they were undefined behaviour).
     for bad in (np.inf, 1e17, np.nan, -1.0):
-      _native.BRACKET_SIGMAS = bad
       try:
-        jax.block_until_ready(_native.kth_smallest_sums(jnp.ones((20000, 2), jnp.float32), jnp.int32([3, 4])))
+        jax.block_until_ready(native.kth_smallest_sums(jnp.ones((20000, 2), jnp.float32), jnp.int32([3, 4]), bracket_sigmas=bad))
       except Exception as e:
         assert "bracket_sigmas" in str(e), e
       else:
@@ -227,7 +225,7 @@ FUZZ_SCRIPT = textwrap.dedent(
         check(x, ranks(max(n, 1), f), sigmas, f"{kind} {n}x{f} sigmas={sigmas}")
         cases += 1
     # Every path was taken (the fixed cases see to it).
-    assert set(seen) == set(_native.PATHS), seen
+    assert set(seen) == set(native.PATHS), seen
     print("FUZZ OK", cases, "cases; columns per path:", seen, flush=True)
     """
 )

@@ -10,6 +10,7 @@ import pytest
 
 import gbn_jax
 from gbn_jax import quantiles
+from gbn_jax._selection import common, fused, native
 import reference as ref
 
 ALPHAS = [1e-6, 0.01, 0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.9, 0.999999]
@@ -74,7 +75,7 @@ def test_agrees_with_numpy_inverted_cdf_where_unambiguous():
 def test_axes_and_shapes(axis):
   x = _inputs("relu", (6, 5, 4, 3), seed=1)
   got = np.asarray(gbn_jax.quantile(x, 0.6, axis=axis))
-  axes = quantiles.canonicalize_axes(x.ndim, axis)
+  axes = common.reduction_axes(x.ndim, axis)
   (want,) = ref.per_feature(lambda r: (ref.quantile_1d(r, 0.6),), x, axes)
   np.testing.assert_array_equal(got, want.astype(np.float32).reshape(got.shape))
   assert got.shape == np.quantile(x, 0.6, axis=axis).shape
@@ -216,12 +217,10 @@ def test_composes_with_jit_vmap_grad():
 def test_unknown_kernel_counts_are_counted_where_the_mode_is_unreadable(known, monkeypatch):
   # Off x86 the kernel cannot read the denormal mode and says -1 for a zero
   # or denormal answer; the count then comes from the flags, behind a cond.
-  from gbn_jax import _native
-
-  monkeypatch.setattr(_native, "counts_always_known", lambda: False)
+  monkeypatch.setattr(native, "counts_always_known", lambda: False)
   x = jnp.asarray(_inputs("relu", (50, 3), seed=2))
   flags = lambda: x == 0
-  got = jax.jit(lambda k: quantiles._known_or_counted(k, flags, (0,)))(jnp.asarray(known))
+  got = jax.jit(lambda k: fused.known_or_counted(k, flags, (0,)))(jnp.asarray(known))
   # One unknown count sends every position to the counting branch.
   want = known if min(known) >= 0 else (np.asarray(x) == 0).sum(axis=0)
   np.testing.assert_array_equal(got, want)
@@ -232,10 +231,8 @@ def test_sqd_gradient_formula_with_and_without_the_fallback_count(trusted, monke
   # The kernel's counts used outright (x86) or behind the cond kept for CPUs
   # whose denormal mode it cannot read: the gradient of D = qbar - mean must
   # follow the definition either way. ReLU zeros put q_0.25 on a heavy tie.
-  from gbn_jax import _native
-
   if not trusted:
-    monkeypatch.setattr(_native, "counts_always_known", lambda: False)
+    monkeypatch.setattr(native, "counts_always_known", lambda: False)
   alpha, w = 0.25, np.arange(1.0, 5.0)
   x = _inputs("relu", (300, 4), seed=3)
   f = lambda v: jnp.sum(gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[1] * w)

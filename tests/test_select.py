@@ -1,4 +1,4 @@
-"""Tests of gbn_jax._select (exact k-th smallest) against numpy sorts.
+"""Tests of gbn_jax._selection (exact k-th smallest) against numpy sorts.
 
 The oracle is written from the definition: per feature, ``np.sort`` of the
 masked-in elements and take index ``k - 1``. Results must match bit for bit
@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax import _native, _select
+import gbn_jax
+from gbn_jax._selection import common, config, dispatch, loop, native, radix, sort
 
-METHODS = _select.METHODS
+METHODS = dispatch.METHODS
 TINY = np.finfo(np.float32).tiny
 
 
@@ -50,7 +51,7 @@ def assert_bitwise(got, want):
 
 @jax.jit(static_argnames=("axis", "method"))
 def jit_select(x, k, axis, method, where=None):
-  return _select.kth_smallest(x, k, axis, where=where, method=method)
+  return dispatch.kth_smallest(x, k, axis, where=where, method=method)
 
 
 def select_traced_k(x, k, axis, method, where=None):
@@ -139,12 +140,12 @@ def test_broadcast_mask_and_empty_feature_gives_nan(method):
   x = data("normal", (2000, 3), seed=4)
   where = np.ones((2000, 3), bool)
   where[:, 2] = False
-  got = np.asarray(_select.kth_smallest(x, 5, (0,), where=where[:, :], method=method))
+  got = np.asarray(dispatch.kth_smallest(x, 5, (0,), where=where[:, :], method=method))
   assert_bitwise(got[:2], numpy_kth(x[:, :2], 5, (0,)))
   if method != "sort":  # the reference does not check k <= n
     assert np.isnan(got[2])
   row_mask = np.arange(2000)[:, None] < 1000  # broadcast over features
-  got = _select.kth_smallest(x, 500, (0,), where=row_mask, method=method)
+  got = dispatch.kth_smallest(x, 500, (0,), where=row_mask, method=method)
   assert_bitwise(got, numpy_kth(x[:1000], 500, (0,)))
 
 
@@ -163,7 +164,7 @@ def test_axes(method, shape, axis):
 @pytest.mark.parametrize("method", METHODS)
 def test_vmap(method):
   x = data("relu", (3, 1200, 2), seed=6)
-  got = jax.vmap(lambda v: _select.kth_smallest(v, 600, (0,), method=method))(x)
+  got = jax.vmap(lambda v: dispatch.kth_smallest(v, 600, (0,), method=method))(x)
   want = np.stack([numpy_kth(v, 600, (0,)) for v in x])
   assert_bitwise(got, want)
 
@@ -171,7 +172,7 @@ def test_vmap(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_traceable_under_grad(method):
   x = jnp.asarray(data("normal", (1500, 2), seed=7))
-  g = jax.grad(lambda v: jnp.sum(_select.kth_smallest(v, 700, (0,), method=method)))(x)
+  g = jax.grad(lambda v: jnp.sum(dispatch.kth_smallest(v, 700, (0,), method=method)))(x)
   assert g.shape == x.shape and not np.any(np.asarray(g))
 
 
@@ -181,38 +182,37 @@ def test_forced_collisions_and_sort_fallback_stay_exact(monkeypatch):
   x = data("normal", (6000, 8), seed=8)
   k = np.array([1, 2, 1500, 3000, 3001, 4500, 5999, 6000], np.int32)
   want = numpy_kth(x, k, (0,))
-  monkeypatch.setattr(_select, "_FOLD_ELEMENTS", 8 * 13)
-  monkeypatch.setattr(_select, "_CHUNK_ELEMENTS", 8 * 96)
-  assert_bitwise(_select.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want)
-  monkeypatch.setattr(_select, "_MAX_PASSES", 2)
-  assert_bitwise(_select.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want)
-  assert_bitwise(_select.kth_smallest(x, jnp.asarray(k), (0,), method="bisect"), want)
+  monkeypatch.setattr(loop, "_FOLD_ELEMENTS", 8 * 13)
+  monkeypatch.setattr(loop, "_CHUNK_ELEMENTS", 8 * 96)
+  assert_bitwise(dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want)
+  monkeypatch.setattr(loop, "_MAX_PASSES", 2)
+  assert_bitwise(dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want)
+  assert_bitwise(dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="bisect"), want)
 
 
 def test_default_method_and_reference_agree_with_numpy():
   x = data("normal", (4, 8, 8, 5), seed=9)
-  assert_bitwise(_select.kth_smallest(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2)))
-  assert_bitwise(_select.kth_smallest_reference(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2)))
+  assert_bitwise(dispatch.kth_smallest(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2)))
+  assert_bitwise(sort.kth_smallest_reference(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2)))
   x16 = jnp.asarray(x, jnp.bfloat16)
   want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))
-  assert_bitwise(_select.kth_smallest(x16, 100, (0, 1, 2)), want)
+  assert_bitwise(dispatch.kth_smallest(x16, 100, (0, 1, 2)), want)
 
 
 def test_accelerators_default_to_the_bracket_and_compare_histograms(monkeypatch):
   """The defaults measured fastest on an H100 (results/h100_*.json)."""
-  from gbn_jax import _radix_select  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(_select, "_native_applies", lambda axis_name: False)
+  monkeypatch.setattr(native, "applies", lambda axis_name: False)
   for backend, large, small, histogram in (("gpu", "bracket", "sort", ("compare", 4)),
                                            ("tpu", "bracket", "sort", ("compare", 4)),
                                            ("cpu", "adaptive", "bisect", ("scatter", 8))):
     monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
-    assert _select._default_method(_select._ADAPTIVE_MIN_ROWS) == large
-    assert _select._default_method(_select._ADAPTIVE_MIN_ROWS - 1) == small
-    assert _radix_select.default_histogram() == histogram
-    assert _radix_select._resolve_histogram(None, None) == histogram
-    assert _radix_select._resolve_histogram("scatter", None)[1] == (
+    assert dispatch.default_method(dispatch._ADAPTIVE_MIN_ROWS) == large
+    assert dispatch.default_method(dispatch._ADAPTIVE_MIN_ROWS - 1) == small
+    assert radix.default_histogram() == histogram
+    assert radix._resolve_histogram(None, None) == histogram
+    assert radix._resolve_histogram("scatter", None)[1] == (
         8 if histogram[0] == "compare" else histogram[1])
-    assert _radix_select._resolve_histogram("compare", 2) == ("compare", 2)
+    assert radix._resolve_histogram("compare", 2) == ("compare", 2)
 
 
 def test_native_kernel_is_built_where_expected():
@@ -220,11 +220,11 @@ def test_native_kernel_is_built_where_expected():
   # kernel that silently failed to build or load fails here, not in timings.
   if os.environ.get("GBN_EXPECT_NATIVE") != "1":
     pytest.skip("GBN_EXPECT_NATIVE is not set")
-  assert _native.available()
-  assert _select._default_method(10**6) == "native"
+  assert native.available()
+  assert dispatch.default_method(10**6) == "native"
 
 
-needs_native = pytest.mark.skipif(not _native.available(), reason="C++ kernel not built")
+needs_native = pytest.mark.skipif(not native.available(), reason="C++ kernel not built")
 
 
 @needs_native
@@ -234,27 +234,26 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
   # Over 16384 rows the kernel brackets the target from a sample and gathers;
   # sigmas=0 makes brackets miss often, exercising its whole-column fallback.
   # 19 features: two groups of eight take the AVX2 sweep, three the scalar one.
-  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
-  # A fresh jit: the setting is read when tracing.
-  select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0, 1, 2), method="native"))
-  x = data(kind, (41, 25, 20, 19), seed=10 + KINDS.index(kind))
-  fallbacks = 0
-  for k in ranks(41 * 25 * 20):
-    want = numpy_kth(x, k, (0, 1, 2))
-    assert_bitwise(select(x, jnp.full((19,), k, jnp.int32)), want)
-    keys, _, path = _native.kth_smallest_keys(
-        jnp.asarray(x).reshape(-1, 19), jnp.full((19,), k, jnp.int32)
-    )
-    assert_bitwise(_select._key_to_output(keys), want)
-    fallbacks += int(np.sum(np.asarray(path) == _native.PATHS.index("missed_bracket")))
-  # The fallback must stay the exception (a bracket misses ~0.3% of the
-  # time at 3 sigmas): a wrong count in the sweep would send columns there and
-  # still answer right. At 0 sigmas brackets on continuous data must miss, or
-  # the fallback would go untested (with atoms they still often hit).
-  if sigmas > 0:
-    assert fallbacks <= 4, fallbacks
-  elif kind in ("normal", "wide"):
-    assert fallbacks >= 19, fallbacks
+  with gbn_jax.selection_config(bracket_sigmas=sigmas):
+    select = jax.jit(lambda v, k: dispatch.kth_smallest(v, k, (0, 1, 2), method="native"))
+    x = data(kind, (41, 25, 20, 19), seed=10 + KINDS.index(kind))
+    fallbacks = 0
+    for k in ranks(41 * 25 * 20):
+      want = numpy_kth(x, k, (0, 1, 2))
+      assert_bitwise(select(x, jnp.full((19,), k, jnp.int32)), want)
+      keys, _, path = native.kth_smallest_keys(
+          jnp.asarray(x).reshape(-1, 19), jnp.full((19,), k, jnp.int32)
+      )
+      assert_bitwise(common.key_to_output(keys), want)
+      fallbacks += int(np.sum(np.asarray(path) == native.PATHS.index("missed_bracket")))
+    # The fallback must stay the exception (a bracket misses ~0.3% of the
+    # time at 3 sigmas): a wrong count in the sweep would send columns there and
+    # still answer right. At 0 sigmas brackets on continuous data must miss, or
+    # the fallback would go untested (with atoms they still often hit).
+    if sigmas > 0:
+      assert fallbacks <= 4, fallbacks
+    elif kind in ("normal", "wide"):
+      assert fallbacks >= 19, fallbacks
 
 
 def as_xla_cpu_compares(x):
@@ -281,18 +280,18 @@ def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
   # The kernel reports how many elements equal the answer as XLA:CPU's float
   # comparison counts them (zeros and denormals all equal); quantile
   # gradients divide by it. -1 only where it cannot read the denormal mode.
-  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
-  select = jax.jit(lambda v, k: _select.kth_smallest(v, k, (0,), method="native", return_ties=True))
-  x = data(kind, (rows, 11), seed=rows + len(kind))  # two AVX2 groups, overlapping
-  for frac in (0.0, 0.3, 0.5, 0.9, 1.0):
-    k = max(1, int(np.ceil(frac * rows)))
-    value, ties = select(x, jnp.full((11,), k, jnp.int32))
-    want = numpy_kth(x, k, (0,))
-    assert_bitwise(value, want)
-    want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
-    if not _native.counts_always_known():
-      want_ties = np.where(np.abs(want) < TINY, -1, want_ties)
-    np.testing.assert_array_equal(np.asarray(ties), want_ties)
+  with gbn_jax.selection_config(bracket_sigmas=sigmas):
+    select = jax.jit(lambda v, k: dispatch.kth_smallest(v, k, (0,), method="native", return_ties=True))
+    x = data(kind, (rows, 11), seed=rows + len(kind))  # two AVX2 groups, overlapping
+    for frac in (0.0, 0.3, 0.5, 0.9, 1.0):
+      k = max(1, int(np.ceil(frac * rows)))
+      value, ties = select(x, jnp.full((11,), k, jnp.int32))
+      want = numpy_kth(x, k, (0,))
+      assert_bitwise(value, want)
+      want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
+      if not native.counts_always_known():
+        want_ties = np.where(np.abs(want) < TINY, -1, want_ties)
+      np.testing.assert_array_equal(np.asarray(ties), want_ties)
 
 
 @needs_native
@@ -305,7 +304,7 @@ def test_native_tie_count_of_inf_excludes_masked_out_elements():
   where = rng.random(x.shape) < 0.7
   n = where.sum(axis=0)
   value, ties = jax.jit(
-      lambda v, k, w: _select.kth_smallest(v, k, (0,), where=w, return_ties=True)
+      lambda v, k, w: dispatch.kth_smallest(v, k, (0,), where=w, return_ties=True)
   )(x, jnp.asarray(n, jnp.int32), where)
   assert np.all(np.isinf(value))
   np.testing.assert_array_equal(ties, (np.isinf(x) & where).sum(axis=0))
@@ -322,7 +321,7 @@ def test_native_large_batch_mask_per_feature_k_and_vmap():
   k = np.maximum(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]) * n // 9, 1).astype(np.int32)
   assert_bitwise(jit_select(x, jnp.asarray(k), (0,), "native", where), numpy_kth(x, k, (0,), where))
   xs = data("normal", (2, 20000, 3), seed=12)
-  got = jax.vmap(lambda v: _select.kth_smallest(v, 4321, (0,), method="native"))(xs)
+  got = jax.vmap(lambda v: dispatch.kth_smallest(v, 4321, (0,), method="native"))(xs)
   assert_bitwise(got, np.stack([numpy_kth(v, 4321, (0,)) for v in xs]))
 
 
@@ -339,7 +338,7 @@ def numpy_sums(x, q):
     mean = x.mean(axis=0)
   excess = np.where(nan, np.nan, excess)
   count = above.sum(axis=0)
-  if not _native.counts_always_known():
+  if not native.counts_always_known():
     count = np.where(np.abs(q[0]) < TINY, -1, count)
   return mean, excess, count
 
@@ -352,33 +351,33 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
   # The kernel's second entry point also returns E[x], E[(x - q)^+] and
   # #{x > q}, summed in the sweep that selects q; sqd takes its statistics
   # from there. 11 features: the last AVX2 group overlaps the one before.
-  monkeypatch.setattr(_native, "BRACKET_SIGMAS", sigmas)
-  select = jax.jit(lambda v, k: _select.kth_smallest_with_sums(v, k, (0,)))
-  if kind == "offset":  # cancellation: E[(x - q)^+] is small next to x
-    x = (1000 + data("normal", (rows, 11), seed=rows)).astype(np.float32)
-  elif kind == "nan":  # NaNs of both signs (keys at both ends) in some columns
-    x = data("normal", (rows, 11), seed=rows)
-    x[np.random.default_rng(rows).integers(0, rows, 3), [1, 8, 10]] = np.nan
-    x[np.random.default_rng(rows + 1).integers(0, rows, 3), [1, 2, 10]] = np.copysign(np.nan, -1)
-    assert (np.isnan(x[:, 2]) & np.signbit(x[:, 2])).any()
-  else:
-    x = data(kind, (rows, 11), seed=rows + len(kind))
-  finite = np.abs(x[np.isfinite(x)])
-  scale = float(finite.mean()) if finite.size else 1.0
-  for frac in (0.0, 0.25, 0.5, 0.9, 1.0):
-    k = max(1, int(np.ceil(frac * rows)))
-    value, ties, mean, excess, above = select(x, k)
-    want = numpy_kth(x, k, (0,))
-    if kind != "nan":
-      assert_bitwise(value, want)
-    want_mean, want_excess, want_above = numpy_sums(x, value)
-    # float32 sums in blocks of rows, float64 across blocks
-    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6 * scale)
-    np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-6 * scale)
-    np.testing.assert_array_equal(above, want_above)
-    if kind != "nan" and _native.counts_always_known():
-      want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
-      np.testing.assert_array_equal(ties, want_ties)
+  with gbn_jax.selection_config(bracket_sigmas=sigmas):
+    select = jax.jit(lambda v, k: native.kth_smallest_with_sums(v, k, (0,)))
+    if kind == "offset":  # cancellation: E[(x - q)^+] is small next to x
+      x = (1000 + data("normal", (rows, 11), seed=rows)).astype(np.float32)
+    elif kind == "nan":  # NaNs of both signs (keys at both ends) in some columns
+      x = data("normal", (rows, 11), seed=rows)
+      x[np.random.default_rng(rows).integers(0, rows, 3), [1, 8, 10]] = np.nan
+      x[np.random.default_rng(rows + 1).integers(0, rows, 3), [1, 2, 10]] = np.copysign(np.nan, -1)
+      assert (np.isnan(x[:, 2]) & np.signbit(x[:, 2])).any()
+    else:
+      x = data(kind, (rows, 11), seed=rows + len(kind))
+    finite = np.abs(x[np.isfinite(x)])
+    scale = float(finite.mean()) if finite.size else 1.0
+    for frac in (0.0, 0.25, 0.5, 0.9, 1.0):
+      k = max(1, int(np.ceil(frac * rows)))
+      value, ties, mean, excess, above = select(x, k)
+      want = numpy_kth(x, k, (0,))
+      if kind != "nan":
+        assert_bitwise(value, want)
+      want_mean, want_excess, want_above = numpy_sums(x, value)
+      # float32 sums in blocks of rows, float64 across blocks
+      np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6 * scale)
+      np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-6 * scale)
+      np.testing.assert_array_equal(above, want_above)
+      if kind != "nan" and native.counts_always_known():
+        want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
+        np.testing.assert_array_equal(ties, want_ties)
 
 
 @needs_native
@@ -400,8 +399,8 @@ def test_native_portable_code():
 def test_accelerator_code_paths_on_cpu(kind, method, monkeypatch):
   # GPU/TPU take other branches (8 thresholds per pass, one-kernel fold,
   # sort along the minor axis); force them here so CI checks them too.
-  monkeypatch.setattr(_select, "_on_cpu", lambda: False)
-  select = jax.jit(lambda v, k, w: _select.kth_smallest(v, k, (0, 1), where=w, method=method))
+  monkeypatch.setattr(common, "on_cpu", lambda: False)
+  select = jax.jit(lambda v, k, w: dispatch.kth_smallest(v, k, (0, 1), where=w, method=method))
   x = data(kind, (300, 90, 3), seed=20 + len(kind))
   where = np.random.default_rng(1).random(x.shape) < 0.9
   n = where.sum(axis=(0, 1))
@@ -415,23 +414,23 @@ def test_accelerator_code_paths_on_cpu(kind, method, monkeypatch):
 )
 def test_bad_axes(axis, err):
   with pytest.raises(err, match="axis"):
-    _select.kth_smallest(jnp.ones((4, 3, 2)), 1, axis)
+    dispatch.kth_smallest(jnp.ones((4, 3, 2)), 1, axis)
 
 
 def test_bad_arguments():
   with pytest.raises(TypeError, match="floating"):
-    _select.kth_smallest(jnp.ones((4, 3), jnp.int32), 1, (0,))
+    dispatch.kth_smallest(jnp.ones((4, 3), jnp.int32), 1, (0,))
   with pytest.raises(TypeError, match="integer"):
-    _select.kth_smallest(jnp.ones((4, 3)), 1.5, (0,))
+    dispatch.kth_smallest(jnp.ones((4, 3)), 1.5, (0,))
   with pytest.raises(ValueError, match="method"):
-    _select.kth_smallest(jnp.ones((4, 3)), 1, (0,), method="quick")
+    dispatch.kth_smallest(jnp.ones((4, 3)), 1, (0,), method="quick")
 
 
 MULTIDEVICE_SCRIPT = textwrap.dedent(
     """
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
-    from gbn_jax import _select
+    from gbn_jax._selection import dispatch, sort
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("b",))
     rng = np.random.default_rng(0)
@@ -446,26 +445,26 @@ MULTIDEVICE_SCRIPT = textwrap.dedent(
         x = np.round(x * 2) / 2
       where = rng.random(x.shape) < 0.8
       k = np.array([[1, 900, 1680], [2, 1000, 3000], [1500, 700, 4], [1, 2, 3], [3360, 17, 8], [5, 6, 7]], np.int32)
-      for method in _select.METHODS:
+      for method in dispatch.METHODS:
         def local(xs, ws, method=method):
-          a = _select.kth_smallest(xs, 1000, (0,), axis_name="b", method=method)
-          b = _select.kth_smallest(xs, jnp.asarray(k) // 2 + 1, (0,), where=ws, axis_name="b", method=method)
+          a = dispatch.kth_smallest(xs, 1000, (0,), axis_name="b", method=method)
+          b = dispatch.kth_smallest(xs, jnp.asarray(k) // 2 + 1, (0,), where=ws, axis_name="b", method=method)
           return a[None], b[None]
         a, b = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("b"), P("b")), out_specs=P("b")))(x, where)
         for d in range(4):
-          check(a[d], _select.kth_smallest_reference(x, 1000, (0,)))
-          check(b[d], _select.kth_smallest_reference(x, k // 2 + 1, (0,), where=where))
+          check(a[d], sort.kth_smallest_reference(x, 1000, (0,)))
+          check(b[d], sort.kth_smallest_reference(x, k // 2 + 1, (0,), where=where))
         # axis_index_groups: devices {0, 1} and {2, 3} select separately.
         groups = [[0, 1], [2, 3]]
-        g = jax.pmap(lambda xs: _select.kth_smallest(xs, 700, (0,), axis_name="b", axis_index_groups=groups, method=method), axis_name="b")(x.reshape(4, 700, 6, 3))
-        check(g[0], _select.kth_smallest_reference(x[:1400], 700, (0,)))
+        g = jax.pmap(lambda xs: dispatch.kth_smallest(xs, 700, (0,), axis_name="b", axis_index_groups=groups, method=method), axis_name="b")(x.reshape(4, 700, 6, 3))
+        check(g[0], sort.kth_smallest_reference(x[:1400], 700, (0,)))
         check(g[1], g[0])
-        check(g[2], _select.kth_smallest_reference(x[1400:], 700, (0,)))
+        check(g[2], sort.kth_smallest_reference(x[1400:], 700, (0,)))
         check(g[3], g[2])
     # Reference, single device, vs numpy on the concatenation.
     xs = rng.standard_normal((4 * 300, 2)).astype(np.float32)
     want = np.sort(xs, axis=0)[599]
-    got = jax.pmap(lambda v: _select.kth_smallest(v, 600, (0,), axis_name="b"), axis_name="b")(xs.reshape(4, 300, 2))
+    got = jax.pmap(lambda v: dispatch.kth_smallest(v, 600, (0,), axis_name="b"), axis_name="b")(xs.reshape(4, 300, 2))
     for d in range(4):
       check(got[d], want)
     print("MULTIDEVICE OK")
@@ -497,7 +496,7 @@ def test_float64_keeps_its_precision_under_x64():
   with jax.enable_x64(True):
     xj = jnp.asarray(x, jnp.float64)
     for k in (1, 13, 49, 97):
-      got = _select.kth_smallest(xj, k, (0,))
+      got = dispatch.kth_smallest(xj, k, (0,))
       assert got.dtype == jnp.float64
       np.testing.assert_array_equal(np.asarray(got),
                                     np.sort(x, axis=0)[k - 1] + 0.0)
@@ -510,3 +509,59 @@ def test_float64_keeps_its_precision_under_x64():
       np.testing.assert_allclose(
           np.asarray(qbar), [ref.superquantile_1d(x[:, j], alpha)
                              for j in (1, 2)], rtol=1e-13)
+
+
+def test_selection_config_is_part_of_the_trace_context(monkeypatch):
+  # A function jitted once must follow a later change of the method: the
+  # setting is in jit's cache key (a module global was silently ignored).
+  x = data("normal", (300, 4), seed=30)
+  want = numpy_kth(x, 150, (0,))
+  loops, traces = [], []
+  counting_passes = loop.kth_smallest_loop
+
+  def spy(*args, **kwargs):
+    loops.append(1)  # at trace time: only "adaptive" and "bisect" get here
+    return counting_passes(*args, **kwargs)
+
+  monkeypatch.setattr(loop, "kth_smallest_loop", spy)
+
+  @jax.jit
+  def f(v):
+    traces.append(1)
+    return dispatch.kth_smallest(v, 150, (0,))
+
+  with gbn_jax.selection_config(method="sort"):
+    assert_bitwise(f(x), want)
+  assert (len(traces), len(loops)) == (1, 0)
+  with gbn_jax.selection_config(method="bisect"):
+    assert_bitwise(f(x), want)
+    assert_bitwise(f(x), want)  # cached within the setting
+    with gbn_jax.selection_config(bracket_sigmas=1.0):  # nested: keeps the method
+      assert config.current() == config.SelectionConfig(method="bisect", bracket_sigmas=1.0)
+    assert config.current().bracket_sigmas == 3.0
+  assert (len(traces), len(loops)) == (2, 1)
+  with gbn_jax.selection_config(method="sort"):
+    assert_bitwise(f(x), want)  # the first trace, from the cache
+  assert len(traces) == 2
+  # The public quantile (jitted inside the package) follows it too.
+  with gbn_jax.selection_config(method="bisect"):
+    got = gbn_jax.quantile(x, 0.5, axis=0)
+  assert len(loops) == 2
+  assert_bitwise(got, want)
+  with pytest.raises(ValueError, match="method"):
+    with gbn_jax.selection_config(method="quick"):
+      pass
+
+
+@needs_native
+def test_bracket_sigmas_setting_reaches_a_jitted_kernel_call():
+  x = data("normal", (41000, 11), seed=31)
+  k = jnp.full((11,), 20500, jnp.int32)
+  missed = native.PATHS.index("missed_bracket")
+  f = jax.jit(lambda v, k: native.kth_smallest_keys(v, k)[2])
+  with gbn_jax.selection_config(bracket_sigmas=3.0):
+    wide = np.asarray(f(x, k))
+  with gbn_jax.selection_config(bracket_sigmas=0.0):  # same jit object
+    narrow = np.asarray(f(x, k))
+  # At 0 sigmas brackets on continuous data miss (see the sampled-path test).
+  assert np.sum(wide == missed) <= 1 and np.sum(narrow == missed) >= 9, (wide, narrow)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gbn_jax import _radix_select, _select
+from gbn_jax._selection import radix, sort
 
 NDEV = 4
 
@@ -52,10 +52,10 @@ def test_shard_map_axis_name_equals_single_device(kind):
   k = K // 2 + 1
 
   def local(xs, ws):
-    a = _radix_select.kth_smallest_accelerator(xs, 1000, (0,), axis_name="b")
-    b, ties = _radix_select.kth_smallest_accelerator(
+    a = radix.kth_smallest_accelerator(xs, 1000, (0,), axis_name="b")
+    b, ties = radix.kth_smallest_accelerator(
         xs, jnp.asarray(k), (0,), where=ws, axis_name="b", return_ties=True)
-    sums = _radix_select.kth_smallest_with_sums_accelerator(
+    sums = radix.kth_smallest_with_sums_accelerator(
         xs, jnp.asarray(k), (0,), where=ws, axis_name="b")
     return a, b, ties[None], sums
 
@@ -63,15 +63,15 @@ def test_shard_map_axis_name_equals_single_device(kind):
       local, mesh=_mesh(), in_specs=(P("b"), P("b")), out_specs=(P(), P(), P("b"), P())))
   a, b, ties, sums = fn(x, where)
   assert "while" not in str(jax.make_jaxpr(fn)(x, where))
-  _check(a, _select.kth_smallest_reference(x, 1000, (0,)))
-  want_b = _select.kth_smallest_reference(x, k, (0,), where=where)
+  _check(a, sort.kth_smallest_reference(x, 1000, (0,)))
+  want_b = sort.kth_smallest_reference(x, k, (0,), where=where)
   _check(b, want_b)
   # Local tie counts: each device's own rows (the quantile JVP psums them).
   parts = np.split(x, NDEV), np.split(where, NDEV)
   for d, (xd, wd) in enumerate(zip(*parts)):
     np.testing.assert_array_equal(ties[d], ((xd == np.asarray(want_b)[None]) & wd).sum(0))
   # The sums entry point, pooled, against one device on the whole batch.
-  single = jax.jit(lambda v, w: _radix_select.kth_smallest_with_sums_accelerator(
+  single = jax.jit(lambda v, w: radix.kth_smallest_with_sums_accelerator(
       v, jnp.asarray(k), (0,), where=w))(x, where)
   _check(sums[0], single[0])
   for got, want in zip(sums[1:], single[1:]):
@@ -83,13 +83,13 @@ def test_pmap_axis_index_groups():
   x = _data("halves", (NDEV * 700, 6, 3), seed=3)
   groups = [[0, 1], [2, 3]]
   g = jax.pmap(
-      lambda xs: _radix_select.kth_smallest_accelerator(
+      lambda xs: radix.kth_smallest_accelerator(
           xs, 700, (0,), axis_name="b", axis_index_groups=groups),
       axis_name="b",
   )(x.reshape(NDEV, 700, 6, 3))
-  _check(g[0], _select.kth_smallest_reference(x[:1400], 700, (0,)))
+  _check(g[0], sort.kth_smallest_reference(x[:1400], 700, (0,)))
   _check(g[1], g[0])
-  _check(g[2], _select.kth_smallest_reference(x[1400:], 700, (0,)))
+  _check(g[2], sort.kth_smallest_reference(x[1400:], 700, (0,)))
   _check(g[3], g[2])
 
 
@@ -100,13 +100,13 @@ def test_jit_over_batch_sharded_array(explicit):
   where = np.random.default_rng(4).random(x.shape) < 0.9
   sharding = NamedSharding(mesh, P("b"))
   xs, ws = jax.device_put(x, sharding), jax.device_put(where, sharding)
-  fn = jax.jit(functools.partial(_radix_select.kth_smallest_accelerator, k=1500, axis=(0, 1, 2)))
-  _check(fn(xs), _select.kth_smallest_reference(x, 1500, (0, 1, 2)))
-  fn = jax.jit(lambda v, w: _radix_select.kth_smallest_with_sums_accelerator(
+  fn = jax.jit(functools.partial(radix.kth_smallest_accelerator, k=1500, axis=(0, 1, 2)))
+  _check(fn(xs), sort.kth_smallest_reference(x, 1500, (0, 1, 2)))
+  fn = jax.jit(lambda v, w: radix.kth_smallest_with_sums_accelerator(
       v, 1000, (0, 1, 2), where=w))
   got = fn(xs, ws)
   want = fn(x, where)
-  _check(got[0], _select.kth_smallest_reference(x, 1000, (0, 1, 2), where=where))
+  _check(got[0], sort.kth_smallest_reference(x, 1000, (0, 1, 2), where=where))
   _check(got[0], want[0])
   for a, b in zip(got[1:], want[1:]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

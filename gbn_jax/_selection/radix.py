@@ -1,16 +1,13 @@
 """Exact k-th smallest by radix select: a fixed number of passes, no data-dependent loop.
 
-For accelerators. ``_select``'s ``"adaptive"`` method runs a
+For accelerators. The ``"adaptive"`` method (``loop``) runs a
 ``lax.while_loop`` whose predicate is data-dependent: on a GPU every pass costs
 a kernel launch *and* a device-to-host copy of the predicate, so the device
 idles while the host decides. Radix select needs no decision on the host:
 
-* Work on the order-preserving int32 keys of ``_select`` (``_float_to_key``),
-  with ``-0.0`` merged into ``+0.0`` (key ``-1`` -> ``0``, adjacent keys, so the
-  k-th smallest only changes from ``-0.0`` to ``+0.0``, which the contract
-  returns anyway, and ties count both zeros, as ``x == 0.0`` does). Flipping
-  the sign bit (``u = key ^ INT_MIN``) makes the unsigned order of ``u`` the
-  key order.
+* Work on the order-preserving int32 keys (``common.merged_keys``: ``-0.0``
+  merged into ``+0.0``). Flipping the sign bit (``u = key ^ INT_MIN``) makes
+  the unsigned order of ``u`` the key order.
 * ``32 / digit_bits`` passes (4 with 8-bit digits, the CPU's default; 8 with
   the 4-bit digits of accelerators, see :func:`default_histogram`), most
   significant digit first. Pass ``p`` histograms, per feature, digit ``p`` of
@@ -59,7 +56,6 @@ Histogram kernels (``histogram=``):
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -68,19 +64,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gbn_jax import _select
-from gbn_jax._select import (
-    _Comm,
-    _check_axes,
-    _check_input,
-    _float_to_key,
-    _key_to_output,
-    _prepare_k,
-    _replicate_explicit,
-    _to_rows,
+from gbn_jax._selection import common, sort
+from gbn_jax._selection.common import (
+    Comm,
+    check_element_count,
+    check_input,
+    check_sorted_axes,
+    key_to_output,
+    merged_keys,
+    prepare_k,
+    replicate_explicit,
+    to_rows,
 )
-
-from gbn_jax._select import check_element_count
 
 Array = jax.Array
 
@@ -91,7 +86,6 @@ __all__ = [
     "kth_smallest_with_sums_accelerator",
     "radix_kth_smallest",
     "radix_sums",
-    "sums_apply",
 ]
 
 #: Histogram kernels accepted by ``radix_kth_smallest(..., histogram=...)``.
@@ -128,7 +122,7 @@ class RadixSelection(NamedTuple):
   """Result of :func:`radix_kth_smallest`, per feature (all ``[F]`` int32).
 
   ``keys``: the k-th smallest key (``-0.0`` merged into ``+0.0``: key ``0``);
-  ``_select._key_to_output(keys)`` is the float. ``n``: masked-in elements;
+  ``common.key_to_output(keys)`` is the float. ``n``: masked-in elements;
   ``ties``: of them, how many have the answer's key; ``above``: how many have
   a larger key, i.e. are not ``<= answer``. ``n``, ``ties`` and ``above`` count
   all devices along ``axis_name``; ``local_*`` only this device's rows.
@@ -141,12 +135,6 @@ class RadixSelection(NamedTuple):
   local_n: Array
   local_ties: Array
   local_above: Array
-
-
-def _merged_keys(rows: Array) -> Array:
-  """Keys with ``-0.0`` (key ``-1``) merged into ``+0.0`` (key ``0``)."""
-  key = _float_to_key(rows)
-  return jnp.where(key == -1, _I32(0), key)
 
 
 def _histogram_scatter(digit: Array, match: Array, n_bins: int) -> Array:
@@ -173,16 +161,11 @@ def _histogram_compare(digit: Array, match: Array, n_bins: int) -> Array:
 _HISTOGRAM_FNS = {"scatter": _histogram_scatter, "compare": _histogram_compare}
 
 
-def _take(a: Array, idx: Array) -> Array:
-  """``a[idx[f], f]`` for every column ``f``."""
-  return jnp.take_along_axis(a, idx[None, :], axis=0)[0]
-
-
 def radix_kth_smallest(
     rows: Array,
     mask: Array | None,
     k: Array,
-    comm: _Comm,
+    comm: Comm,
     *,
     digit_bits: int | None = None,
     histogram: str | None = None,
@@ -190,15 +173,15 @@ def radix_kth_smallest(
   """Exact k-th smallest key per column of ``rows``, in ``32 / digit_bits`` passes.
 
   Args:
-    rows: float32 ``[N, F]`` (``_select._to_rows``); masked-out entries may hold
-      anything (``_to_rows`` puts ``+inf`` there): ``mask`` decides.
+    rows: float32 ``[N, F]`` (``common.to_rows``); masked-out entries may hold
+      anything (``to_rows`` puts ``+inf`` there): ``mask`` decides.
     mask: bool ``[N, F]`` or ``None`` (all masked in).
     k: int32 ``[F]`` 1-based ranks over the masked-in elements of all devices,
       or a function of the pooled count ``n`` (int32 ``[F]``) returning them:
       the first pass counts ``n``, which spares a caller that derives ``k``
       from ``n`` (a quantile of a masked batch) its own pass over the mask.
       Out of ``[1, n]`` the key returned is meaningless (callers put NaN).
-    comm: ``_select._Comm``: histograms are ``psum``-ed along its axis.
+    comm: ``common.Comm``: histograms are ``psum``-ed along its axis.
     digit_bits: bits per pass, dividing 32 (8: 4 passes of 256 bins);
       default: :func:`default_histogram`'s for its histogram, else 8.
     histogram: one of :data:`HISTOGRAMS`; default: :func:`default_histogram`
@@ -217,7 +200,7 @@ def radix_kth_smallest(
   n_bins = 1 << digit_bits
   n_passes = 32 // digit_bits
   # Unsigned order of u (as bits) is the key order.
-  u = _merged_keys(rows) ^ _SIGN
+  u = merged_keys(rows) ^ _SIGN
   prefix = jnp.zeros(rows.shape[1:], _I32)  # chosen digits so far, low bits
   below = local_below = None
   for p in range(n_passes):
@@ -242,11 +225,11 @@ def radix_kth_smallest(
       local_below = jnp.zeros_like(local_n)
     # The chosen bin: the first whose inclusive count reaches the rank.
     chosen = jnp.minimum(jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1)
-    in_bin, local_in_bin = _take(hist, chosen), _take(local_hist, chosen)
-    before = _take(cum, chosen) - in_bin
+    in_bin, local_in_bin = common.take_rows(hist, chosen), common.take_rows(local_hist, chosen)
+    before = common.take_rows(cum, chosen) - in_bin
     rank = rank - before
     below = below + before
-    local_below = local_below + _take(local_cum, chosen) - local_in_bin
+    local_below = local_below + common.take_rows(local_cum, chosen) - local_in_bin
     prefix = (prefix << digit_bits) | chosen
   keys = prefix ^ _SIGN
   return RadixSelection(
@@ -260,7 +243,7 @@ def radix_kth_smallest(
   )
 
 
-def radix_sums(rows: Array, mask: Array | None, keys: Array, n: Array, comm: _Comm):
+def radix_sums(rows: Array, mask: Array | None, keys: Array, n: Array, comm: Comm):
   """``(mean, mean_excess)`` per column: ``E[x]`` and ``E[(x - q)^+]``, ``q`` the answer.
 
   One fused reduction over the rows after the selection (a fifth pass: the
@@ -270,7 +253,7 @@ def radix_sums(rows: Array, mask: Array | None, keys: Array, n: Array, comm: _Co
   sums (XLA's tree reductions), ``psum``-ed over devices; divided by the pooled
   count ``n`` (NaN where it is 0).
   """
-  q = _key_to_output(keys)[None]
+  q = key_to_output(keys)[None]
   x = rows.astype(_F32)
   inside = jnp.ones(x.shape, bool) if mask is None else mask
   total = jnp.sum(jnp.where(inside, x, 0.0), axis=0)
@@ -281,18 +264,18 @@ def radix_sums(rows: Array, mask: Array | None, keys: Array, n: Array, comm: _Co
 
 
 # --------------------------------------------------------------------------
-# Drop-in entry points with the contract of _select.kth_smallest.
+# Drop-in entry points with the contract of dispatch.kth_smallest.
 
 
 def _prepare(x, axis, where, axis_name, axis_index_groups):
-  x = _check_input(x)
-  axes = _check_axes(x.ndim, axis)
+  x = check_input(x)
+  axes = check_sorted_axes(x.ndim, axis)
   x = lax.stop_gradient(x)
   if x.dtype in (jnp.bfloat16, jnp.float16):
     x = x.astype(_F32)  # exact and order-preserving
   if where is not None:
     where = lax.stop_gradient(jnp.asarray(where, bool))
-  comm = _Comm(axis_name, axis_index_groups)
+  comm = Comm(axis_name, axis_index_groups)
   return x, axes, where, comm
 
 
@@ -308,7 +291,7 @@ def kth_smallest_accelerator(
     digit_bits: int | None = None,
     histogram: str | None = None,
 ) -> Array | tuple[Array, Array | None]:
-  """:func:`_select.kth_smallest` by radix select: a fixed number of passes, no while loop.
+  """``dispatch.kth_smallest`` by radix select: a fixed number of passes, no while loop.
 
   Same contract: the k-th smallest (1-based) over ``axis`` of the masked-in
   elements of all devices along ``axis_name``, float32, an element of ``x``
@@ -328,7 +311,7 @@ def kth_smallest_accelerator(
 
 def drop_in_selection(select_rows, x, k, axis, *, where, axis_name, axis_index_groups,
                       return_ties):
-  """``_select.kth_smallest``'s contract around a rows selection.
+  """``dispatch.kth_smallest``'s contract around a rows selection.
 
   ``select_rows(rows, mask, k, comm)`` returns the answer's ``keys``, the
   pooled count ``n`` and this device's ``local_ties`` (as
@@ -337,17 +320,17 @@ def drop_in_selection(select_rows, x, k, axis, *, where, axis_name, axis_index_g
   """
   x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
   if x.dtype != _F32:
-    value = _select.kth_smallest_reference(
+    value = sort.kth_smallest_reference(
         x, k, axes, where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
     )
     return (value, None) if return_ties else value
-  rows, mask, kept_shape = _to_rows(x, axes, where)
+  rows, mask, kept_shape = to_rows(x, axes, where)
   check_element_count(rows.shape[0] * comm.size())
-  k = _prepare_k(k, kept_shape)
+  k = prepare_k(k, kept_shape)
   sel = select_rows(
-      _replicate_explicit(rows), None if mask is None else _replicate_explicit(mask), k, comm)
+      replicate_explicit(rows), None if mask is None else replicate_explicit(mask), k, comm)
   bad_k = (k < 1) | (k > sel.n)
-  value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys)).reshape(kept_shape)
+  value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys)).reshape(kept_shape)
   if return_ties:
     return value, sel.local_ties.astype(_F32).reshape(kept_shape)
   return value
@@ -365,7 +348,7 @@ def kth_smallest_with_sums_accelerator(
     histogram: str | None = None,
     return_count: bool = False,
 ) -> tuple[Array, ...]:
-  """The k-th smallest and a superquantile's sums (``_select.kth_smallest_with_sums``).
+  """The k-th smallest and a superquantile's sums (as ``native.kth_smallest_with_sums``).
 
   For float32 ``x`` (others upcast to float32); may be masked and pooled over
   ``axis_name``. Returns, each of the non-reduced shape: the value (as
@@ -382,43 +365,22 @@ def kth_smallest_with_sums_accelerator(
   """
   x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
   x = x.astype(_F32)
-  rows, mask, kept_shape = _to_rows(x, axes, where)
+  rows, mask, kept_shape = to_rows(x, axes, where)
   check_element_count(rows.shape[0] * comm.size())
   if callable(k):
-    rank_of = lambda n: _prepare_k(k(n), kept_shape)
+    rank_of = lambda n: prepare_k(k(n), kept_shape)
   else:
-    k = _prepare_k(k, kept_shape)
+    k = prepare_k(k, kept_shape)
     rank_of = lambda n: k
-  rows = _replicate_explicit(rows)
-  mask = None if mask is None else _replicate_explicit(mask)
+  rows = replicate_explicit(rows)
+  mask = None if mask is None else replicate_explicit(mask)
   sel = radix_kth_smallest(rows, mask, rank_of, comm, digit_bits=digit_bits,
                            histogram=histogram)
   mean, mean_excess = radix_sums(rows, mask, sel.keys, sel.n, comm)
   k = rank_of(sel.n)  # [F] arithmetic, the same as inside the selection
   bad_k = (k < 1) | (k > sel.n)
-  value = jnp.where(bad_k, jnp.nan, _key_to_output(sel.keys))
+  value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys))
   out = (value, sel.ties, mean, mean_excess, sel.above)
   if return_count:
     out += (sel.n,)
   return tuple(a.reshape(kept_shape) for a in out)
-
-
-def sums_apply(
-    x: Array, axes: tuple[int, ...], axis_name: str | None, axis_index_groups: Any
-) -> bool:
-  """Whether a superquantile of ``x`` takes :func:`kth_smallest_with_sums_accelerator`.
-
-  Where ``_select.kth_smallest`` would select with this module's radix select:
-  :data:`_select.DEFAULT_METHOD` when set, else ``_select``'s default for the
-  pooled row count (``"accelerator"`` for large batches on a GPU/TPU). For
-  float32 and half-precision ``x`` (the latter upcast exactly, so the answer
-  is the one ``kth_smallest``'s sort gives them); float64 keeps its float64
-  selection and sums, since these sum in float32.
-  """
-  if jnp.result_type(x) not in (_F32, jnp.bfloat16, jnp.float16):
-    return False
-  method = _select.DEFAULT_METHOD
-  if method is None:
-    rows = math.prod(x.shape[a] for a in axes) * _Comm(axis_name, axis_index_groups).size()
-    method = _select._default_method(rows)  # pylint: disable=protected-access
-  return method == "accelerator"

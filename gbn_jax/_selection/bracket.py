@@ -1,6 +1,6 @@
 """Exact k-th smallest by a sampled bracket and one compaction pass, for accelerators.
 
-A second accelerator candidate next to ``_radix_select`` (four scatter-add
+A second accelerator candidate next to ``radix`` (four scatter-add
 histogram passes, whose atomics may serialise on XLA:GPU: 256 bins per feature
 against a million rows per feature on the conv shapes). This one touches the
 rows in one counting-and-compaction pass, with a fixed number of steps and no
@@ -10,8 +10,8 @@ rows in one counting-and-compaction pass, with a fixed number of steps and no
    device (static indices, one per stratum of ``N / S`` rows, offset inside the
    stratum by a low-discrepancy sequence so the sample does not lock onto a
    period of the layout, e.g. the image border of an NHWC batch). Its int32
-   keys (``_select._float_to_key``, ``-0.0`` merged into ``+0.0`` as in
-   ``_radix_select``) are gathered over ``axis_name`` (so every device derives
+   keys (``common.merged_keys``, ``-0.0`` merged into ``+0.0`` as in
+   ``radix``) are gathered over ``axis_name`` (so every device derives
    the same bracket) and sorted: a small ``S x F`` sort.
 2. **Bracket.** The target rank ``k`` of ``n`` sits near sample position
    ``t = k m / n`` (``m`` masked-in sample keys); its sampling error is about
@@ -43,7 +43,7 @@ balances the two sorts (``S`` against ``B ~ 5 N / sqrt(S)``): about 19000 and
 **Misses.** If, for some feature, the rank is outside the bracket (a sample
 far from the data's distribution) or falls in the interior while some device's
 interior overflows its buffer (heavy ties inside the bracket), the *whole
-batch* is selected again by ``_radix_select.radix_kth_smallest`` inside a
+batch* is selected again by ``radix.radix_kth_smallest`` inside a
 ``lax.cond`` on the pooled "any miss" flag. Exactness never depends on the
 sample, only the cost does. A per-feature ``jnp.where`` would run the radix
 passes on every call (both sides of a select are computed), so it would only
@@ -55,9 +55,9 @@ host, one device-to-host copy of a bool per call -- one host decision per call,
 where the adaptive method takes one per pass; the tests check that the jaxpr
 has exactly one ``cond`` and no ``while``.
 
-Comparisons are integer ones on keys, as in ``_radix_select`` (see its module
+Comparisons are integer ones on keys, as in ``radix`` (see its module
 docstring on denormals): results are bit for bit those of the radix select and
-of ``_select.kth_smallest_reference``; ``return_ties`` counts this device's
+of ``sort.kth_smallest_reference``; ``return_ties`` counts this device's
 masked-in elements with the answer's key.
 """
 
@@ -71,22 +71,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gbn_jax import _radix_select, _select
-from gbn_jax._select import (
-    _Comm,
-    _float_to_key,
-    _on_cpu,
-    _replicate_explicit,
+from gbn_jax._selection import common, radix
+from gbn_jax._selection.common import (
+    I32,
+    INT_MAX,
+    INT_MIN,
+    Comm,
+    merged_keys,
+    replicate_explicit,
+    take_rows,
 )
 
 Array = jax.Array
 
 __all__ = ["BracketSelection", "bracket_kth_smallest", "kth_smallest_bracket"]
 
-_I32 = jnp.int32
 _F32 = jnp.float32
-_INT_MAX = np.int32(np.iinfo(np.int32).max)
-_INT_MIN = np.int32(np.iinfo(np.int32).min)
 
 # Half-width of the bracket in sample standard deviations of the target's
 # sample rank, plus a few ranks for the rounding and tiny p.
@@ -112,10 +112,6 @@ class BracketSelection(NamedTuple):
   n: Array
   local_ties: Array
   missed: Array
-
-
-# The same keys as the radix select (its fallback).
-_merged_keys = _radix_select._merged_keys  # pylint: disable=protected-access
 
 
 def sample_size(n_rows: int) -> int:
@@ -151,40 +147,35 @@ def buffer_size(n_rows: int, n_devices: int = 1) -> int:
 
 def _sorted_columns(a: Array) -> Array:
   """``a`` sorted along axis 0."""
-  if _on_cpu():
+  if common.on_cpu():
     return jnp.sort(a, axis=0)
   # Along the minor axis, where XLA:GPU sorts with a radix sort (CUB), as in
-  # _select.kth_smallest_reference.
+  # sort.kth_smallest_reference.
   return jnp.sort(a.T, axis=1).T
-
-
-def _take(a: Array, idx: Array) -> Array:
-  """``a[idx[f], f]`` for every column ``f``."""
-  return jnp.take_along_axis(a, idx[None, :], axis=0)[0]
 
 
 def _bracket(rows, mask, k, n, comm):
   """``(lo, hi)`` keys per feature, identical on all devices."""
   n_rows = rows.shape[0]
   idx = sample_rows(n_rows)
-  sample = _merged_keys(jnp.take(rows, jnp.asarray(idx), axis=0))
+  sample = merged_keys(jnp.take(rows, jnp.asarray(idx), axis=0))
   if mask is None:
-    valid = jnp.full(rows.shape[1:], idx.size, _I32)
+    valid = jnp.full(rows.shape[1:], idx.size, I32)
   else:
     smask = jnp.take(mask, jnp.asarray(idx), axis=0)
-    sample = jnp.where(smask, sample, _INT_MAX)  # masked out: sorted last
-    valid = jnp.sum(smask, axis=0, dtype=_I32)
-  ordered = _sorted_columns(_replicate_explicit(comm.gather_keys(sample)))
+    sample = jnp.where(smask, sample, INT_MAX)  # masked out: sorted last
+    valid = jnp.sum(smask, axis=0, dtype=I32)
+  ordered = _sorted_columns(replicate_explicit(comm.gather_keys(sample)))
   m = comm.psum(valid)
   mf = m.astype(_F32)
   p = k.astype(_F32) / jnp.maximum(n, 1).astype(_F32)
   t = p * mf  # sample keys below the target, expected: k m / n
   half = _Z * jnp.sqrt(mf * p * (1 - p)) + _EXTRA_RANKS
-  i_lo = jnp.floor(t - half).astype(_I32) - 1
-  i_hi = jnp.ceil(t + half).astype(_I32)
+  i_lo = jnp.floor(t - half).astype(I32) - 1
+  i_hi = jnp.ceil(t + half).astype(I32)
   size = ordered.shape[0]
-  lo = jnp.where(i_lo < 0, _INT_MIN, _take(ordered, jnp.clip(i_lo, 0, size - 1)))
-  hi = jnp.where(i_hi >= m, _INT_MAX, _take(ordered, jnp.clip(i_hi, 0, size - 1)))
+  lo = jnp.where(i_lo < 0, INT_MIN, take_rows(ordered, jnp.clip(i_lo, 0, size - 1)))
+  hi = jnp.where(i_hi >= m, INT_MAX, take_rows(ordered, jnp.clip(i_hi, 0, size - 1)))
   return lo, jnp.maximum(lo, hi)
 
 
@@ -196,10 +187,10 @@ def _compact(keys, interior, buffer, unique=None):
   scatter indices.
   """
   n_rows, n_cols = keys.shape
-  position = jnp.cumsum(interior.astype(_I32), axis=0) - 1
+  position = jnp.cumsum(interior.astype(I32), axis=0) - 1
   count = position[-1] + 1
-  row = lax.broadcasted_iota(_I32, keys.shape, 0)
-  col = lax.broadcasted_iota(_I32, keys.shape, 1)
+  row = lax.broadcasted_iota(I32, keys.shape, 0)
+  col = lax.broadcasted_iota(I32, keys.shape, 1)
   # One flat index per element (a 1-D scatter: no [N*F, 2] index tensor).
   # Exterior elements go to distinct rows past every interior position, so all
   # indices differ and XLA may scatter without atomics; rows >= buffer drop.
@@ -207,33 +198,33 @@ def _compact(keys, interior, buffer, unique=None):
     unique = 2 * n_rows * n_cols <= np.iinfo(np.int32).max
   dropped = (n_rows + row) * n_cols + col if unique else buffer * n_cols
   flat = jnp.where(interior & (position < buffer), position * n_cols + col, dropped)
-  out = jnp.full((buffer * n_cols,), _INT_MAX, _I32)
+  out = jnp.full((buffer * n_cols,), INT_MAX, I32)
   out = out.at[flat.reshape(-1)].set(keys.reshape(-1), mode="drop", unique_indices=unique)
   return out.reshape(buffer, n_cols), count
 
 
 def bracket_kth_smallest(
-    rows: Array, mask: Array | None, k: Array, comm: _Comm
+    rows: Array, mask: Array | None, k: Array, comm: Comm
 ) -> BracketSelection:
   """Exact k-th smallest key per column of ``rows``: bracket, compaction, small sort.
 
   Args:
-    rows: float32 ``[N, F]`` (``_select._to_rows``); ``mask`` decides what is
+    rows: float32 ``[N, F]`` (``common.to_rows``); ``mask`` decides what is
       masked in.
     mask: bool ``[N, F]`` or ``None``.
     k: int32 ``[F]`` 1-based ranks over the masked-in elements of all devices.
       Out of ``[1, n]`` the key returned is meaningless (callers put NaN).
-    comm: ``_select._Comm`` along which rows are pooled.
+    comm: ``_select.Comm`` along which rows are pooled.
 
   Returns:
     :class:`BracketSelection`, with keys equal to
-    ``_radix_select.radix_kth_smallest``'s for any int32 keys.
+    ``radix.radix_kth_smallest``'s for any int32 keys.
   """
   n_rows = rows.shape[0]
   buffer = buffer_size(n_rows, comm.size())
-  keys = _merged_keys(rows)
+  keys = merged_keys(rows)
   inside = jnp.ones(rows.shape, bool) if mask is None else mask
-  local_n = jnp.sum(inside, axis=0, dtype=_I32)
+  local_n = jnp.sum(inside, axis=0, dtype=I32)
   n = comm.psum(local_n)
   bad_k = (k < 1) | (k > n)
   rank = jnp.clip(k, 1, jnp.maximum(n, 1))
@@ -244,14 +235,14 @@ def bracket_kth_smallest(
   is_hi = inside & (keys == hi[None]) & (hi != lo)[None]
   interior = inside & (keys > lo[None]) & (keys < hi[None])
   local_counts = jnp.stack([
-      jnp.sum(inside & (keys < lo[None]), axis=0, dtype=_I32),
-      jnp.sum(is_lo, axis=0, dtype=_I32),
-      jnp.sum(is_hi, axis=0, dtype=_I32),
+      jnp.sum(inside & (keys < lo[None]), axis=0, dtype=I32),
+      jnp.sum(is_lo, axis=0, dtype=I32),
+      jnp.sum(is_hi, axis=0, dtype=I32),
   ])
   local_buf, local_in = _compact(keys, interior, buffer)
   below, eq_lo, eq_hi = comm.psum(local_counts)
   n_in = comm.psum(local_in)
-  overflow = comm.psum((local_in > buffer).astype(_I32)) > 0
+  overflow = comm.psum((local_in > buffer).astype(I32)) > 0
 
   r = rank - below  # rank within the bracket
   on_lo = (r >= 1) & (r <= eq_lo)
@@ -261,18 +252,18 @@ def bracket_kth_smallest(
   missed = jnp.any(~hit & ~bad_k)
 
   def from_bracket(_):
-    pooled = _sorted_columns(_replicate_explicit(comm.gather_keys(local_buf)))
+    pooled = _sorted_columns(replicate_explicit(comm.gather_keys(local_buf)))
     index = jnp.clip(r - eq_lo - 1, 0, pooled.shape[0] - 1)
-    middle = _take(pooled, index)
+    middle = take_rows(pooled, index)
     answer = jnp.where(on_lo, lo, jnp.where(on_hi, hi, middle))
     local_ties = jnp.where(
         on_lo, local_counts[1], jnp.where(
             on_hi, local_counts[2],
-            jnp.sum(local_buf == middle[None], axis=0, dtype=_I32)))
+            jnp.sum(local_buf == middle[None], axis=0, dtype=I32)))
     return answer, local_ties
 
   def from_radix(_):
-    sel = _radix_select.radix_kth_smallest(rows, mask, k, comm)
+    sel = radix.radix_kth_smallest(rows, mask, k, comm)
     return sel.keys, sel.local_ties
 
   answer, local_ties = lax.cond(missed, from_radix, from_bracket, None)
@@ -289,9 +280,9 @@ def kth_smallest_bracket(
     axis_index_groups: Any = None,
     return_ties: bool = False,
 ) -> Array | tuple[Array, Array | None]:
-  """:func:`_select.kth_smallest` by a sampled bracket: one pass, no while loop.
+  """``dispatch.kth_smallest`` by a sampled bracket: one pass, no while loop.
 
-  The contract of :func:`_radix_select.kth_smallest_accelerator`: the k-th
+  The contract of ``radix.kth_smallest_accelerator``: the k-th
   smallest (1-based) over ``axis`` of the masked-in elements of all devices
   along ``axis_name``, float32, an element of ``x`` bit for bit (``-0.0`` as
   ``+0.0``), NaN where ``k`` is not in ``[1, n]``. float16/bfloat16 are
@@ -300,6 +291,6 @@ def kth_smallest_bracket(
   ``return_ties``: also return, as float32, how many masked-in elements of
   *this device's* rows have the answer's key (``None`` for float64 input).
   """
-  return _radix_select.drop_in_selection(
+  return radix.drop_in_selection(
       bracket_kth_smallest, x, k, axis, where=where, axis_name=axis_name,
       axis_index_groups=axis_index_groups, return_ties=return_ties)

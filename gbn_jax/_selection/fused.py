@@ -1,0 +1,159 @@
+"""A superquantile's sums from the selection's own sweep, with their derivatives.
+
+``qbar_alpha = q_alpha + E[(x - q_alpha)^+] / (1 - alpha)`` needs the quantile
+and two means. Where a backend offers the means next to the selection
+(``dispatch.fused_sums_backend``: the native kernel in its one sweep, the radix
+select with one more pass), :func:`superquantile_parts` takes them from there;
+the custom JVPs differentiate them as the separate computation would be: the
+quantile's tangent split among its ties, the excess's over the elements not
+``<= q``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from gbn_jax._selection import common, dispatch, native, radix
+from gbn_jax._selection.reductions import count_true, element_count, expand, quantile_rank
+
+Array = jax.Array
+
+
+def known_or_counted(
+    known: Array | None, flags: Callable[[], Array], axes: tuple[int, ...]
+) -> Array:
+  """Per position, how many of ``flags()`` are true: ``known`` where it is (>= 0).
+
+  The native kernel (one device, no axis_name) counts as ``flags`` would,
+  except where it says -1 (only on CPUs whose denormal mode it cannot read);
+  counting here is a pass over the data, so only then, behind a ``lax.cond``
+  that is left out where the kernel never says -1 (a cond costs tens of
+  microseconds on XLA:CPU). ``flags`` is a function so that the flags are
+  computed inside the branch that counts: a full-size operand of
+  ``lax.cond`` would be materialized on every call.
+  """
+  count = lambda: count_true(flags(), axes)
+  if known is None:
+    return count()
+  dtype = jax.eval_shape(count).dtype
+  if native.counts_always_known():
+    return known.astype(dtype)
+  return jax.lax.cond(jnp.all(known >= 0), lambda: known.astype(dtype), count)
+
+
+def _native_sums(alpha, axes, x):
+  n = math.prod(x.shape[a] for a in axes)
+  return native.kth_smallest_with_sums(x, quantile_rank(alpha, n), axes)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _native_parts(alpha, axes, x) -> tuple[Array, Array, Array]:
+  """``(q_alpha, E[x], E[(x - q_alpha)^+])`` of unmasked float32 ``x``, one sweep."""
+  q, _, mean, mean_excess, _ = _native_sums(alpha, axes, x)
+  return q, mean, mean_excess
+
+
+@_native_parts.defjvp
+def _native_parts_jvp(alpha, axes, primals, tangents):
+  (x,), (x_dot,) = primals, tangents
+  q, known_ties, mean, mean_excess, known_above = _native_sums(alpha, axes, x)
+  n = math.prod(x.shape[a] for a in axes)
+  selected = lambda: x == expand(q, axes)
+  above = lambda: ~(x <= expand(q, axes))  # as in the unfused path: NaN is above
+  ties = known_or_counted(known_ties, selected, axes)
+  n_above = known_or_counted(known_above, above, axes)
+  q_dot = jnp.sum(jnp.where(selected(), x_dot, 0), axes) / jnp.maximum(ties, 1).astype(x.dtype)
+  mean_dot = jnp.sum(x_dot, axes) / n
+  excess_dot = (
+      jnp.sum(jnp.where(above(), x_dot, 0), axes) - q_dot * n_above.astype(x.dtype)
+  ) / n
+  return (q, mean, mean_excess), (q_dot, mean_dot, excess_dot)
+
+
+def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
+  """``kth_smallest_with_sums_accelerator`` at ``q_alpha``'s rank, and the count."""
+  if where is None:
+    # Static, as element_count gives it to the unfused path (exact for any
+    # alpha; the traced rank may round in float32).
+    k = quantile_rank(alpha, element_count(x, axes, None, axis_name, groups))
+  else:
+    # The rank from the radix's own pooled count: no pass over the mask here.
+    k = functools.partial(quantile_rank, alpha)
+  return radix.kth_smallest_with_sums_accelerator(
+      x, k, axes, where=where, axis_name=axis_name, axis_index_groups=groups,
+      return_count=True,
+  )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _accelerator_parts(alpha, axes, axis_name, groups, x, where) -> tuple[Array, Array, Array]:
+  """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from the radix passes and one sums pass.
+
+  ``x`` float32 or half precision (selected and summed in float32: ``q`` and
+  the excess are float32, the mean has ``x``'s dtype, as in the unfused path),
+  masked by ``where`` and pooled over ``axis_name``.
+  """
+  q, _, mean, mean_excess, _, _ = _accelerator_sums(alpha, axes, axis_name, groups, x, where)
+  return q, mean.astype(x.dtype), mean_excess
+
+
+@_accelerator_parts.defjvp
+def _accelerator_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
+  x, where = primals
+  x_dot, _ = tangents
+  q, ties, mean, mean_excess, n_above, n = _accelerator_sums(
+      alpha, axes, axis_name, groups, x, where
+  )
+  q_full = expand(q, axes)
+  selected = x == q_full
+  above = ~(x <= q_full)  # as in the unfused path: NaN is above
+  if where is not None:
+    selected, above = selected & where, above & where
+  x_dot = x_dot.astype(jnp.float32)
+  sums = (
+      jnp.sum(jnp.where(selected, x_dot, 0), axes),
+      jnp.sum(jnp.where(above, x_dot, 0), axes),
+      jnp.sum(x_dot, axes, where=where),
+  )
+  if common.compares_keep_denormals():
+    # The radix's key counts (pooled already) are what these float compares
+    # count: XLA:GPU keeps denormals (unless run with --xla_gpu_ftz), and
+    # -0.0 == +0.0 either way. Only a NaN with its sign bit set differs (its
+    # key is below -inf, yet it is not <= q); qbar is NaN there anyway.
+    moved, above_dot, total_dot = common.global_sum(sums, axis_name, groups)
+  else:
+    # XLA:CPU and TPUs read denormals as zero in float compares, where the
+    # keys tell them apart: for a zero or denormal q the key counts are not
+    # the compares' counts. Count as the unfused path's JVP does, next to
+    # the tangent sums (a lax.cond counting only for such q, as
+    # known_or_counted does, would cost a host sync per step on a TPU).
+    sums += (count_true(selected, axes), count_true(above, axes))
+    moved, above_dot, total_dot, ties, n_above = common.global_sum(sums, axis_name, groups)
+  count = n.astype(jnp.float32)
+  q_dot = moved / jnp.maximum(ties, 1).astype(jnp.float32)
+  # The fraction above first: qbar's q-derivative 1 - fraction / (1 - alpha)
+  # is then 0 in float32 too when alpha * N is whole and q untied, rather
+  # than an ulp of the O(1) terms that cancel there.
+  excess_dot = above_dot / count - q_dot * (n_above.astype(jnp.float32) / count)
+  mean_dot = total_dot / count
+  primal_out = (q, mean.astype(x.dtype), mean_excess)
+  return primal_out, (q_dot, mean_dot.astype(x.dtype), excess_dot)
+
+
+def superquantile_parts(x, alpha, axes, where, axis_name, groups) -> tuple[Array, ...] | None:
+  """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from a fused backend, or ``None``.
+
+  ``x``: a prepared float array; ``groups``: hashable axis index groups.
+  ``None`` where no backend fuses the sums (the caller selects and sums).
+  """
+  backend = dispatch.fused_sums_backend(x, axes, where, axis_name, groups)
+  if backend == "native":
+    return _native_parts(alpha, axes, x)
+  if backend == "accelerator":
+    return _accelerator_parts(alpha, axes, axis_name, groups, x, where)
+  return None

@@ -1,0 +1,116 @@
+"""Reductions the quantiles and measures share: ranks, counts and means over
+masked elements, pooled over a named device axis (no-ops without one)."""
+
+from __future__ import annotations
+
+import fractions
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from gbn_jax._selection.common import AxisIndexGroups, axis_size, global_sum, reduction_axes
+
+Array = jax.Array
+Axis = int | Sequence[int] | None
+
+
+def prepare_reduction(x: Array, axis: Axis, where: Array | None):
+  """``(x, axes, where)`` ready to reduce: floating ``x``, canonical axes, full mask."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    x = x.astype(jnp.float32)
+  axes = reduction_axes(x.ndim, axis)
+  if where is not None:
+    where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
+  return x, axes, where
+
+
+def _decimal_fraction(alpha: float) -> fractions.Fraction:
+  # repr() gives the shortest decimal that round-trips, i.e. what the user typed.
+  return fractions.Fraction(repr(float(alpha)))
+
+
+def quantile_rank(alpha: float, n: int | Array) -> int | Array:
+  """The 1-based rank ``k = ceil(alpha * n)`` of ``q_alpha`` among ``n`` values.
+
+  ``alpha * n`` is computed exactly for the decimal value of ``alpha``. ``n``
+  may be a Python int (the result is an int) or an integer array (masked
+  batches; the result is an int32 array, exact when alpha's reduced decimal
+  fraction ``p/q`` has ``p*q < 2**31``, e.g. any alpha with four decimals, and
+  rounded in float32 otherwise). The rank is clipped to ``[1, n]`` (to 1 when
+  ``n == 0``).
+
+  >>> quantile_rank(0.3, 10), quantile_rank(0.25, 7), quantile_rank(0.999, 4)
+  (3, 2, 4)
+  """
+  frac = _decimal_fraction(alpha)
+  p, q = frac.numerator, frac.denominator
+  if isinstance(n, int):
+    return min(max(-(-p * n // q), 1), max(n, 1))
+  n = jnp.asarray(n, jnp.int32)
+  if p * q < 2**31:
+    # ceil(p*n/q) = p*(n//q) + ceil(p*(n%q)/q): no intermediate exceeds p*q,
+    # and p*(n//q) <= n because p < q.
+    k = p * (n // q) + (p * (n % q) + q - 1) // q
+  else:
+    # alpha with very many decimal digits: float32, documented rounding.
+    k = jnp.ceil(jnp.float32(alpha) * n.astype(jnp.float32)).astype(jnp.int32)
+  return jnp.clip(k, 1, jnp.maximum(n, 1))
+
+
+def count_true(flags: Array, axes: tuple[int, ...]) -> Array:
+  """Number of true flags over ``axes``.
+
+  Summed in float32 while that is exact (fewer than 2**24 elements): XLA:CPU
+  vectorizes float reductions but runs int32 ones through a slow generic loop.
+  """
+  if math.prod(flags.shape[a] for a in axes) < 2**24:
+    return jnp.sum(flags, axes, dtype=jnp.float32)
+  return jnp.sum(flags, axes, dtype=jnp.int32)
+
+
+def element_count(
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None,
+    axis_name: str | None,
+    groups: AxisIndexGroups,
+) -> int | Array:
+  """Number of reduced elements per position, over all devices: static unless masked."""
+  if where is None:
+    return math.prod(x.shape[a] for a in axes) * axis_size(axis_name, groups)
+  local = count_true(jnp.broadcast_to(where, x.shape), axes).astype(jnp.int32)
+  return global_sum(local, axis_name, groups)
+
+
+def expand(value: Array, axes: tuple[int, ...]) -> Array:
+  """A reduced ``value`` broadcastable against the input again."""
+  return jnp.expand_dims(value, axes)
+
+
+def global_mean(
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> Array:
+  """Mean over ``axes`` of the masked-in elements, across devices if named."""
+  total = global_sum(jnp.sum(x, axes, where=where), axis_name, axis_index_groups)
+  return total / element_count(x, axes, where, axis_name, axis_index_groups)
+
+
+def has_nan(x, axes, where, axis_name, groups) -> Array:
+  """Per position, whether any masked-in element on any device is NaN."""
+  nan = jnp.isnan(x)
+  if where is not None:
+    nan = nan & where
+  if math.prod(x.shape[a] for a in axes) >= 2**24:
+    # count_true would sum int32 here, which XLA:CPU does over a materialized
+    # int32 copy of the flags (as large as a float32 input); any() reduces
+    # bytes.
+    found = jnp.any(nan, axes).astype(jnp.int32)
+    return global_sum(found, axis_name, groups) > 0
+  return global_sum(count_true(nan, axes), axis_name, groups) > 0

@@ -1,0 +1,183 @@
+"""Shared numpy oracle, data and exactness suite of the selection backends' tests.
+
+The oracle is written from the definition: per feature, ``np.sort`` of the
+masked-in elements, index ``k - 1``; tie and "above" counts are numpy's IEEE
+compares (no denormal flushing, ``-0.0 == +0.0``), which is what integer keys
+give. Values must match bit for bit (``-0.0`` is expected back as ``+0.0``).
+
+:class:`ExactnessSuite` holds the tests every drop-in backend (radix, bracket)
+must pass; a test module subclasses it with its backend's ``check`` and
+``value``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gbn_jax._selection import sort
+
+TINY = np.finfo(np.float32).tiny
+
+
+def columns(x, axis, where=None):
+  """``x`` (and the mask) as ``(N, F)`` columns: reduced axes first, flattened."""
+  x = np.asarray(x, np.float32)
+  kept = [d for d in range(x.ndim) if d not in axis]
+  perm = list(axis) + kept
+  n_cols = int(np.prod([x.shape[d] for d in kept]))
+  cols = np.transpose(x, perm).reshape(-1, n_cols)
+  mask = np.ones(cols.shape, bool)
+  if where is not None:
+    mask = np.transpose(np.broadcast_to(where, x.shape), perm).reshape(cols.shape)
+  return cols, mask, [x.shape[d] for d in kept]
+
+
+def numpy_kth(x, k, axis, where=None):
+  """k-th smallest, ``#{x == it}`` and ``#{not x <= it}`` per kept position."""
+  cols, mask, kept_shape = columns(x, axis, where)
+  ks = np.broadcast_to(np.asarray(k), kept_shape).reshape(-1)
+  value = np.full(cols.shape[1], np.nan, np.float32)
+  ties = np.zeros(cols.shape[1], np.int64)
+  above = np.zeros(cols.shape[1], np.int64)
+  for f in range(cols.shape[1]):
+    kept = cols[mask[:, f], f]
+    if not 1 <= ks[f] <= kept.size:
+      continue
+    # np.sort orders denormals exactly and -0.0 == 0.0; IEEE compares (numpy
+    # flushes nothing) count ties and elements above the same way.
+    v = np.sort(kept)[ks[f] - 1]
+    value[f] = 0.0 if v == 0 else v
+    ties[f] = np.sum(kept == v)
+    above[f] = np.sum(~(kept <= v))
+  return tuple(a.reshape(kept_shape) for a in (value, ties, above))
+
+
+def assert_bitwise(got, want):
+  got = np.asarray(got, np.float32)
+  want = np.asarray(want, np.float32)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def ranks(n):
+  wanted = {1, 2, n // 4, n // 2, (n + 1) // 2, (3 * n) // 4, n - 1, n}
+  return sorted(k for k in wanted if 1 <= k <= n)
+
+
+def rank_matrix(n, n_cols, seed=0):
+  """Per-feature ranks: every rank of ``ranks(n)`` plus random ones."""
+  rng = np.random.default_rng(seed)
+  fixed = ranks(n)
+  extra = rng.integers(1, n + 1, max(0, n_cols - len(fixed)))
+  return np.concatenate([fixed, extra])[:n_cols].astype(np.int32)
+
+
+def data(kind, shape, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape).astype(np.float32)
+  if kind == "relu":  # half the data exactly zero
+    x = np.maximum(x, 0)
+  elif kind == "halves":  # few distinct values
+    x = np.round(x * 2) / 2
+  elif kind == "tiny_set":
+    x = rng.choice(np.float32([-1.5, 0.0, 2.0, 7.0]), size=shape)
+  elif kind == "constant":
+    x = np.full(shape, -3.25, np.float32)
+  elif kind == "inf":
+    x[rng.random(shape) < 0.15] = np.inf
+    x[rng.random(shape) < 0.15] = -np.inf
+  elif kind == "signed_zero":
+    x = rng.choice(np.float32([-0.0, 0.0, -1.0, 1.0]), size=shape, p=[0.3, 0.3, 0.2, 0.2])
+  elif kind == "denormal":
+    # Denormals of both signs among zeros and normals: distinct integer keys.
+    pool = np.float32([-3e-39, -1e-45, -0.0, 0.0, 1e-45, 2e-45, 5e-39, TINY, -TINY, 1.0])
+    x = rng.choice(pool, size=shape)
+  elif kind == "wide":  # magnitudes over the whole float range
+    x = (np.sign(x) * np.exp(rng.uniform(-87, 88, shape))).astype(np.float32)
+  elif kind == "huge":
+    big = np.float32([np.finfo(np.float32).max, -np.finfo(np.float32).max, 3e38, -1e38])
+    x = np.where(rng.random(shape) < 0.5, rng.choice(big, size=shape), x)
+  return np.asarray(x, np.float32)
+
+
+KINDS = ["normal", "relu", "halves", "tiny_set", "constant", "inf", "signed_zero", "denormal",
+         "wide", "huge"]
+
+
+class ExactnessSuite:
+  """Exactness tests shared by the drop-in backends (collected via subclasses).
+
+  Subclasses set two static methods: ``check(x, k, axis, where=None)``, which
+  asserts the backend's value (and whatever counts it returns) against
+  :func:`numpy_kth` for per-position ranks ``k``; and ``value(x, k, axis,
+  where=None)``, the backend's k-th smallest (``k`` an int32 array).
+  """
+
+  check = None
+  value = None
+
+  @pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 20000])
+  def test_row_counts_per_feature_k(self, n):
+    # 13 features (not a multiple of 8), a different rank in each.
+    x = data("normal", (n, 13), seed=n)
+    k = rank_matrix(n, 13, seed=n)
+    self.check(x, k, (0,))
+    got = self.value(x, jnp.asarray(k), (0,))
+    assert_bitwise(got, sort.kth_smallest_reference(x, k, (0,)))
+
+  @pytest.mark.parametrize("kind", KINDS)
+  def test_nhwc_data_kinds_and_counts(self, kind):
+    # NHWC over (0, 1, 2): 1024 rows, 3 features; every rank of ranks(n).
+    x = data(kind, (4, 16, 16, 3), seed=KINDS.index(kind))
+    for k in ranks(4 * 16 * 16):
+      self.check(x, np.full(3, k), (0, 1, 2))
+
+  @pytest.mark.parametrize("kind", ["relu", "tiny_set", "signed_zero", "denormal"])
+  def test_repeated_values_at_every_target(self, kind):
+    # Ranks at both ends of every run of tied values, and inside it.
+    x = data(kind, (300, 4), seed=3 + len(kind))
+    ordered = np.sort(x, axis=0)
+    ends = set()
+    for f in range(4):
+      change = np.flatnonzero(ordered[1:, f] != ordered[:-1, f]) + 1
+      ends.update(change.tolist())
+      ends.update((change + 1).tolist())
+    for k in sorted(e for e in ends if 1 <= e <= 300):
+      self.check(x, np.full(4, k), (0,))
+
+  @pytest.mark.parametrize(
+      "shape,axis", [((30, 4, 70), (0, 2)), ((5, 600), (1,)), ((3, 40, 50), (0, 1, 2))]
+  )
+  def test_other_axes(self, shape, axis):
+    x = data("normal", shape, seed=5)
+    n = int(np.prod([shape[a] for a in axis]))
+    for k in (1, (n + 1) // 2, n):
+      self.check(x, k, axis)
+
+  def test_masks_per_feature_k_and_empty_features(self):
+    rng = np.random.default_rng(3)
+    x = data("halves", (40, 50, 5), seed=3)
+    where = rng.random(x.shape) < 0.6
+    where[:, :, 1] = False
+    where[7, 3, 1] = True  # a feature with a single masked-in element
+    where[:, :, 2] = rng.random((40, 50)) < 0.02  # a sparse feature
+    where[:, :, 4] = False  # all masked out: NaN
+    x[~where] = -np.inf  # masked-out values must not matter (smaller than all)
+    n = where.sum(axis=(0, 1))
+    axis = (0, 1)
+    for alpha in (0.0, 0.1, 0.25, 0.5, 0.9, 1.0):  # k = ceil(alpha * n), alpha*n whole too
+      k = np.maximum(np.ceil(alpha * n), 1).astype(np.int32)
+      self.check(x, k, axis, where)
+      value = np.asarray(self.value(x, jnp.asarray(k), axis, where))
+      assert np.isnan(value[4]) and not np.isnan(value[:4]).any()
+
+  def test_out_of_range_k_gives_nan(self):
+    x = data("normal", (50, 4), seed=1)
+    value = self.value(x, jnp.asarray([0, -3, 51, 50], jnp.int32), (0,))
+    assert np.isnan(np.asarray(value[:3])).all()
+    assert_bitwise(value[3], np.max(x[:, 3]))
+    row_mask = np.arange(50)[:, None] < 20  # broadcast mask: n = 20
+    value = self.value(x, jnp.full((4,), 21, jnp.int32), (0,), row_mask)
+    assert np.isnan(np.asarray(value)).all()
