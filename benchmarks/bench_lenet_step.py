@@ -23,7 +23,7 @@ starts):
    default-flag processes run first and last.
 4. ``final``: 1 vs 2 host devices x default vs the best exact flag set, real
    model and winner, both norms.
-5. ``--torch-python``: the peer's (``../shared/peers/torch_sqd.py``) LeNet
+5. ``--torch-python``: the peer's (``peers/torch_sqd.py``) LeNet
    step with ``BatchNorm2d`` (and its kthvalue SQD with ``--torch-sqd``) in
    that interpreter, first and last; every step time is also given as a
    ratio to PyTorch's BatchNorm step.
@@ -71,7 +71,7 @@ from train import models
 from train.models import im2col
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PEER = REPO.parent / "shared" / "peers" / "torch_sqd.py"
+DEFAULT_PEER = REPO / "peers" / "torch_sqd.py"
 DATASET = "fashion_mnist"
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10

@@ -16,8 +16,8 @@
 #            with the picked method (steps.json)
 #   full     the whole layer table with the picked method (layers.json);
 #            with steps.json it becomes bench_<card>.json
-#   torch    the PyTorch peer (../shared/peers/torch_sqd.py, carried as
-#            .device/peers/) on the same card, if torch imports (torch_sqd.json)
+#   torch    the PyTorch peer (peers/torch_sqd.py, part of the working tree)
+#            on the same card, if torch imports (torch_sqd.json)
 #   table2   the paper's Table 2 CIFAR-10 LeNet row: batch 1024, plain SGD lr
 #            0.1, no augmentation, weight decay 1e-4 (as the committed
 #            5-epoch sweep), 200 epochs, norms bn mad rsd rbd sqd1 sqd2 sqd3,
@@ -46,7 +46,7 @@
 # few seconds per step, writing the same files; tests/test_device_check.py runs
 # it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
 # converter (../shared/tools/cifar10_binary.py) travel to the device as
-# .device/data/, .device/tools/ and .device/peers/: `bash benchmarks/device_check.sh
+# .device/data/ and .device/tools/: `bash benchmarks/device_check.sh
 # prepare` lays them out here (ignored by git), and the device call carries
 # them: run(command="bash benchmarks/device_check.sh", carry=[".device"]).
 set -u
@@ -215,8 +215,7 @@ PY
 }
 
 step_torch() {
-  local peer=.device/peers/torch_sqd.py
-  [ -f "$peer" ] || peer=../shared/peers/torch_sqd.py
+  local peer=peers/torch_sqd.py
   if ! "$PYTHON" -c "import torch" 2>/dev/null || [ ! -f "$peer" ]; then
     log "torch: skipped (no torch here, or no $peer)"; echo '{"skipped": "no torch or no peer script"}' > "$WORK/torch_sqd.json"
     pack; return 0
@@ -301,9 +300,9 @@ step_collect() {
 
 step_prepare() {
   local shared=${SHARED:-../shared}
-  mkdir -p .device/data .device/tools .device/peers
+  mkdir -p .device/data .device/tools
   cp "$shared/data/cifar10-jpeg.tar.xz" .device/data/ && cp "$shared/tools/cifar10_binary.py" .device/tools/ \
-    && cp "$shared"/peers/*.py .device/peers/ || { log "prepare: $shared is incomplete"; return 1; }
+    || { log "prepare: $shared is incomplete"; return 1; }
   grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
   log "prepare: .device/ holds $(du -sh .device | cut -f1) to carry"
 }

@@ -16,8 +16,10 @@ site. It replaces ``jupytext --sync`` followed by ``jupyter nbconvert
 
 The kernel runs on XLA:CPU (the notebooks' float32 tolerances were set
 there), with matplotlib's inline backend. Widget state (``ipywidgets``) is
-not stored: the interactive cells need a live kernel anyway, and their saved
-state would only duplicate figures in the file.
+not stored, nor are the widget views that point to it (a random
+``model_id`` per run, which would change the file on every execution): the
+interactive cells need a live kernel anyway, and their saved state would only
+duplicate figures in the file. Executing twice writes the same bytes.
 """
 
 from __future__ import annotations
@@ -153,13 +155,38 @@ def smaller_png(data: str) -> str:
   return base64.b64encode(out.getvalue()).decode("ascii")
 
 
+#: The MIME type of an ipywidgets view: a reference (``model_id``, random per
+#: run) to widget state that is not stored.
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def drop_widget_state(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+  """Removes widget state and widget views from ``nb``, in place; returns it.
+
+  The views' ``model_id`` is a fresh random id on every execution, so kept
+  it would rewrite the ``.ipynb`` each time; without the state it points to
+  it renders nothing anyway. The view's ``text/plain`` stays (what a
+  notebook viewer shows instead). Idempotent, and the result holds nothing
+  that depends on a model id.
+  """
+  nb.metadata.pop("widgets", None)
+  for cell in nb.cells:
+    for output in cell.get("outputs", []):
+      data = output.get("data")
+      if data is not None and WIDGET_VIEW in data:
+        del data[WIDGET_VIEW]
+        if not data:
+          data["text/plain"] = "(an interactive widget: run the notebook)"
+  return nb
+
+
 def write(name: str, nb: nbformat.NotebookNode) -> pathlib.Path:
   """Writes the executed ``nb`` to ``notebooks/NAME.ipynb``; returns the path.
 
   The ``.py`` is touched afterwards: Jupyter's jupytext integration refuses
   to open a pair whose ``.ipynb`` is newer than its text file.
   """
-  nb.metadata.pop("widgets", None)
+  drop_widget_state(nb)
   for cell in nb.cells:
     for output in cell.get("outputs", []):
       if "image/png" in output.get("data", {}):

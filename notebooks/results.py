@@ -29,10 +29,13 @@
 #    tables, and a summary of each norm against BatchNorm;
 # 2. convergence: epochs and seconds to reach BatchNorm's final test error;
 # 3. each norm's best learning rate, where a setting was run at several;
-# 4. training loss and test error curves;
-# 5. the distribution of one feature before and after a norm layer over
+# 4. gain or shape: each norm's gain σ/D (Gaussian and measured), its rank
+#    correlation with the best error, and calibrated against raw measures
+#    and BatchNorm;
+# 5. training loss and test error curves;
+# 6. the distribution of one feature before and after a norm layer over
 #    training (the paper's Figure 1), for runs in `results/activations/`;
-# 6. every run and its state.
+# 7. every run and its state.
 #
 # `results/sweeps/` holds the sweeps (`python -m train.sweep --sweep-dir
 # results/sweeps/NAME ...`; each run's `sweep.log` starts with its command),
@@ -206,6 +209,33 @@ show(report.best_lr_table(RUNS),
 # %%
 show(report.precise_table(GROUPS) if GROUPS else [],
      "No run was trained with --precise-stats (yet).")
+
+# %% [markdown]
+# ## Gain or shape?
+#
+# A norm layer multiplies each feature by the *gain* σ/D relative to
+# BatchNorm. For a Gaussian feature the gain is a constant of the measure
+# (`gbn_jax`'s `Measure.normal_constant`, what `calibration='normal'`
+# divides D by: 2.5 for `rsd`, about 0.1 for `rbd`), and it acts like a
+# larger learning rate. Per setting: each norm's Gaussian gain (per layer,
+# from the model's shapes), the gain measured on real activations where a
+# run has `gain.json` (`python -m train.gain RUN_DIR`), the best test error,
+# and Spearman's rank correlation of gain with best error across the norms.
+
+# %%
+show(report.gain_tables(GROUPS) if GROUPS else [],
+     f"No runs in {rel(SWEEPS)}/: no gains to show.")
+
+# %% [markdown]
+# Calibrated measures (`--calibration normal`: every measure has
+# BatchNorm's Gaussian gain 1) against the raw ones and BatchNorm, and
+# BatchNorm given a measure's Gaussian gain (`--norm bn_gain:<measure>`);
+# differences of means over independent seeds ± their standard error
+# $\sqrt{s_a^2/n_a + s_b^2/n_b}$.
+
+# %%
+show(report.calibration_table(RUNS),
+     "No calibrated runs (--calibration normal) yet.")
 
 # %% [markdown]
 # ## Curves

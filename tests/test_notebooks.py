@@ -161,6 +161,57 @@ def test_ipynb_committed_executed(name):
       " smaller")
 
 
+def _widget_notebook() -> nbformat.NotebookNode:
+  """A small executed notebook with widget views and widget state."""
+  nb = nbformat.v4.new_notebook()
+  cell = nbformat.v4.new_code_cell("display(slider)")
+  cell.outputs = [
+      nbformat.v4.new_output("display_data", data={
+          execute.WIDGET_VIEW: {"model_id": "dd353ed5e9ea4897889d093f1f39f8aa",
+                                "version_major": 2, "version_minor": 0},
+          "text/plain": "IntSlider(value=3)"}),
+      nbformat.v4.new_output("display_data", data={
+          execute.WIDGET_VIEW: {"model_id": "0123", "version_major": 2,
+                                "version_minor": 0}}),
+      nbformat.v4.new_output("stream", text="3\n")]
+  nb.cells = [nbformat.v4.new_markdown_cell("# x", id="cell-a"), cell]
+  cell.id = "cell-b"  # random by default; write() derives them from content
+  nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
+      "state": {"dd353ed5e9ea4897889d093f1f39f8aa": {"model_name": "x"}},
+      "version_major": 2, "version_minor": 0}}
+  return nb
+
+
+def test_drop_widget_state_removes_every_model_id_idempotently():
+  nb = execute.drop_widget_state(_widget_notebook())
+  text = nbformat.writes(nb)
+  assert "model_id" not in text and "widget-" not in text
+  outputs = nb.cells[1].outputs
+  assert outputs[0].data == {"text/plain": "IntSlider(value=3)"}
+  assert list(outputs[1].data) == ["text/plain"]  # never an empty bundle
+  assert outputs[2].text == "3\n"
+  nbformat.validate(nb)
+  assert nbformat.writes(execute.drop_widget_state(nb)) == text
+  # Two executions differ only in their random model ids: same result.
+  other = _widget_notebook()
+  other.cells[1].outputs[0].data[execute.WIDGET_VIEW]["model_id"] = "f" * 32
+  other.metadata.widgets["application/vnd.jupyter.widget-state+json"][
+      "state"] = {"f" * 32: {"model_name": "x"}}
+  assert nbformat.writes(execute.drop_widget_state(other)) == text
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_ipynb_holds_no_widget_ids(name):
+  """What `python -m notebooks.execute` writes: no per-run model id."""
+  path = NOTEBOOK_DIR / f"{name}.ipynb"
+  assert "model_id" not in path.read_text(), (
+      f"notebooks/{name}.ipynb holds a widget model_id; run "
+      f"`{REGENERATE.format(name=name)}`")
+  committed = _committed(name)
+  before = nbformat.writes(committed)
+  assert nbformat.writes(execute.drop_widget_state(committed)) == before
+
+
 @pytest.fixture(scope="module")
 def kernel_name():
   with execute.kernel_environment() as name:

@@ -8,6 +8,7 @@ tiny IDX dataset, including a ``kill -9`` of the sweep mid-run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -313,9 +314,14 @@ def test_report_numbers_equal_numpy(fake_sweep, tmp_path, capsys):
       if len(epochs) == 3:
         assert f"| {_pm(epochs, 1)} | {_pm(seconds, 0)} |" in line
       elif not epochs:
-        assert "not reached (0/3)" in line
+        assert "not reached (0 of 3 runs)" in line
       else:
-        assert f"reached by {len(epochs)}/3" in line
+        note = f"{len(epochs)} of 3 runs reached it"
+        if norm == "bn":  # its target is its own mean: say so
+          note += " (the target is their own mean)"
+        assert f"{note} |" in line, line
+  # Without timing runs, no (always empty) quiet-speed columns.
+  assert "quiet" not in text
 
   # Best learning rate per norm.
   lr_section = text.split("## Best learning rate")[1].split("## Curves")[0]
@@ -439,3 +445,262 @@ def test_report_rerun_removes_its_stale_figures(fake_sweep, tmp_path):
   assert "curves_09_gone.png" not in names and "activations_07.png" not in names
   assert "mine.png" in names and len([n for n in names if n.startswith(
       "curves_")]) == 2
+
+
+# --- the gain study: gain table, rank correlation, calibrated vs raw ---------
+
+
+def _gain_json(folder: Path, norm: str, init: float, final: float | None):
+  """A ``gain.json`` as ``python -m train.gain`` writes it (two layers)."""
+  def stage(overall):
+    layers = {name: {"median": overall * k, "q25": overall * k * 0.9,
+                     "q75": overall * k * 1.1} for name, k in
+              (("norm1", 0.9), ("norm2", 1.1))}
+    return {"layers": layers, "overall": overall}
+  data = {"norm": norm, "init": stage(init), "final": None}
+  if final is not None:
+    data["final"] = {**stage(final), "epoch": 2}
+  (folder / "gain.json").write_text(json.dumps(data))
+
+
+def _calibrate(folder: Path) -> Path:
+  config = checkpointing.read_config(folder).replace(calibration="normal")
+  checkpointing.write_config(folder, config)
+  return folder
+
+
+def _normal_e_max(n: int) -> float:
+  """E[max of n standard normals] by quadrature of n x phi(x) Phi(x)^(n-1)."""
+  from scipy import integrate, stats  # pylint: disable=g-import-not-at-top
+  density = lambda x: x * n * np.exp(stats.norm.logpdf(x) + (n - 1)
+                                     * stats.norm.logcdf(x))
+  return integrate.quad(density, -10, 10, limit=200)[0]
+
+
+def test_gaussian_gain_equals_definitions():
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  def sqd(alpha):  # D of a standard normal: phi(Phi^-1(alpha)) / (1 - alpha)
+    return (1 - alpha) / stats.norm.pdf(stats.norm.ppf(alpha))
+  expected = {"bn": 1.0, "sd": 1.0, "mad": math.sqrt(math.pi / 2),
+              "bpoe": math.sqrt(math.pi / 2), "rsd": math.sqrt(2 * math.pi),
+              "sqd1": sqd(0.25), "sqd2": sqd(0.5), "sqd3": sqd(0.75),
+              "sqd:0.9": sqd(0.9), "rbd": 1 / (2 * _normal_e_max(50)),
+              "wcd": 1 / _normal_e_max(50),
+              "bn_gain:rsd": math.sqrt(2 * math.pi),
+              "bn_gain:rbd": 1 / (2 * _normal_e_max(50))}
+  for norm, gain in expected.items():
+    assert report.gaussian_gain(norm, "none", 50) == pytest.approx(
+        gain, rel=1e-6), norm
+    # Calibration gives every measure BatchNorm's gain; bn_gain keeps its own.
+    assert report.gaussian_gain(norm, "normal", 50) == pytest.approx(
+        gain if norm.startswith("bn_gain:") else 1.0, rel=1e-6), norm
+  # And on a large Gaussian sample, sigma / D of the measure itself.
+  import gbn_jax  # pylint: disable=g-import-not-at-top
+  x = np.random.default_rng(0).standard_normal((200_000, 1))
+  for norm in ("mad", "rsd", "sqd1", "sqd3"):
+    _, d = gbn_jax.get_measure(norm)(x, (0,))
+    assert x.std() / float(d[0]) == pytest.approx(
+        report.gaussian_gain(norm, None, x.size), rel=0.01), norm
+  with pytest.raises(ValueError, match="unknown norm"):
+    report.gaussian_gain("nope", None, 50)
+
+
+def test_gaussian_layer_gains_take_n_from_the_model(tmp_path):
+  run = _write_run(tmp_path / "r", "rbd", 0, 0.01, [0.3], [1])
+  config = json.loads((run / "config.json").read_text())
+  # LeNet on 28x28: conv 5x5 -> 24x24 (norm1); pool -> 12; conv 5x5 -> 8x8.
+  sizes = {"norm1": 1000 * 24 * 24, "norm2": 1000 * 8 * 8}
+  gains = report.gaussian_layer_gains(config)
+  assert set(gains) == set(sizes)
+  for layer, n in sizes.items():
+    assert gains[layer] == pytest.approx(1 / (2 * _normal_e_max(n)),
+                                         rel=1e-5), layer
+  cifar = dict(config, dataset="cifar10", batch_size=8)
+  gains = report.gaussian_layer_gains(cifar)  # 32 -> 28 -> 14 -> 10
+  assert gains["norm2"] == pytest.approx(1 / (2 * _normal_e_max(8 * 100)),
+                                         rel=1e-5)
+
+
+@pytest.fixture()
+def gain_sweep(tmp_path):
+  """bn, rsd, sqd2, rbd raw (3 seeds), and mad raw and calibrated, gain.json
+  for most runs; bn_gain:rsd."""
+  rng = np.random.default_rng(3)
+  runs = {}
+  for norm in ("bn", "rsd", "sqd2", "rbd", "mad", "bn_gain:rsd"):
+    for calibration in ("none", "normal"):
+      if calibration == "normal" and norm not in ("mad", "rsd", "rbd"):
+        continue
+      for seed in range(3):
+        errors = np.sort(rng.uniform(0.1, 0.4, 3))[::-1]
+        folder = _write_run(tmp_path / "g" / f"{norm}-{calibration}-{seed}"
+                            .replace(":", "_"), norm, seed, 0.01,
+                            errors.tolist(), [5, 5, 5])
+        if calibration == "normal":
+          _calibrate(folder)
+        init, final = rng.uniform(0.1, 3), rng.uniform(0.1, 3)
+        has_gain = not (norm == "sqd2" or (norm == "rsd" and seed == 2))
+        if has_gain:
+          _gain_json(folder, norm, init, final if seed else None)
+        runs[(norm, calibration, seed)] = (100 * errors.min(),
+                                           init if has_gain else None,
+                                           final if has_gain and seed else None)
+  return tmp_path / "g", runs
+
+
+def _section(text: str, start: str, end: str = "\n## ") -> str:
+  return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def _cells(section: str, norm: str, after: str = "") -> list[str]:
+  part = section.split(after, 1)[1] if after else section
+  line = next(l for l in part.splitlines() if l.startswith(f"| {norm} |"))
+  return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_report_gain_table_and_rank_correlation(gain_sweep, tmp_path):
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  folder, runs = gain_sweep
+  report.write_report([folder], tmp_path / "out")
+  text = (tmp_path / "out" / "report.md").read_text()
+  gain = _section(text, "## Gain")
+  raw = gain.split("calibration=none")[1].split("**dataset")[0]
+  pairs = {"gaussian": [], "init": [], "final": []}
+  for norm in ("bn", "rsd", "sqd2", "rbd", "mad", "bn_gain:rsd"):
+    best = [runs[(norm, "none", s)][0] for s in range(3)]
+    cells = _cells(raw, norm)
+    assert cells[4] == f"{_pm(best)} (n=3)"
+    for column, index in (("init", 1), ("final", 2)):
+      measured = [v[index] for (n, c, _), v in runs.items()
+                  if n == norm and c == "none" and v[index] is not None]
+      text_ = cells[2 if column == "init" else 3]
+      if not measured:
+        assert text_ == "–"
+        continue
+      expect = (f"{np.mean(measured):.3f}" if len(measured) == 1 else
+                _pm(measured, 3))
+      assert text_ == f"{expect} (n={len(measured)})", (norm, column)
+      pairs[column].append((np.mean(measured), np.mean(best)))
+    # Gaussian gain: LeNet's two layers (n = 1000 x 24 x 24, 1000 x 8 x 8).
+    ns = (1000 * 24 * 24, 1000 * 8 * 8)
+    per_layer = {"bn": (1, 1), "mad": (math.sqrt(math.pi / 2),) * 2,
+                 "rsd": (math.sqrt(2 * math.pi),) * 2,
+                 "bn_gain:rsd": (math.sqrt(2 * math.pi),) * 2,
+                 "sqd2": (math.sqrt(math.pi / 2),) * 2,
+                 "rbd": tuple(1 / (2 * _normal_e_max(n)) for n in ns)}[norm]
+    low, high = min(per_layer), max(per_layer)
+    assert cells[1] == (f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}"
+                        else f"{low:.3f}–{high:.3f}"), norm
+    pairs["gaussian"].append((np.median(per_layer), np.mean(best)))
+  rho_line = next(l for l in gain.splitlines()
+                  if l.startswith("| dataset=") and "calibration=none" in l)
+  rho_cells = [c.strip() for c in rho_line.strip("|").split("|")][1:]
+  for cell, key in zip(rho_cells, ("gaussian", "init", "final")):
+    x, y = zip(*pairs[key])
+    result = stats.spearmanr(x, y)
+    assert cell == (f"{result.statistic:+.2f} (p={result.pvalue:.2g}, "
+                    f"{len(x)} norms)"), (key, cell)
+  # Calibrated: every Gaussian gain is 1, so rho is undefined there.
+  cal_line = next(l for l in gain.splitlines()
+                  if l.startswith("| dataset=") and "calibration=normal" in l)
+  assert "– (3 norms, gain constant)" in cal_line
+  cal = gain.split("calibration=normal")[1]
+  assert _cells(cal, "rbd")[1] == "1.000"
+
+
+def test_report_calibrated_minus_batchnorm_and_raw(gain_sweep, tmp_path):
+  folder, runs = gain_sweep
+  assert report.main([str(folder), "--out", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "report.md").read_text()
+  section = _section(text, "## Calibrated against raw measures and BatchNorm")
+  assert "sqrt(s_a²/n_a + s_b²/n_b)" in section
+  best = lambda norm, cal: np.array([runs[(norm, cal, s)][0]
+                                     for s in range(3)])
+
+  def diff(a, b):  # independent seeds: standard error of the difference
+    se = np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
+    return f"{a.mean() - b.mean():+.2f} ± {se:.2f} (n={a.size}, {b.size})"
+
+  bn = best("bn", "none")
+  assert _cells(section, "bn")[1] == f"{_pm(bn)} (n=3)"
+  for norm in ("mad", "rsd", "rbd"):
+    raw, cal = best(norm, "none"), best(norm, "normal")
+    cells = _cells(section, norm)
+    assert cells[1:3] == [f"{_pm(raw)} (n=3)", f"{_pm(cal)} (n=3)"]
+    assert cells[4] == diff(cal, bn) and cells[5] == diff(raw, cal), norm
+    if norm == "rsd":
+      gain = best("bn_gain:rsd", "none")
+      assert cells[3] == f"{_pm(gain)} (n=3)" and cells[6] == diff(gain, bn)
+    else:
+      assert cells[3] == "–" and cells[6] == ""
+  assert "| bn_gain:rsd |" not in section and "| sqd2 |" in section
+
+
+def test_report_without_gain_or_calibrated_runs(fake_sweep, tmp_path):
+  report.write_report([fake_sweep[0]], tmp_path / "out")
+  text = (tmp_path / "out" / "report.md").read_text()
+  assert "## Gain" not in text and "## Calibrated" not in text
+  # --gain writes the Gaussian gains anyway; measured ones are "–".
+  report.main([str(fake_sweep[0]), "--out", str(tmp_path / "g"), "--gain"])
+  gain = _section((tmp_path / "g" / "report.md").read_text(), "## Gain")
+  cells = _cells(gain, "rsd")
+  assert cells[1] == f"{math.sqrt(2 * math.pi):.3f}" and cells[2:4] == ["–",
+                                                                        "–"]
+
+
+# --- figures: readable colours and scales ----------------------------------
+
+
+def _saved_figures(monkeypatch) -> list:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  figures = []
+  original = matplotlib.figure.Figure.savefig
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                      lambda fig, *a, **k: (figures.append(fig),
+                                            original(fig, *a, **k)))
+  return figures
+
+
+def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
+  from matplotlib import colors  # pylint: disable=g-import-not-at-top
+  from train import plot  # pylint: disable=g-import-not-at-top
+  runs = [_write_run(tmp_path / f"{norm}{seed}", norm, seed, 0.01,
+                     [0.3, 0.2], [1, 1])
+          for norm, seed in (("bn", 0), ("bn", 1), ("rsd", 0), ("bn", 2))]
+  figures = _saved_figures(monkeypatch)
+  plot.plot_runs(runs, tmp_path / "out")
+  assert len(figures) == 4
+  for fig in figures:
+    ax = fig.axes[0]
+    assert "fashion_mnist, lenet" in ax.get_title()
+    lines = {l.get_label(): l for l in ax.get_lines()}
+    bn = [lines[f"bn (seed={s})"] for s in range(3)]
+    rsd = lines["rsd (seed=0)"]
+    assert len({colors.to_hex(l.get_color()) for l in bn}) == 1
+    assert colors.to_hex(rsd.get_color()) != colors.to_hex(bn[0].get_color())
+    assert len({str(l.get_linestyle()) for l in bn}) == 3
+
+
+def test_activations_figure_shares_y_and_tells_bands_apart(tmp_path,
+                                                           monkeypatch):
+  from matplotlib import colors  # pylint: disable=g-import-not-at-top
+  runs = []
+  for norm, scale in (("bn", 1.0), ("sqd1", 5.0)):
+    folder = _write_run(tmp_path / norm, norm, 0, 0.01, [0.3], [1])
+    rows = [{"step": step, "epoch": 1, "layer": "norm2", "feature": 0,
+             "percentiles": [5.0, 15.0, 50.0, 85.0, 95.0],
+             "before": [scale * v for v in (-2, -1, 0, 1, 2)],
+             "after": [scale * v for v in (-1.6, -1, 0, 1, 1.6)]}
+            for step in (0, 10, 20)]
+    (folder / report.ACTIVATIONS_FILE).write_text(
+        "\n".join(json.dumps(r) for r in rows))
+    runs.append(report.find_runs([folder])[0])
+  figures = _saved_figures(monkeypatch)
+  assert report.activations_figure(runs, tmp_path / "a.png")
+  axes = figures[0].axes
+  for row in (axes[0:2], axes[2:4]):
+    assert row[0].get_ylim() == row[1].get_ylim()  # one scale per row
+    assert row[0].get_ylim()[1] >= 5.0 * 1.6  # sqd1's spread fits
+  bands = [c for c in axes[0].collections if c.get_label().endswith("th")]
+  rgb = [np.array(colors.to_rgb(b.get_facecolor()[0])) for b in bands]
+  assert len(bands) == 2 and np.abs(rgb[0] - rgb[1]).max() > 0.15

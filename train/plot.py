@@ -11,7 +11,9 @@ that holds them all), each overlaying all runs:
   training wall-clock time, ``elapsed_seconds``).
 
 Runs are labelled by their norm plus every config field that differs between
-the plotted runs; a run with no finished epoch is skipped with a warning.
+the plotted runs, and drawn in one colour per norm (its runs, e.g. seeds,
+in different line styles); the titles name the dataset and model where all
+runs share them. A run with no finished epoch is skipped with a warning.
 The helpers that style an axis are shared with :mod:`train.report`.
 """
 
@@ -95,6 +97,50 @@ def run_labels(configs: Sequence[dict[str, Any]]) -> list[str]:
     extra = describe(config, fields)
     labels.append(config.get("norm", "?") + (f" ({extra})" if extra else ""))
   return labels
+
+
+#: Line styles of the runs of one norm (seeds, other settings), in turn.
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)),
+               (0, (1, 3)))
+#: Fields named in a figure's title where every plotted run shares them.
+TITLE_FIELDS = ("dataset", "model")
+
+
+def run_styles(configs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Matplotlib line styles: one colour per norm, the norm's runs told apart
+  by line style (and fading a little), so that seeds of a norm read as one
+  family.
+
+  >>> [(s["color"], s["linestyle"]) for s in run_styles(
+  ...     [{"norm": "bn"}, {"norm": "rsd"}, {"norm": "bn"}])]
+  [('C0', '-'), ('C1', '-'), ('C0', '--')]
+  """
+  colours: dict[str, str] = {}
+  seen: dict[str, int] = {}
+  styles = []
+  for config in configs:
+    norm = config.get("norm", "?")
+    colour = colours.setdefault(norm, f"C{len(colours) % 10}")
+    index = seen[norm] = seen.get(norm, -1) + 1
+    styles.append({"color": colour,
+                   "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+                   "alpha": max(0.55, 1.0 - 0.15 * index)})
+  return styles
+
+
+def shared_context(configs: Sequence[dict[str, Any]]) -> str:
+  """``fashion_mnist, lenet``: the :data:`TITLE_FIELDS` all runs share.
+
+  >>> shared_context([{"dataset": "cifar10", "model": "lenet"},
+  ...                 {"dataset": "cifar10", "model": "resnet20"}])
+  'cifar10'
+  """
+  shared = []
+  for field in TITLE_FIELDS:
+    values = {json.dumps(c.get(field)) for c in configs}
+    if len(values) == 1 and configs[0].get(field) is not None:
+      shared.append(str(configs[0][field]))
+  return ", ".join(shared)
 
 
 def style_axes(ax: plt.Axes, metric: str, xkey: str, xlabel: str,
@@ -200,23 +246,28 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path,
         warn(f"warning: skipped {e}")
   if not runs:
     raise PlotError("none of the runs has a finished epoch")
-  labels = run_labels([config for config, _ in runs])
+  configs = [config for config, _ in runs]
+  labels = run_labels(configs)
+  styles = run_styles(configs)
+  context = shared_context(configs)
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   written = []
   for metric, ylabel, xkey, xlabel in CURVES:
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for (_, rows), label in zip(runs, labels):
+    for (_, rows), label, style in zip(runs, labels, styles):
       points = [(r[xkey], r[metric]) for r in rows if r.get(metric) is not None]
       if not points:
         continue
       xs, ys = zip(*points)
       if metric == "test_error":
         ys = [100 * y for y in ys]
-      ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+      ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label,
+              **style)
     style_axes(ax, metric, xkey, xlabel, ylabel)
     outside_legend(ax)
-    ax.set_title(f"{ylabel} vs {xlabel}")
+    ax.set_title(f"{ylabel} vs {xlabel}" + (f" ({context})" if context
+                                             else ""))
     fig.tight_layout()
     suffix = "epoch" if xkey == "epoch" else "seconds"
     path = out_dir / f"{metric}_vs_{suffix}.png"

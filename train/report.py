@@ -15,6 +15,17 @@ found recursively. ``OUT/report.md`` then holds:
   error, BatchNorm's mean final test error in the same setting.
 * **Best learning rate**: per norm, its lowest mean over the learning-rate
   grid of a setting, and at which rate.
+* **Gain**, where a run has ``gain.json`` (``python -m train.gain``) or
+  with ``--gain``: per setting and norm, the gain ``sigma/D`` a Gaussian
+  feature meets (from ``gbn_jax``'s normal-consistency constants, see
+  :func:`gaussian_gain`), the gain measured on real activations, the best
+  error; and Spearman's rank correlation of gain with best error across
+  the norms of each setting.
+* **Calibrated against raw measures and BatchNorm**, where runs with
+  ``calibration='normal'`` exist: per measure, raw, calibrated, BatchNorm
+  with its Gaussian gain (``bn_gain:<measure>``), and the differences
+  calibrated − BatchNorm, raw − calibrated, ``bn_gain`` − BatchNorm with
+  their standard errors over independent seeds.
 * **Precise statistics**, for runs trained with ``--precise-stats``: per
   norm, the final test error with the running averages (EMA) and with the
   statistics recomputed over training batches (PreciseBN), and their paired
@@ -36,6 +47,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -312,11 +324,15 @@ class Reach:
           break
     return cls(epochs, seconds, len(runs))
 
-  def text(self) -> tuple[str, str]:
+  def text(self, own_target: bool = False) -> tuple[str, str]:
+    """``(epochs, seconds)`` cells; ``own_target``: the target is the mean
+    final error of these very runs (BatchNorm's row), which those above
+    their mean never reach."""
     if not self.epochs:
-      return f"not reached (0/{self.total})", "not reached"
+      return f"not reached (0 of {self.total} runs)", "not reached"
     note = "" if len(self.epochs) == self.total else (
-        f", reached by {len(self.epochs)}/{self.total}")
+        f", {len(self.epochs)} of {self.total} runs reached it"
+        + (" (the target is their own mean)" if own_target else ""))
     epochs = _pm(*mean_std(self.epochs), digits=1) + note
     seconds = _pm(*mean_std(self.seconds), digits=0) + note
     return epochs, seconds
@@ -344,7 +360,8 @@ def convergence_table(groups: dict[str, dict[str, list[Run]]],
   """Markdown lines: epochs and seconds to reach BatchNorm's final error.
 
   With ``quiet`` (:func:`epoch_seconds`), also the seconds to target at the
-  timing runs' speed: the epochs to target times their seconds per epoch.
+  timing runs' speed: the epochs to target times their seconds per epoch
+  (columns left out without timing runs; empty for a norm without one).
   """
   extra = _row_extra(groups)
   quiet = quiet or {}
@@ -358,19 +375,21 @@ def convergence_table(groups: dict[str, dict[str, list[Run]]],
       lines += ["No finished BatchNorm (`bn`) run here, so no target.", ""]
       continue
     target = mean_std(baseline.final_errors())[0]
+    quiet_header = ("quiet seconds per epoch | seconds to target at quiet "
+                    "speed | " if quiet else "")
     lines += [f"Target: {target:.2f} % (BatchNorm's mean final test error, "
               f"n={len(baseline.final_errors())}).", "",
               "| norm | epochs to target | seconds to target | "
-              "seconds per epoch | quiet seconds per epoch | seconds to "
-              "target at quiet speed | final test error (%) |",
-              "|---|---|---|---|---|---|---|"]
+              f"seconds per epoch | {quiet_header}final test error (%) |",
+              "|---|---|---|---|" + ("---|---|" if quiet else "") + "---|"]
     for norm in norm_order(by_norm):
       cell = Cell.of(by_norm[norm])
       if not cell.finished:
-        lines.append(f"| {norm} | {cell.others_text()} | | | | | |")
+        lines.append(f"| {norm} | {cell.others_text()} | | |"
+                     + (" | |" if quiet else "") + " |")
         continue
       reach = Reach.of(cell.finished, target)
-      epochs, seconds = reach.text()
+      epochs, seconds = reach.text(own_target=norm == "bn")
       per_epoch = [r["seconds"] for run in cell.finished for r in run.rows]
       final = _pm(*mean_std(cell.final_errors()))
       speed = quiet.get(_speed_key(cell.finished[0].config))
@@ -379,9 +398,10 @@ def convergence_table(groups: dict[str, dict[str, list[Run]]],
         quiet_text = f"{speed:.1f}"
         quiet_reach = (_pm(*mean_std([e * speed for e in reach.epochs]),
                            digits=0) if reach.epochs else "not reached")
+      quiet_cells = f"{quiet_text} | {quiet_reach} | " if quiet else ""
       lines.append(f"| {norm} | {epochs} | {seconds} | "
-                   f"{_pm(*mean_std(per_epoch), digits=1)} | {quiet_text} | "
-                   f"{quiet_reach} | {final} |")
+                   f"{_pm(*mean_std(per_epoch), digits=1)} | {quiet_cells}"
+                   f"{final} |")
     lines.append("")
   return lines
 
@@ -449,6 +469,278 @@ def precise_table(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
   return lines
 
 
+# ----------------------------------------------------------------- the gain
+
+GAIN_FILE = "gain.json"
+#: Stages of ``gain.json`` (``python -m train.gain``), in table order.
+GAIN_STAGES = ("init", "final")
+
+
+def read_gain(run: Run) -> dict[str, Any] | None:
+  """The run's ``gain.json`` (``python -m train.gain``), or ``None``."""
+  path = run.path / GAIN_FILE
+  if not path.exists():
+    return None
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    print(f"{_PROG}: warning: skipped {path}: {e}", file=sys.stderr)
+    return None
+  return data if isinstance(data, dict) else None
+
+
+def measured_gains(runs: Sequence[Run], stage: str) -> list[float]:
+  """``overall`` gain of ``stage`` of each run that has it in ``gain.json``."""
+  gains = []
+  for run in runs:
+    entry = (read_gain(run) or {}).get(stage)
+    if isinstance(entry, dict) and entry.get("overall") is not None:
+      gains.append(float(entry["overall"]))
+  return gains
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_layer_sizes(dataset: str, model_name: str, batch_size: int
+                      ) -> tuple[tuple[str, int], ...] | None:
+  """``((layer, n), ...)``: values per statistic of each norm layer.
+
+  ``n`` is batch x spatial positions of the layer's input, from the model's
+  shapes (``jax.eval_shape``: nothing is computed; the norm does not change
+  them). ``None`` where the training package (jax) cannot be imported or
+  the fields are no valid config.
+  """
+  try:
+    # pylint: disable=g-import-not-at-top
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    import gbn_jax
+    from train import configs
+    from train import input_pipeline
+    from train import train as train_lib
+  except ImportError:
+    return None
+  try:
+    config = configs.validate(configs.Config(
+        dataset=dataset, model=model_name, batch_size=batch_size))
+    info = input_pipeline.dataset_info(config.dataset)
+    model = train_lib.create_model(config, info.num_classes)
+  except (ValueError, TypeError, KeyError) as e:
+    print(f"{_PROG}: warning: no layer sizes for {dataset}, {model_name}, "
+          f"batch {batch_size}: {e}", file=sys.stderr)
+    return None
+  sizes: dict[str, int] = {}
+
+  def capture(next_fun, args, kwargs, context):
+    module = context.module
+    if (context.method_name == "__call__"
+        and isinstance(module, (nn.BatchNorm, gbn_jax.GBatchNorm))):
+      x = args[0]
+      axis = module.axis if isinstance(module.axis, int) else -1
+      sizes["/".join(module.scope.path)] = math.prod(x.shape) // x.shape[axis]
+    return next_fun(*args, **kwargs)
+
+  images = jax.ShapeDtypeStruct((config.batch_size, *info.image_shape),
+                                jnp.float32)
+  with nn.intercept_methods(capture):
+    jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=True),
+                   images)
+  return tuple(sizes.items())
+
+
+def gaussian_gain(norm: str, calibration: str | None, n: int) -> float:
+  """The gain ``sigma/D`` a norm layer gives a Gaussian feature of ``n`` values.
+
+  1 for BatchNorm (``bn``, ``sd``) and for a calibrated measure (its ``D``
+  is divided by exactly its Gaussian value); ``1 / normal_constant(n)`` of
+  the measure (``gbn_jax``'s, what ``calibration='normal'`` divides by) for
+  a raw one and for ``bn_gain:<measure>`` (BatchNorm's sigma times that
+  constant).
+
+  Raises:
+    ValueError: ``norm`` is no ``--norm`` value.
+    ImportError: jax is not installed.
+  """
+  # pylint: disable=g-import-not-at-top
+  import gbn_jax
+  from train import models
+  spec = models.parse_norm(norm)
+  target = spec.gain_of
+  if target is None:
+    if spec.measure in (None, "sd") or calibration == "normal":
+      return 1.0
+    target = spec
+  measure = gbn_jax.get_measure(target.measure, **(
+      {} if target.alpha is None else {"alpha": target.alpha}))
+  return 1.0 / float(measure.normal_constant(n))
+
+
+def gaussian_layer_gains(config: dict[str, Any]) -> dict[str, float] | None:
+  """``{norm layer: Gaussian gain}`` of a run's config (``None``: no jax)."""
+  sizes = _norm_layer_sizes(config["dataset"], config["model"],
+                            config["batch_size"])
+  if sizes is None:
+    return None
+  return {layer: gaussian_gain(config["norm"], config.get("calibration"), n)
+          for layer, n in sizes}
+
+
+def _gain_range(gains: dict[str, float] | None) -> str:
+  if not gains:
+    return "–"
+  low, high = min(gains.values()), max(gains.values())
+  return f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else (
+      f"{low:.3f}–{high:.3f}")
+
+
+def rank_correlation(gains: Sequence[float], errors: Sequence[float]
+                     ) -> tuple[float, float] | None:
+  """Spearman's rho and its p-value; ``None`` below 3 points or for a
+  constant input (rho is undefined there)."""
+  if len(gains) < 3 or len(set(gains)) < 2 or len(set(errors)) < 2:
+    return None
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  result = stats.spearmanr(gains, errors)
+  return float(result.statistic), float(result.pvalue)
+
+
+def _rho_text(pairs: Sequence[tuple[float, float]]) -> str:
+  rho = rank_correlation([g for g, _ in pairs], [e for _, e in pairs])
+  if rho is None:
+    return f"– ({len(pairs)} norms" + (
+        ", gain constant)" if len(pairs) >= 3 else ")")
+  return f"{rho[0]:+.2f} (p={rho[1]:.2g}, {len(pairs)} norms)"
+
+
+def gain_tables(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
+  """Markdown lines: per setting, each norm's gain and best error, and the
+  rank correlation of gain with best error across norms.
+
+  The Gaussian gain of a norm is the median over its layers (each layer's
+  ``n`` from the model, see :func:`gaussian_layer_gains`), as ``gain.json``'s
+  ``overall`` is of the measured ones; a measured gain is the mean over the
+  runs (seeds) that have a ``gain.json``.
+  """
+  extra = _row_extra(groups)
+  lines, rho_rows = [], []
+  for by_norm in groups.values():
+    config = _first_config(by_norm)
+    label = _setting_label(config, extra)
+    rows, pairs = [], {"gaussian": [], **{s: [] for s in GAIN_STAGES}}
+    for norm in norm_order(by_norm):
+      cell = Cell.of(by_norm[norm])
+      errors = cell.best_errors()
+      try:
+        layer_gains = gaussian_layer_gains(cell.finished[0].config
+                                           if cell.finished
+                                           else by_norm[norm][0].config)
+      except ValueError:
+        layer_gains = None
+      texts = []
+      if errors:
+        error = mean_std(errors)[0]
+        if layer_gains:
+          pairs["gaussian"].append(
+              (float(np.median(list(layer_gains.values()))), error))
+      for stage in GAIN_STAGES:
+        measured = measured_gains(cell.finished, stage)
+        if measured:
+          texts.append(f"{_pm(*mean_std(measured), digits=3)} "
+                       f"(n={len(measured)})")
+          if errors:
+            pairs[stage].append((float(np.mean(measured)), error))
+        else:
+          texts.append("–")
+      best = (f"{_pm(*mean_std(errors))} (n={len(errors)})" if errors
+              else cell.others_text() or "–")
+      rows.append(f"| {norm} | {_gain_range(layer_gains)} | "
+                  + " | ".join(texts) + f" | {best} |")
+    lines += [f"**{label}**", "",
+              "| norm | Gaussian gain σ/D (per layer) | measured gain at "
+              "init | measured gain after training | best test error (%) |",
+              "|---|---|---|---|---|", *rows, ""]
+    rho_rows.append(f"| {label} | {_rho_text(pairs['gaussian'])} | "
+                    f"{_rho_text(pairs['init'])} | "
+                    f"{_rho_text(pairs['final'])} |")
+  return lines + [
+      "Spearman's rank correlation of gain with mean best test error, "
+      "across the norms of a setting (`scipy.stats.spearmanr`; p: its "
+      "two-sided p-value, small n). Negative: the larger the gain, the "
+      "lower the error. A measured gain enters for the norms where a "
+      "finished run has one (its mean over those runs, as in the table "
+      "above); '–' where fewer than 3 norms or a constant "
+      "gain (calibrated norms all have Gaussian gain 1) leave it undefined.",
+      "", "| setting | ρ, Gaussian gain | ρ, measured gain at init | "
+      "ρ, measured gain after training |", "|---|---|---|---|", *rho_rows,
+      ""]
+
+
+def _difference(a: Sequence[float], b: Sequence[float]) -> str:
+  """``mean(a) - mean(b) ± sqrt(var_a/n_a + var_b/n_b)`` (sample variances)."""
+  if not a or not b:
+    return ""
+  diff = float(np.mean(a) - np.mean(b))
+  if len(a) < 2 or len(b) < 2:
+    return f"{diff:+.2f} (n={len(a)}, {len(b)})"
+  se = math.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b))
+  return f"{diff:+.2f} ± {se:.2f} (n={len(a)}, {len(b)})"
+
+
+def _is_calibrated(config: dict[str, Any]) -> bool:
+  # "none" (the CLI's spelling and the added field's default) or None: raw.
+  return config.get("calibration") == "normal"
+
+
+def calibration_table(runs: Sequence[Run]) -> list[str]:
+  """Markdown lines: raw vs calibrated measures vs BatchNorm, per setting.
+
+  A setting here is a config less norm, seed and calibration, so that a
+  measure's raw and calibrated runs and BatchNorm's share a row group; only
+  settings with a calibrated run are shown. Cells are best test errors
+  (mean ± std over seeds); differences are of means, ± their standard error
+  over independent seeds.
+  """
+  groups = group_runs(runs, drop=("calibration",))
+  extra = _row_extra(groups)
+  lines = []
+  for by_norm in groups.values():
+
+    def errors(norm: str, calibrated: bool | None = None,
+               by_norm=by_norm) -> list[float]:
+      chosen = [r for r in by_norm.get(norm, [])
+                if calibrated is None or _is_calibrated(r.config) == calibrated]
+      return Cell.of(chosen).best_errors()
+
+    calibrated = [n for n in by_norm
+                  if errors(n, True) and n not in ("bn", "sd")]
+    if not calibrated:
+      continue
+    bn = errors("bn")  # bn ignores calibration: all its runs are BatchNorm
+    config = dict(_first_config(by_norm), calibration="none|normal")
+    lines += [f"**{_setting_label(config, extra)}**", "",
+              "| norm | raw | calibrated | BatchNorm with its Gaussian gain "
+              "(`bn_gain:`) | calibrated − BatchNorm | raw − calibrated | "
+              "`bn_gain:` − BatchNorm |", "|---|---|---|---|---|---|---|"]
+    if bn:
+      lines.append(f"| bn | {_pm(*mean_std(bn))} (n={len(bn)}) | | | | | |")
+    for norm in norm_order(n for n in by_norm
+                           if not n.startswith("bn_gain:")):
+      if norm == "bn":
+        continue
+      raw, cal = errors(norm, False), errors(norm, True)
+      gain = errors(f"bn_gain:{norm}")
+      if not raw and not cal:
+        continue
+      cells = [f"{_pm(*mean_std(v))} (n={len(v)})" if v else "–"
+               for v in (raw, cal, gain)]
+      lines.append(f"| {norm} | " + " | ".join(cells) + " | "
+                   f"{_difference(cal, bn)} | {_difference(raw, cal)} | "
+                   f"{_difference(gain, bn)} |")
+    lines.append("")
+  return lines
+
+
 def _slug(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
 
@@ -502,7 +794,8 @@ def read_activations(run: Run) -> list[dict[str, Any]]:
 def activations_figure(runs: Sequence[Run], path: Path) -> Path | None:
   """Percentile bands of the recorded feature, before and after the norm.
 
-  One column per run (BatchNorm first), rows: before / after the layer.
+  One column per run (BatchNorm first), rows: before / after the layer; the
+  panels of a row share their y-scale, so that spreads compare.
   """
   recorded = [(r, read_activations(r)) for r in runs]
   recorded = [(r, rows) for r, rows in recorded if rows]
@@ -511,9 +804,11 @@ def activations_figure(runs: Sequence[Run], path: Path) -> Path | None:
   recorded.sort(key=lambda item: norm_order([item[0].config["norm"],
                                              *NORM_ORDER]).index(
                                                  item[0].config["norm"]))
+  # One y-scale per row: the spread of the feature under each norm is what
+  # the panels of a row compare.
   fig, axes = plot.plt.subplots(2, len(recorded), squeeze=False,
                                 figsize=(4.5 * len(recorded), 6.5),
-                                sharex="col")
+                                sharex="col", sharey="row")
   for column, (run, rows) in enumerate(recorded):
     percentiles = rows[0]["percentiles"]
     steps = np.array([row["step"] for row in rows])
@@ -521,9 +816,12 @@ def activations_figure(runs: Sequence[Run], path: Path) -> Path | None:
       ax = axes[row_index, column]
       values = np.array([row[key] for row in rows])  # (records, percentiles)
       middle = len(percentiles) // 2
+      # Outer bands light, inner dark, opaque and drawn outside in, so that
+      # each band has its own clearly different colour.
+      shades = plot.plt.cm.Blues(np.linspace(0.3, 0.75, max(middle, 1)))
       for i in range(middle):
-        ax.fill_between(steps, values[:, i], values[:, -1 - i], alpha=0.25,
-                        color="C0", linewidth=0,
+        ax.fill_between(steps, values[:, i], values[:, -1 - i],
+                        color=shades[i], linewidth=0,
                         label=f"{percentiles[i]:g}-{percentiles[-1 - i]:g}th")
       ax.plot(steps, values[:, middle], color="C3",
               label=f"{percentiles[middle]:g}th (median)")
@@ -561,11 +859,14 @@ def run_list(runs: Sequence[Run], out: Path) -> list[str]:
 
 def write_report(dirs: Sequence[str | Path], out: str | Path,
                  command: str | None = None,
-                 timing: Sequence[str | Path] = ()) -> Path:
+                 timing: Sequence[str | Path] = (),
+                 gain: bool = False) -> Path:
   """Writes ``out/report.md`` and its PNGs; returns the report's path.
 
   ``timing`` folders hold runs timed on an idle machine (see
-  :func:`epoch_seconds`); they are not part of the tables otherwise.
+  :func:`epoch_seconds`); they are not part of the tables otherwise. The
+  gain section is written where a run has ``gain.json``, or always with
+  ``gain``.
 
   Raises:
     FileNotFoundError: If a DIR is missing.
@@ -600,13 +901,44 @@ def write_report(dirs: Sequence[str | Path], out: str | Path,
       "## Convergence", "",
       "Epochs and seconds (cumulative training wall-clock, compilation "
       "excluded) until a run's test error first falls to the target; mean ± "
-      "std over the runs that reached it."
+      "std over the runs that reached it. BatchNorm's own row has its own "
+      "mean as target, so its runs that end above their mean never reach "
+      "it."
       + (" Quiet seconds per epoch: the median epoch of the timing runs "
          f"({', '.join(map(str, timing))}), run one at a time on an idle "
          "machine; seconds to target at quiet speed = epochs to target x "
-         "that." if timing else ""), "",
+         "that; both empty for a setting or norm with no timing run."
+         if timing else ""), "",
       *convergence_table(groups,
                          epoch_seconds(find_runs(timing)) if timing else None)]
+  if any((r.path / GAIN_FILE).exists() for r in runs) or gain:
+    lines += ["## Gain", "",
+              "The gain σ/D: what a norm layer multiplies a feature by, "
+              "relative to BatchNorm (σ: the feature's standard deviation "
+              "over the batch, D: the layer's deviation measure). Gaussian "
+              "gain: for a Gaussian feature, 1 / `Measure.normal_constant(n)`"
+              " of `gbn_jax` (the divisor of `calibration='normal'`: 1 for "
+              "`bn`, `sd` and every calibrated measure; for `bn_gain:<m>`, "
+              "`m`'s), with n = batch × spatial positions of each norm layer "
+              "from the model's shapes (it matters for `rbd` and `wcd` only); "
+              "the range over the layers is shown, their median enters the "
+              "correlation. Measured gain: `overall` of the runs' `gain.json` "
+              "(`python -m train.gain`: the median over layers of each "
+              "layer's median over features of σ/D, on real "
+              "pre-normalization activations), mean ± std over the runs that "
+              "have one (n); '–' where none has.", "", *gain_tables(groups)]
+  calibration_lines = calibration_table(runs)
+  if calibration_lines:
+    lines += ["## Calibrated against raw measures and BatchNorm", "",
+              "Best test error (%), mean ± std over seeds (n). Calibrated: "
+              "`calibration='normal'`, each D divided by its value for a "
+              "standard normal feature, so that every measure has "
+              "BatchNorm's gain 1 on Gaussian data; raw: without. The "
+              "differences are of means over seeds, in points; seeds are "
+              "independent runs (not paired), so ± is the standard error of "
+              "the difference, sqrt(s_a²/n_a + s_b²/n_b) with the sample "
+              "variances (ddof=1) of the two cells, shown where both have at "
+              "least 2 runs.", "", *calibration_lines]
   lr_lines = best_lr_table(runs)
   if lr_lines:
     lines += ["## Best learning rate", "",
@@ -671,13 +1003,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--timing", nargs="+", default=(), metavar="DIR",
                       help="runs timed on an idle machine: their seconds per "
                       "epoch give each norm's speed in the convergence table")
+  parser.add_argument("--gain", action="store_true",
+                      help="write the gain section even where no run has a "
+                      "gain.json (python -m train.gain); it is written "
+                      "anyway where one has")
   parser.add_argument("--out", required=True,
                       help="folder for report.md and the PNGs")
   args = parser.parse_args(argv)
   command = " ".join([_PROG, *(argv if argv is not None else sys.argv[1:])])
   try:
     path = write_report(args.dirs, args.out, command=command,
-                        timing=args.timing)
+                        timing=args.timing, gain=args.gain)
   except (FileNotFoundError, ValueError) as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 1
