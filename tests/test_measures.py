@@ -2,6 +2,8 @@
 
 import fractions
 
+from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 import gbn_jax
 from gbn_jax import measures
+
 import reference as ref
 
 BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
@@ -28,51 +31,62 @@ def test_builtin_names_registered():
   assert set(BUILTIN) | {"sqd"} <= set(gbn_jax.MEASURES)
 
 
-@pytest.mark.parametrize("kind", ["normal", "skewed", "relu", "coarse"])
-@pytest.mark.parametrize("name", BUILTIN + ["sqd:0.1", "sqd:0.93"])
-def test_measure_matches_definition(name, kind):
-  params = {}
-  if ":" in name:
-    name, alpha = name.split(":")
-    params["alpha"] = float(alpha)
-  x = _data(kind)
-  s, d = gbn_jax.get_measure(name, **params)(x, 0)
-  want_s, want_d = ref.per_feature(
-      lambda r: ref.measure_1d(name, r, params.get("alpha")), x, (0,)
+class MeasureVariantsTest(chex.TestCase):
+  """Each measure jitted and not, against the definitions in numpy."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.product(
+      kind=["normal", "skewed", "relu", "coarse"],
+      name=BUILTIN + ["sqd:0.1", "sqd:0.93"],
   )
-  np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(d, want_d, rtol=1e-4, atol=1e-5)
+  def test_measure_matches_definition(self, name, kind):
+    params = {}
+    if ":" in name:
+      name, alpha = name.split(":")
+      params["alpha"] = float(alpha)
+    x = _data(kind)
+    measure = gbn_jax.get_measure(name, **params)
+    s, d = self.variant(lambda v: measure(v, 0))(x)
+    want_s, want_d = ref.per_feature(
+        lambda r: ref.measure_1d(name, r, params.get("alpha")), x, (0,)
+    )
+    # Also checks the shapes (numpy's assert_allclose would broadcast).
+    chex.assert_trees_all_close(s, want_s, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(d, want_d, rtol=1e-4, atol=1e-5)
 
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(*BUILTIN)
+  def test_measure_with_mask_and_multiple_axes(self, name):
+    rng = np.random.default_rng(3)
+    x = _data("relu", (7, 5, 3, 4), seed=3)
+    mask = rng.random(x.shape) < 0.7
+    measure = gbn_jax.get_measure(name)
+    s, d = self.variant(lambda v, m: measure(v, (0, 1, 2), where=m))(x, mask)
+    want_s, want_d = ref.per_feature(
+        lambda r: ref.measure_1d(name, r), x, (0, 1, 2), mask=mask
+    )
+    chex.assert_trees_all_close(s, want_s, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(d, want_d, rtol=1e-4, atol=1e-5)
 
-@pytest.mark.parametrize("name", BUILTIN)
-def test_measure_with_mask_and_multiple_axes(name):
-  rng = np.random.default_rng(3)
-  x = _data("relu", (7, 5, 3, 4), seed=3)
-  mask = rng.random(x.shape) < 0.7
-  s, d = gbn_jax.get_measure(name)(x, (0, 1, 2), where=mask)
-  want_s, want_d = ref.per_feature(
-      lambda r: ref.measure_1d(name, r), x, (0, 1, 2), mask=mask
-  )
-  np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(d, want_d, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", BUILTIN)
-def test_gradients_match_finite_differences(name):
-  # Generic point: no ties, so every measure is differentiable there.
-  rng = np.random.default_rng(7)
-  x = (rng.permutation(60).reshape(20, 3) * 0.05 + rng.random((20, 3)) * 0.01)
-  x = x.astype(np.float32)
-  m = gbn_jax.get_measure(name)
-  w = rng.standard_normal(2 * 3)
-  f = lambda v: jnp.concatenate(m(v, 0)) @ w
-  g = np.asarray(jax.grad(f)(jnp.asarray(x)), np.float64)
-  for _ in range(3):
-    d = rng.standard_normal(x.shape)
-    eps = 1e-3
-    fd = (float(f(jnp.asarray(x + eps * d, jnp.float32)))
-          - float(f(jnp.asarray(x - eps * d, jnp.float32)))) / (2 * eps)
-    np.testing.assert_allclose(np.sum(g * d), fd, rtol=5e-3, atol=5e-3)
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(*BUILTIN)
+  def test_gradients_match_finite_differences(self, name):
+    # Generic point: no ties, so every measure is differentiable there.
+    rng = np.random.default_rng(7)
+    x = rng.permutation(60).reshape(20, 3) * 0.05 + rng.random((20, 3)) * 0.01
+    x = x.astype(np.float32)
+    m = gbn_jax.get_measure(name)
+    w = rng.standard_normal(2 * 3)
+    f = lambda v: jnp.concatenate(m(v, 0)) @ w
+    g = np.asarray(self.variant(jax.grad(f))(jnp.asarray(x)), np.float64)
+    for _ in range(3):
+      d = rng.standard_normal(x.shape)
+      eps = 1e-3
+      fd = (
+          float(f(jnp.asarray(x + eps * d, jnp.float32)))
+          - float(f(jnp.asarray(x - eps * d, jnp.float32)))
+      ) / (2 * eps)
+      np.testing.assert_allclose(np.sum(g * d), fd, rtol=5e-3, atol=5e-3)
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu"])
@@ -96,13 +110,17 @@ def test_sqd_on_a_large_batch_values_and_gradient_formula(kind, alpha):
   np.testing.assert_array_equal(s, q.astype(np.float32))
   np.testing.assert_allclose(d, qbar - x64.mean(axis=0), rtol=1e-5, atol=1e-6)
   w_s, w_d = rng.standard_normal(3), rng.standard_normal(3)
-  f = lambda v: jnp.sum(w_s * gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[0]) + jnp.sum(
-      w_d * gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[1]
-  )
+  f = lambda v: jnp.sum(
+      w_s * gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[0]
+  ) + jnp.sum(w_d * gbn_jax.get_measure("sqd", alpha=alpha)(v, 0)[1])
   g = np.asarray(jax.grad(f)(jnp.asarray(x)), np.float64)
   dq = tied / tied.sum(axis=0)
-  dqbar = above / (n * (1 - alpha)) + (1 - above.mean(axis=0) / (1 - alpha)) * dq
-  np.testing.assert_allclose(g, w_s * dq + w_d * (dqbar - 1 / n), rtol=1e-4, atol=1e-9)
+  dqbar = (
+      above / (n * (1 - alpha)) + (1 - above.mean(axis=0) / (1 - alpha)) * dq
+  )
+  np.testing.assert_allclose(
+      g, w_s * dq + w_d * (dqbar - 1 / n), rtol=1e-4, atol=1e-9
+  )
 
 
 def test_sd_fast_and_two_pass_variance_agree_and_squared_is_variance():
@@ -163,8 +181,9 @@ def test_registry_errors():
 
 
 def test_register_a_new_measure():
-  def trimmed_range(x, axis, *, where=None, axis_name=None,
-                    axis_index_groups=None, alpha):
+  def trimmed_range(
+      x, axis, *, where=None, axis_name=None, axis_index_groups=None, alpha
+  ):
     lo = gbn_jax.quantile(x, 1 - alpha, axis, where=where, axis_name=axis_name)
     hi = gbn_jax.quantile(x, alpha, axis, where=where, axis_name=axis_name)
     return (hi + lo) / 2, hi - lo
