@@ -115,6 +115,17 @@ def batch_statistics(
   gathered across the named axis instead (exact, at the cost of moving the
   activations); one that does not take ``where`` cannot honour a mask.
   """
+  if not reduction_axes:
+    # Only feature axes (an unbatched call, or one example per device under
+    # vmap with axis_name): each feature has one element here, and the
+    # elements of every device along axis_name pool into one batch. A new
+    # leading axis of size one gives every measure that batch to reduce.
+    return batch_statistics(
+        measure, jnp.expand_dims(x, 0), (0,), dtype=dtype,
+        mask=None if mask is None else jnp.broadcast_to(mask, x.shape)[None],
+        axis_name=axis_name, axis_index_groups=axis_index_groups,
+        force_float32_reductions=force_float32_reductions,
+    )
   if dtype is None:
     dtype = jnp.result_type(x)
   if force_float32_reductions:
@@ -155,6 +166,11 @@ def batch_statistics(
           f" {MEASURE_CONTRACT}."
       )
     s, d = result
+    if jnp.iscomplexobj(d):
+      raise TypeError(
+          f"measure {measure!r} returned a complex deviation; D must be real"
+          " (for complex input, e.g. a mean absolute deviation |x - S|)."
+      )
     d2 = jnp.square(d)
   feature_shape = tuple(
       n for i, n in enumerate(x.shape) if i not in reduction_axes
@@ -165,7 +181,13 @@ def batch_statistics(
           f"measure {measure!r} returned a {name} of shape {jnp.shape(value)};"
           f" expected the per-feature shape {feature_shape}."
       )
-  return jnp.asarray(s, dtype), jnp.asarray(d2, dtype)
+  # D^2 is real for complex input too (flax's var is E|x - mean|^2).
+  return jnp.asarray(s, dtype), jnp.asarray(d2, _real_dtype(dtype))
+
+
+def _real_dtype(dtype: Any) -> Any:
+  """``dtype`` itself if real, the dtype of its real part if complex."""
+  return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
 
 
 def normalize(
@@ -225,10 +247,12 @@ def normalize_batch(
 
   On one device (or under SPMD ``jit``) the backward pass is written out
   (:func:`_fused_normalize`) so that it costs what BatchNorm's does plus the
-  measure's own vector-Jacobian product; with ``axis_name`` it is left to
-  autodiff, whose collectives JAX transposes for pmap and shard_map alike.
+  measure's own vector-Jacobian product; with ``axis_name`` (or complex
+  input) it is left to autodiff, whose collectives JAX transposes for pmap
+  and shard_map alike.
   """
-  if axis_name is None:
+  # Complex input takes autodiff: the written-out backward is for real x.
+  if axis_name is None and not jnp.iscomplexobj(x):
     static = _Static(
         measure, reduction_axes, feature_axes, dtype, epsilon,
         force_float32_reductions,
@@ -478,6 +502,11 @@ def renormalize_batch(
   constants ``(r, d)`` of :func:`renorm_correction`; gradients flow through
   the measure by autodiff (with or without ``axis_name``).
   """
+  if jnp.iscomplexobj(x):
+    raise TypeError(
+        "renorm=True is not defined for complex input: its correction d is"
+        " clipped to [-dmax, dmax], which has no meaning for complex numbers."
+    )
   statistic, deviation_sq = batch_statistics(
       measure, x, reduction_axes, dtype=dtype, mask=mask, axis_name=axis_name,
       axis_index_groups=axis_index_groups,

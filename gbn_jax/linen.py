@@ -29,6 +29,14 @@ class GBatchNorm(nn.BatchNorm):
   ``'sd'`` they are exactly BatchNorm's mean and variance). They are updated as
   ``momentum * old + (1 - momentum) * batch`` and never while initializing.
 
+  An input with no axis left to reduce (only feature axes: an unbatched
+  call, or one example per device under ``vmap``/``pmap`` with
+  ``axis_name``) is a batch of one element per feature, pooled across
+  ``axis_name``; alone, every built-in measure gives ``S = x`` and ``D = 0``,
+  so the output is ``bias``, as flax's. Complex input: ``'sd'`` is flax's
+  (complex ``mean``, real ``var = E|x - mean|^2``), ``'mad'`` takes the
+  modulus, and the measures that order values raise ``TypeError``.
+
   Example: swap ``nn.BatchNorm`` for ``GBatchNorm`` and pick a measure::
 
     >>> import jax, jax.numpy as jnp
@@ -219,3 +227,25 @@ class GBatchNorm(nn.BatchNorm):
         self.dtype,
         self.epsilon,
     )
+
+
+class BatchNorm(GBatchNorm):
+  """:class:`GBatchNorm` under flax's class name, for flax's auto-names.
+
+  Linen names an unnamed submodule after its class, so ``GBatchNorm`` in a
+  compact module is ``GBatchNorm_0`` where ``nn.BatchNorm`` was
+  ``BatchNorm_0``, and a checkpoint saved with flax's layer does not load
+  after the swap. Either name the layer (``GBatchNorm(...,
+  name='BatchNorm_0')``) or use this class, which differs from
+  :class:`GBatchNorm` only in its name: its auto-names, variables and
+  summaries are ``nn.BatchNorm``'s.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import gbn_jax.linen
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return gbn_jax.linen.BatchNorm(use_running_average=True)(x)
+    >>> list(Net().init(jax.random.key(0), jnp.ones((2, 3)))['params'])
+    ['BatchNorm_0']
+  """

@@ -42,7 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gbn_jax import quantiles
-from gbn_jax.quantiles import extreme, global_mean, prepare_reduction
+from gbn_jax._selection import reductions
+from gbn_jax._selection.common import global_sum
+from gbn_jax._selection.reductions import global_mean, prepare_reduction
+from gbn_jax.quantiles import extreme
 
 Array = jax.Array
 MeasureFn = Callable[..., tuple[Array, Array]]
@@ -81,6 +84,43 @@ def _centered(x: Array, center: Array, axes: tuple[int, ...]) -> Array:
   return x - jnp.expand_dims(center, axes)
 
 
+#: The built-ins defined for complex input, through the modulus: ``sd`` (mean
+#: and ``sqrt(E|x - E x|^2)``, flax's BatchNorm) and ``mad`` (``E|x - E x|``).
+#: The others order values (quantiles, extremes, the sign of ``x - E x``).
+_COMPLEX_OK = ("sd", "mad")
+
+
+def _prepare(x, axis, where, name: str):
+  """``prepare_reduction`` that keeps complex ``x`` complex where ``name``
+  is defined for it, and raises where it is not (rather than dropping the
+  imaginary part)."""
+  x = jnp.asarray(x)
+  if not jnp.iscomplexobj(x):
+    return prepare_reduction(x, axis, where)
+  check_real(x, name)
+  _, axes, where = prepare_reduction(jnp.real(x), axis, where)
+  return x, axes, where
+
+
+def check_real(x, name: str) -> None:
+  """Raises ``TypeError`` if ``x`` is complex and ``name`` orders values."""
+  if jnp.iscomplexobj(x) and name not in _COMPLEX_OK:
+    raise TypeError(
+        f"measure {name!r} is not defined for complex input ({jnp.result_type(x)}):"
+        " it orders values (a quantile, an extreme or the sign of x - mean),"
+        " and complex numbers have no order. Use measure='sd' (flax's"
+        " BatchNorm: mean and E|x - mean|^2) or 'mad' (E|x - mean|), or"
+        " normalize the real and imaginary parts as separate features."
+    )
+
+
+def _abs_sq(x: Array) -> Array:
+  # |x|^2 as flax's BatchNorm takes it; jnp.square for real x (bit for bit).
+  if jnp.iscomplexobj(x):
+    return jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x))
+  return jnp.square(x)
+
+
 def sd(
     x, axis, *, where=None, axis_name=None, axis_index_groups=None,
     fast_variance: bool = True, squared: bool = False,
@@ -89,27 +129,29 @@ def sd(
 
   With ``fast_variance`` the variance is ``E[x^2] - E[x]^2`` clipped at zero,
   in one pass (flax's ``use_fast_variance``). ``squared=True`` returns the
-  variance itself, which is what normalization layers use.
+  variance itself, which is what normalization layers use. For complex ``x``
+  the mean is complex and the variance ``E|x - E x|^2`` real, as in flax.
   """
-  x, axes, where = prepare_reduction(x, axis, where)
+  x, axes, where = _prepare(x, axis, where, "sd")
   # Square before the first mean, as flax does: XLA:CPU fuses the backward
   # pass differently (and slower) when the mean comes first.
-  x_sq = jnp.square(x) if fast_variance else None
+  x_sq = _abs_sq(x) if fast_variance else None
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   if fast_variance:
     mean_sq = global_mean(x_sq, axes, where, axis_name, axis_index_groups)
-    var = jnp.maximum(0.0, mean_sq - jnp.square(mean))
+    var = jnp.maximum(0.0, mean_sq - _abs_sq(mean))
   else:
     var = global_mean(
-        jnp.square(_centered(x, mean, axes)), axes, where, axis_name,
+        _abs_sq(_centered(x, mean, axes)), axes, where, axis_name,
         axis_index_groups,
     )
   return mean, (var if squared else jnp.sqrt(var))
 
 
 def mad(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
-  """Mean and mean absolute deviation ``E|x - E x|``."""
-  x, axes, where = prepare_reduction(x, axis, where)
+  """Mean and mean absolute deviation ``E|x - E x|`` (the modulus, for
+  complex ``x``)."""
+  x, axes, where = _prepare(x, axis, where, "mad")
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   dev = global_mean(
       jnp.abs(_centered(x, mean, axes)), axes, where, axis_name, axis_index_groups
@@ -119,7 +161,7 @@ def mad(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
 
 def rsd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Mean and upper semideviation ``E[(x - E x)^+]``."""
-  x, axes, where = prepare_reduction(x, axis, where)
+  x, axes, where = _prepare(x, axis, where, "rsd")
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   dev = global_mean(
@@ -138,7 +180,7 @@ def sqd(
   ``alpha`` of the batch (ties aside).
   """
   alpha = quantiles.validate_alpha(alpha)
-  x, axes, where = prepare_reduction(x, axis, where)
+  x, axes, where = _prepare(x, axis, where, "sqd")
   q, qbar, mean = quantiles._superquantile_and_mean(  # pylint: disable=protected-access
       x, alpha, axes, where, axis_name, axis_index_groups
   )
@@ -147,7 +189,7 @@ def sqd(
 
 def rbd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Mid-range ``(max + min)/2`` and range ``max - min``."""
-  x, axes, where = prepare_reduction(x, axis, where)
+  x, axes, where = _prepare(x, axis, where, "rbd")
   kw = dict(where=where, axis_name=axis_name, axis_index_groups=axis_index_groups)
   hi = extreme(x, axes, largest=True, **kw)
   lo = extreme(x, axes, largest=False, **kw)
@@ -156,7 +198,7 @@ def rbd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
 
 def wcd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Maximum and worst-case deviation ``max - E[x]``."""
-  x, axes, where = prepare_reduction(x, axis, where)
+  x, axes, where = _prepare(x, axis, where, "wcd")
   hi = extreme(
       x, axes, largest=True, where=where, axis_name=axis_name,
       axis_index_groups=axis_index_groups,
@@ -170,17 +212,15 @@ def bpoe(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   This is SQD at the level where the quantile sits at the mean: GBN with it,
   followed by ReLU, is the paper's empirical bPOE transform.
   """
-  x, axes, where = prepare_reduction(x, axis, where)
+  x, axes, where = _prepare(x, axis, where, "bpoe")
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   above = centered > 0
   if where is not None:
     above = above & where
   total = jnp.sum(jnp.where(above, centered, 0), axes)
-  count = quantiles.count_true(above, axes)
-  total, count = quantiles._global_sum(  # pylint: disable=protected-access
-      (total, count), axis_name, axis_index_groups
-  )
+  count = reductions.count_true(above, axes)
+  total, count = global_sum((total, count), axis_name, axis_index_groups)
   dev = jnp.where(count > 0, total / jnp.maximum(count, 1), 0)
   return mean, _keep_nan(mean, dev)
 
@@ -435,7 +475,21 @@ class Measure:
       default=None, repr=False, compare=True
   )
 
+  def _check_complex(self, x) -> None:
+    # Named here by the registered name (e.g. 'sqd2'), not the function's.
+    if not jnp.iscomplexobj(x):
+      return
+    if self.fn in (rsd, sqd, rbd, wcd, bpoe):
+      check_real(x, self.name)
+    if self.calibration is not None and self.normal_scale != 1:
+      raise ValueError(
+          f"calibration={self.calibration!r} of measure {self.name!r} is"
+          " defined for real features (D of a real standard normal), not for"
+          f" complex input ({jnp.result_type(x)}); use calibration=None."
+      )
+
   def __call__(self, x, axis, **reduction):
+    self._check_complex(x)
     s, d = self.fn(x, axis, **reduction, **dict(self.params))
     if self.calibration is None:
       return s, d
@@ -443,6 +497,7 @@ class Measure:
 
   def squared_deviation(self, x, axis, **reduction):
     """``(S, D^2)``; exact (no sqrt round trip) for ``sd``."""
+    self._check_complex(x)
     if "squared" in inspect.signature(self.fn).parameters:
       s, d2 = self.fn(x, axis, squared=True, **reduction, **dict(self.params))
       if self.calibration is None:
@@ -480,7 +535,7 @@ class Measure:
     if not callable(self.normal_scale):  # no n needed (nor a mask count)
       return self.normal_constant(0)
     x, axes, where = prepare_reduction(x, axis, reduction.get("where"))
-    n = quantiles._element_count(  # pylint: disable=protected-access
+    n = reductions.element_count(
         x, axes, where, reduction.get("axis_name"),
         reduction.get("axis_index_groups"),
     )

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
 
@@ -117,12 +118,12 @@ class GBatchNorm(nnx.BatchNorm):
         y, statistic, deviation_sq = _normalization.normalize_batch(
             measure, x, scale, bias, reduction_axes, feature_axes, **reduction
         )
-      self.mean[...] = jax.lax.stop_gradient(
+      _update(self.mean, jax.lax.stop_gradient(
           self.momentum * self.mean[...] + (1 - self.momentum) * statistic
-      )
-      self.var[...] = jax.lax.stop_gradient(
+      ))
+      _update(self.var, jax.lax.stop_gradient(
           self.momentum * self.var[...] + (1 - self.momentum) * deviation_sq
-      )
+      ))
       return y
     return _normalization.normalize(
         x,
@@ -135,3 +136,13 @@ class GBatchNorm(nnx.BatchNorm):
         self.dtype,
         self.epsilon,
     )
+
+
+def _update(variable: nnx.Variable, value: Array) -> None:
+  """``variable[...] = value``, except that a complex running mean (of
+  complex input) replaces the real zeros it starts from: assigning into them
+  would drop its imaginary part. linen's BatchNorm keeps it complex too."""
+  if jnp.iscomplexobj(value) and not jnp.iscomplexobj(variable[...]):
+    variable.set_value(value)
+  else:
+    variable[...] = value

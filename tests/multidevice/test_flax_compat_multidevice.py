@@ -1,0 +1,133 @@
+"""One example per device with axis_name: statistics pool the devices.
+
+flax's BatchNorm accepts an input whose only axis is the feature axis; with
+``axis_name`` its statistics are those of all elements across the named
+axis. GBatchNorm does the same for every measure, quantiles included
+(issue 22). References: flax's BatchNorm for ``sd``, numpy from the
+definitions for the rest.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=4
+(tests/test_multidevice.py does this in a subprocess).
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import gbn_jax.nnx
+import reference as ref
+from gbn_jax import GBatchNorm
+
+NDEV = 4
+MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
+MOMENTUM = 0.9
+
+if jax.device_count() < NDEV:
+  pytest.fail(f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False)
+
+_close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-5)
+
+
+def _x(f=3, seed=0):
+  # One example per device, distinct values so every measure is non-degenerate.
+  return jnp.asarray(np.random.default_rng(seed).normal(size=(NDEV, f)), jnp.float32)
+
+
+def _params(f=3):
+  k1, k2 = jax.random.split(jax.random.key(3))
+  return {"scale": 1 + 0.5 * jax.random.normal(k1, (f,)),
+          "bias": jax.random.normal(k2, (f,))}
+
+
+def _reference(measure, x, params):
+  s, d = ref.per_feature(lambda v: ref.measure_1d(measure, v), np.asarray(x), (0,))
+  y = ref.normalize(x, s, d, (0,), params["scale"], params["bias"])
+  return y, (1 - MOMENTUM) * s, MOMENTUM + (1 - MOMENTUM) * d**2
+
+
+@pytest.mark.parametrize("measure", MEASURES)
+def test_linen_pmap_one_example_per_device(measure):
+  x, params = _x(), _params()
+  variables = {"params": params,
+               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+
+  def run(module):
+    return jax.pmap(
+        lambda v: module.apply(variables, v, mutable=["batch_stats"]),
+        axis_name="i")(x)
+
+  kw = dict(use_running_average=False, axis_name="i", momentum=MOMENTUM)
+  y, upd = run(GBatchNorm(measure=measure, **kw))
+  y_ref, mean_ref, var_ref = _reference(measure, x, params)
+  _close(y, y_ref)
+  for dev in range(NDEV):  # every device holds the pooled statistics
+    _close(upd["batch_stats"]["mean"][dev], mean_ref)
+    _close(upd["batch_stats"]["var"][dev], var_ref)
+  if measure == "sd":
+    yf, updf = run(nn.BatchNorm(**kw))
+    _close(y, yf)
+    jax.tree.map(_close, upd, updf)
+
+
+@pytest.mark.parametrize("measure", MEASURES)
+def test_nnx_shard_map_one_example_per_device(measure):
+  x, params = _x(), _params()
+  mesh = Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
+
+  def run(layer):
+    layer.scale[...], layer.bias[...] = params["scale"], params["bias"]
+    graphdef, state = nnx.split(layer)
+
+    def local(state, v):
+      m = nnx.merge(graphdef, state)
+      y = m(v[0])  # this device's example: only the feature axis is left
+      return y[None], nnx.state(m, nnx.BatchStat)
+
+    y, stats = jax.jit(jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P("batch")),
+        out_specs=(P("batch"), P())))(state, x)
+    return y, stats["mean"][...], stats["var"][...]
+
+  y, mean, var = run(gbn_jax.nnx.GBatchNorm(
+      3, measure=measure, axis_name="batch", momentum=MOMENTUM, rngs=nnx.Rngs(0)))
+  y_ref, mean_ref, var_ref = _reference(measure, x, params)
+  _close(y, y_ref)
+  _close(mean, mean_ref)
+  _close(var, var_ref)
+  if measure == "sd":
+    yf, meanf, varf = run(nnx.BatchNorm(3, axis_name="batch", momentum=MOMENTUM,
+                                        rngs=nnx.Rngs(0)))
+    _close(y, yf)
+    _close(mean, meanf)
+    _close(var, varf)
+
+
+@pytest.mark.parametrize("measure", ["sd", "sqd2", "wcd"])
+def test_pmap_one_example_gradient_equals_batched(measure):
+  # pmap differentiates each device's loss; summed over devices, the input
+  # gradient is that of the single-device batched call on the same loss.
+  x, params = _x(), _params()
+  w = jax.random.normal(jax.random.key(4), x.shape)
+  variables = {"params": params,
+               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+
+  def loss(module, p, v, wl):
+    y, _ = module.apply({**variables, "params": p}, v, mutable=["batch_stats"])
+    return jnp.sum(jnp.sin(y) * wl)
+
+  per_device = GBatchNorm(use_running_average=False, axis_name="i", measure=measure)
+  gp, gx = jax.pmap(
+      lambda v, wl: jax.grad(functools.partial(loss, per_device), argnums=(0, 1))(
+          params, v, wl), axis_name="i")(x, w)
+  batched = GBatchNorm(use_running_average=False, measure=measure)
+  gp_ref, gx_ref = jax.grad(functools.partial(loss, batched), argnums=(0, 1))(
+      params, x, w)
+  tol = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5)
+  tol(gx, gx_ref)
+  jax.tree.map(lambda a, b: tol(a.sum(0), b), gp, gp_ref)
