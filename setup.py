@@ -7,7 +7,8 @@ The XLA FFI headers are vendored (gbn_jax/csrc/third_party), so the build
 needs no jaxlib.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension
+from setuptools import setup
 
 setup(
     ext_modules=[

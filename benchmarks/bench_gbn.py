@@ -30,8 +30,27 @@ import gbn_jax
 from gbn_jax._selection import dispatch
 
 DEFAULT_SHAPES = ("256x32x32x16", "1024x32x32x16", "1000x8x8x50", "512x256")
-DEFAULT_MEASURES = ("sd", "mad", "rsd", "bpoe", "rbd", "wcd", "sqd1", "sqd2", "sqd3", "sqd:0.05", "sqd:0.99")
-TARGETS = {"sd": 1.05, "mad": 1.3, "rsd": 1.3, "bpoe": 1.3, "rbd": 1.3, "wcd": 1.3}
+DEFAULT_MEASURES = (
+    "sd",
+    "mad",
+    "rsd",
+    "bpoe",
+    "rbd",
+    "wcd",
+    "sqd1",
+    "sqd2",
+    "sqd3",
+    "sqd:0.05",
+    "sqd:0.99",
+)
+TARGETS = {
+    "sd": 1.05,
+    "mad": 1.3,
+    "rsd": 1.3,
+    "bpoe": 1.3,
+    "rbd": 1.3,
+    "wcd": 1.3,
+}
 SQD_TARGET = 1.5
 
 
@@ -43,7 +62,9 @@ def make_module(norm: str) -> nn.Module:
   if norm == "bn":
     return nn.BatchNorm(use_running_average=False)
   if norm.startswith("sqd:"):
-    return gbn_jax.GBatchNorm(use_running_average=False, measure="sqd", alpha=float(norm[4:]))
+    return gbn_jax.GBatchNorm(
+        use_running_average=False, measure="sqd", alpha=float(norm[4:])
+    )
   return gbn_jax.GBatchNorm(use_running_average=False, measure=norm)
 
 
@@ -70,7 +91,9 @@ def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
   """jit'ed SGD step (forward, backward, update) of a training-suite model."""
   from train import models  # the training suite's models, norm swapped by name
 
-  model = models.create_model(model_name, num_classes=10, norm=models.make_norm(norm))
+  model = models.create_model(
+      model_name, num_classes=10, norm=models.make_norm(norm)
+  )
   x = jax.random.normal(jax.random.key(3), (batch, *image_shape))
   y = jax.random.randint(jax.random.key(4), (batch,), 0, 10)
   variables = model.init(jax.random.key(0), x, train=False)
@@ -80,13 +103,24 @@ def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
   def step(params, batch_stats, opt_state):
     def loss_fn(p):
       logits, updates = model.apply(
-          {"params": p, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+          {"params": p, "batch_stats": batch_stats},
+          x,
+          train=True,
+          mutable=["batch_stats"],
       )
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
+      return (
+          optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+          updates,
+      )
 
     (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     changes, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, changes), updates["batch_stats"], opt_state, loss
+    return (
+        optax.apply_updates(params, changes),
+        updates["batch_stats"],
+        opt_state,
+        loss,
+    )
 
   step = jax.jit(step)
   args = (variables["params"], variables["batch_stats"], opt_state)
@@ -131,7 +165,11 @@ def target_for(norm: str) -> float:
 
 def machine_info() -> dict:
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "date": (
+          datetime.datetime.now(datetime.timezone.utc).isoformat(
+              timespec="seconds"
+          )
+      ),
       "platform": platform.platform(),
       "processor": platform.processor() or platform.machine(),
       "cpu_count": __import__("os").cpu_count(),
@@ -145,8 +183,13 @@ def machine_info() -> dict:
 
 def write_partial(path, run: dict, rows, steps, complete=False) -> dict:
   """The results so far (written after every row, so a cut-off run keeps them)."""
-  result = {"machine": machine_info(), **run, "complete": complete,
-            "layers": rows, "train_steps": steps}
+  result = {
+      "machine": machine_info(),
+      **run,
+      "complete": complete,
+      "layers": rows,
+      "train_steps": steps,
+  }
   if path:
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
@@ -154,23 +197,54 @@ def write_partial(path, run: dict, rows, steps, complete=False) -> dict:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
-                      help="input shapes like 256x32x32x16 (features last)")
-  parser.add_argument("--measures", nargs="*", default=list(DEFAULT_MEASURES),
-                      help="measure names, or sqd:<alpha>; none to time only train steps")
-  parser.add_argument("--runs", type=int, default=20, help="timed runs per layer (median)")
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+      "--shapes",
+      nargs="+",
+      default=list(DEFAULT_SHAPES),
+      help="input shapes like 256x32x32x16 (features last)",
+  )
+  parser.add_argument(
+      "--measures",
+      nargs="*",
+      default=list(DEFAULT_MEASURES),
+      help="measure names, or sqd:<alpha>; none to time only train steps",
+  )
+  parser.add_argument(
+      "--runs", type=int, default=20, help="timed runs per layer (median)"
+  )
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--train-steps", nargs="*", default=list(TRAIN_STEPS),
-                      help="models whose whole train step to time (lenet, resnet20); none to skip")
-  parser.add_argument("--train-norm", default="sqd2", help="norm to compare with bn in train steps")
-  parser.add_argument("--train-batch", type=int, default=None,
-                      help="batch of every train step (default: LeNet 1000, ResNet20 256); "
-                           "for rehearsals")
-  parser.add_argument("--inner", type=int, default=1,
-                      help="dispatches per timed sample (use ~10 on a GPU/TPU)")
-  parser.add_argument("--select-method", choices=dispatch.METHODS,
-                      help="force this k-th smallest method (default: by size)")
+  parser.add_argument(
+      "--train-steps",
+      nargs="*",
+      default=list(TRAIN_STEPS),
+      help="models whose whole train step to time (lenet, resnet20); none to skip",
+  )
+  parser.add_argument(
+      "--train-norm",
+      default="sqd2",
+      help="norm to compare with bn in train steps",
+  )
+  parser.add_argument(
+      "--train-batch",
+      type=int,
+      default=None,
+      help="batch of every train step (default: LeNet 1000, ResNet20 256); "
+      "for rehearsals",
+  )
+  parser.add_argument(
+      "--inner",
+      type=int,
+      default=1,
+      help="dispatches per timed sample (use ~10 on a GPU/TPU)",
+  )
+  parser.add_argument(
+      "--select-method",
+      choices=dispatch.METHODS,
+      help="force this k-th smallest method (default: by size)",
+  )
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
   # In scope for every call, traces and timed runs alike: the method is part
@@ -181,41 +255,66 @@ def main(argv=None) -> dict:
 
 def _run(args, argv) -> dict:
   """The timings of :func:`main` for parsed ``args``."""
-  run = dict(runs=args.runs, inner=args.inner, select_method=args.select_method,
-             command=" ".join(["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]))
+  run = dict(
+      runs=args.runs,
+      inner=args.inner,
+      select_method=args.select_method,
+      command=" ".join(
+          ["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]
+      ),
+  )
 
   rows = []
   for shape_text in args.shapes:
     shape = parse_shape(shape_text)
     x = jax.random.normal(jax.random.key(2), shape, jnp.float32)
     for norm in args.measures:
-      fns = {"bn": layer_step(make_module("bn"), x), norm: layer_step(make_module(norm), x)}
+      fns = {
+          "bn": layer_step(make_module("bn"), x),
+          norm: layer_step(make_module(norm), x),
+      }
       med = time_interleaved(fns, args.runs, args.warmup, args.inner)
       row = {
-          "shape": shape_text, "measure": norm,
-          "bn_ms": med["bn"] * 1e3, "gbn_ms": med[norm] * 1e3,
-          "ratio": med[norm] / med["bn"], "target": target_for(norm),
+          "shape": shape_text,
+          "measure": norm,
+          "bn_ms": med["bn"] * 1e3,
+          "gbn_ms": med[norm] * 1e3,
+          "ratio": med[norm] / med["bn"],
+          "target": target_for(norm),
       }
       rows.append(row)
       write_partial(args.out, run, rows, [])
-      print(f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
-            f"  x{row['ratio']:.2f} (target <= {row['target']})", flush=True)
+      print(
+          f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
+          f"  x{row['ratio']:.2f} (target <= {row['target']})",
+          flush=True,
+      )
   steps = []
   for model_name in args.train_steps:
     batch, image_shape = TRAIN_STEPS[model_name]
     batch = args.train_batch or batch
     norm = args.train_norm
-    fns = {"bn": train_step(model_name, "bn", batch, image_shape),
-           norm: train_step(model_name, norm, batch, image_shape)}
+    fns = {
+        "bn": train_step(model_name, "bn", batch, image_shape),
+        norm: train_step(model_name, norm, batch, image_shape),
+    }
     med = time_interleaved(fns, args.runs, args.warmup, args.inner)
-    row = {"model": model_name, "batch": batch, "measure": norm,
-           "bn_ms": med["bn"] * 1e3, "gbn_ms": med[norm] * 1e3,
-           "ratio": med[norm] / med["bn"], "target": TRAIN_STEP_TARGET}
+    row = {
+        "model": model_name,
+        "batch": batch,
+        "measure": norm,
+        "bn_ms": med["bn"] * 1e3,
+        "gbn_ms": med[norm] * 1e3,
+        "ratio": med[norm] / med["bn"],
+        "target": TRAIN_STEP_TARGET,
+    }
     steps.append(row)
     write_partial(args.out, run, rows, steps)
-    print(f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
-          f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
-          flush=True)
+    print(
+        f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
+        f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
+        flush=True,
+    )
   return write_partial(args.out, run, rows, steps, complete=True)
 
 

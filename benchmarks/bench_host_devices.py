@@ -49,23 +49,43 @@ print(mesh.size, statistics.median(times))
 
 
 def run_once(devices: int, args) -> tuple[int, float]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  )
   out = subprocess.run(
-      [sys.executable, "-c", _CHILD, args.model, args.norm, str(args.batch), str(args.runs)],
-      env=env, capture_output=True, text=True, check=True,
+      [
+          sys.executable,
+          "-c",
+          _CHILD,
+          args.model,
+          args.norm,
+          str(args.batch),
+          str(args.runs),
+      ],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=True,
   )
   used, seconds = out.stdout.split()
   return int(used), float(seconds)
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--model", default="lenet", choices=["lenet", "resnet20"])
   parser.add_argument("--norm", default="bn")
   parser.add_argument("--batch", type=int, default=1000)
-  parser.add_argument("--runs", type=int, default=8, help="timed steps per subprocess")
-  parser.add_argument("--repeats", type=int, default=2, help="alternating rounds")
+  parser.add_argument(
+      "--runs", type=int, default=8, help="timed steps per subprocess"
+  )
+  parser.add_argument(
+      "--repeats", type=int, default=2, help="alternating rounds"
+  )
   parser.add_argument("--devices", type=int, default=os.cpu_count() or 1)
   parser.add_argument("--out")
   args = parser.parse_args(argv)
@@ -77,12 +97,16 @@ def main(argv=None):
       samples[n].append(seconds)
   med = {n: statistics.median(s) for n, s in samples.items()}
   for n, s in samples.items():
-    print(f"{args.model} {args.norm} batch {args.batch}: {n} host device(s) (using {used[n]})"
-          f" step {med[n] * 1e3:.0f} ms  (runs: {', '.join(f'{v * 1e3:.0f}' for v in s)})")
+    print(
+        f"{args.model} {args.norm} batch {args.batch}: {n} host device(s) (using {used[n]})"
+        f" step {med[n] * 1e3:.0f} ms  (runs: {', '.join(f'{v * 1e3:.0f}' for v in s)})"
+    )
   print(f"speed-up x{med[1] / med[args.devices]:.2f}")
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"args": vars(args), "seconds": samples, "used": used}, f, indent=2)
+      json.dump(
+          {"args": vars(args), "seconds": samples, "used": used}, f, indent=2
+      )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+from collections.abc import Callable, Sequence
 import datetime
 import functools
 import json
 import os
+from pathlib import Path
 import platform
 import re
 import statistics
@@ -54,17 +56,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from benchmarks.bench_gbn import interleaved_samples
 from train import models
@@ -91,7 +91,7 @@ def max_pool_2x2(x: jax.Array, layout: str = "nhwc") -> jax.Array:
   if layout == "nhwc":
     return models.max_pool_2x2(x)
   n, c, h, w = x.shape
-  x = x[:, :, :h // 2 * 2, :w // 2 * 2]
+  x = x[:, :, : h // 2 * 2, : w // 2 * 2]
   return jnp.max(x.reshape(n, c, h // 2, 2, w // 2, 2), axis=(3, 5))
 
 
@@ -120,7 +120,7 @@ def _pool_mask_bwd_ops(res, g):
   x, y = res
   n, h, w, c = x.shape
   hh, ww = h // 2, w // 2
-  view = x[:, :2 * hh, :2 * ww, :].reshape(n, hh, 2, ww, 2, c)
+  view = x[:, : 2 * hh, : 2 * ww, :].reshape(n, hh, 2, ww, 2, c)
   hit = (view == y[:, :, None, :, None, :]).astype(g.dtype)
   share = g / jnp.sum(hit, axis=(2, 4))
   dx = (hit * share[:, :, None, :, None, :]).reshape(n, 2 * hh, 2 * ww, c)
@@ -133,8 +133,9 @@ max_pool_2x2_mask.defvjp(_pool_mask_fwd, _pool_mask_bwd)
 
 
 def _conv_nhwc(x, kernel):
-  return lax.conv_general_dilated(x, kernel, (1, 1), "VALID",
-                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return lax.conv_general_dilated(
+      x, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 @jax.custom_vjp
@@ -170,9 +171,14 @@ def col2im(dpatches: jax.Array, kh: int, kw: int) -> jax.Array:
   n, oh, ow, k = dpatches.shape
   cin = k // (kh * kw)
   dp = dpatches.reshape(n, oh, ow, kh, kw, cin)
-  return sum(jnp.pad(dp[:, :, :, i, j, :],
-                     ((0, 0), (i, kh - 1 - i), (j, kw - 1 - j), (0, 0)))
-             for i in range(kh) for j in range(kw))
+  return sum(
+      jnp.pad(
+          dp[:, :, :, i, j, :],
+          ((0, 0), (i, kh - 1 - i), (j, kw - 1 - j), (0, 0)),
+      )
+      for i in range(kh)
+      for j in range(kw)
+  )
 
 
 @jax.custom_vjp
@@ -222,13 +228,17 @@ class VariantConv(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     kh, kw = self.kernel_size
     cin = x.shape[1] if self.method == "nchw" else x.shape[-1]
-    kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                        (kh, kw, cin, self.features), jnp.float32)
+    kernel = self.param(
+        "kernel",
+        nn.initializers.lecun_normal(),
+        (kh, kw, cin, self.features),
+        jnp.float32,
+    )
     if self.method in ("conv", "nchw"):
       layout = "NCHW" if self.method == "nchw" else "NHWC"
       return lax.conv_general_dilated(
-          x, kernel, (1, 1), "VALID",
-          dimension_numbers=(layout, "HWIO", layout))
+          x, kernel, (1, 1), "VALID", dimension_numbers=(layout, "HWIO", layout)
+      )
     if self.method == "wgrad":
       return conv_im2col_wgrad(x, kernel)
     if self.method == "mm_bwd":
@@ -236,8 +246,10 @@ class VariantConv(nn.Module):
     if self.method == "im2col":
       patches = im2col(x, kh, kw)
       return lax.dot_general(
-          patches, kernel.reshape(kh * kw * cin, self.features),
-          (((patches.ndim - 1,), (0,)), ((), ())))
+          patches,
+          kernel.reshape(kh * kw * cin, self.features),
+          (((patches.ndim - 1,), (0,)), ((), ())),
+      )
     if self.method == "shift":
       if cin != 1:
         raise ValueError("the shift formulation needs 1 input channel")
@@ -246,7 +258,7 @@ class VariantConv(nn.Module):
       out = None
       for i in range(kh):
         for j in range(kw):
-          term = x[:, i:i + oh, j:j + ow, :] * kernel[i, j, 0]
+          term = x[:, i : i + oh, j : j + ow, :] * kernel[i, j, 0]
           out = term if out is None else out + term
       return out
     raise ValueError(f"unknown conv method {self.method!r}")
@@ -282,9 +294,9 @@ class LeNetVariant(nn.Module):
         raise ValueError("nchw goes with conv1=conv2=conv")
       x = jnp.transpose(x, (0, 3, 1, 2))
     for i, (features, method) in enumerate(
-        ((20, self.conv1), (50, self.conv2)), start=1):
-      x = VariantConv(features, "nchw" if nchw else method,
-                      name=f"conv{i}")(x)
+        ((20, self.conv1), (50, self.conv2)), start=1
+    ):
+      x = VariantConv(features, "nchw" if nchw else method, name=f"conv{i}")(x)
       x = norm(name=f"norm{i}", **({"axis": 1} if nchw else {}))(x)
       x = nn.relu(x)
       if self.pool == "reshape":
@@ -294,8 +306,9 @@ class LeNetVariant(nn.Module):
           raise ValueError("pool=mask is NHWC only")
         x = max_pool_2x2_mask(x)
       elif nchw:
-        x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 1, 2, 2),
-                              (1, 1, 2, 2), "VALID")
+        x = lax.reduce_window(
+            x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID"
+        )
       else:
         x = nn.max_pool(x, (2, 2), strides=(2, 2))
     if nchw:
@@ -325,12 +338,26 @@ VARIANTS: dict[str, dict[str, str] | None] = {
     "pool_mask+wgrad": {"pool": "mask", "conv1": "wgrad", "conv2": "wgrad"},
     "mm_bwd": {"conv1": "wgrad", "conv2": "mm_bwd"},
     "pool_mask+mm_bwd": {"pool": "mask", "conv1": "wgrad", "conv2": "mm_bwd"},
-    "pool_mask+conv1_im2col+conv2_wgrad": {"pool": "mask", "conv1": "im2col",
-                                           "conv2": "wgrad"},
+    "pool_mask+conv1_im2col+conv2_wgrad": {
+        "pool": "mask",
+        "conv1": "im2col",
+        "conv2": "wgrad",
+    },
 }
-DEFAULT_VARIANTS = ("base", "flax_ops", "pool", "pool_mask", "conv1_im2col",
-                    "conv2_im2col", "wgrad", "mm_bwd", "nchw", "pool+im2col",
-                    "pool_mask+wgrad", "pool_mask+mm_bwd")
+DEFAULT_VARIANTS = (
+    "base",
+    "flax_ops",
+    "pool",
+    "pool_mask",
+    "conv1_im2col",
+    "conv2_im2col",
+    "wgrad",
+    "mm_bwd",
+    "nchw",
+    "pool+im2col",
+    "pool_mask+wgrad",
+    "pool_mask+mm_bwd",
+)
 
 #: Flag set name -> (extra XLA_FLAGS, extra environment). All flags exist in
 #: jaxlib 0.10.2 (an unknown flag aborts the process).
@@ -340,25 +367,43 @@ FLAG_SETS: dict[str, tuple[str, dict[str, str]]] = {
     # / more.
     "ynn_off": ("--xla_cpu_experimental_ynn_fusion_type=", {}),
     "ynn_no_conv": (
-        "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution", {}),
-    "ynn_no_dot": ("--xla_cpu_experimental_ynn_fusion_type=-individual_dot",
-                   {}),
-    "ynn_plus_eltwise": ("--xla_cpu_experimental_ynn_fusion_type=+eltwise",
-                         {}),
-    "onednn_dot": ("--xla_cpu_use_onednn=true "
-                   "--xla_cpu_experimental_onednn_fusion_type=dot,eltwise", {}),
+        "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution",
+        {},
+    ),
+    "ynn_no_dot": (
+        "--xla_cpu_experimental_ynn_fusion_type=-individual_dot",
+        {},
+    ),
+    "ynn_plus_eltwise": ("--xla_cpu_experimental_ynn_fusion_type=+eltwise", {}),
+    "onednn_dot": (
+        "--xla_cpu_use_onednn=true "
+        "--xla_cpu_experimental_onednn_fusion_type=dot,eltwise",
+        {},
+    ),
     "eigen_1thread": ("--xla_cpu_multi_thread_eigen=false", {}),
     "no_concurrency_sched": (
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false", {}),
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+        {},
+    ),
     "vector_512": ("--xla_cpu_prefer_vector_width=512", {}),
     "fast_runtime": ("--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_RUNTIME", {}),
     "fast_math": ("--xla_cpu_enable_fast_math=true", {}),  # not exact
     "nproc1": ("", {"PJRT_NPROC": "1"}),  # intra-op thread pool size
     "nproc4": ("", {"PJRT_NPROC": "4"}),
 }
-DEFAULT_FLAG_SETS = ("ynn_off", "ynn_no_conv", "ynn_no_dot", "ynn_plus_eltwise",
-                     "onednn_dot", "eigen_1thread", "no_concurrency_sched",
-                     "vector_512", "fast_math", "nproc1", "nproc4")
+DEFAULT_FLAG_SETS = (
+    "ynn_off",
+    "ynn_no_conv",
+    "ynn_no_dot",
+    "ynn_plus_eltwise",
+    "onednn_dot",
+    "eigen_1thread",
+    "no_concurrency_sched",
+    "vector_512",
+    "fast_math",
+    "nproc1",
+    "nproc4",
+)
 #: Flag sets that may change results (never picked as "best" automatically).
 INEXACT_FLAG_SETS = frozenset({"fast_math"})
 
@@ -367,11 +412,13 @@ def make_model(variant: str, config) -> nn.Module:
   """The config's LeNet (``base``) or a LeNetVariant with the config's norm."""
   from train import models
   from train import train as trainlib
+
   fields = VARIANTS[variant]
   if fields is None:
     return trainlib.create_model(config, NUM_CLASSES)
-  norm = models.make_norm(config.norm, momentum=config.norm_momentum,
-                          epsilon=config.norm_epsilon)
+  norm = models.make_norm(
+      config.norm, momentum=config.norm_momentum, epsilon=config.norm_epsilon
+  )
   return LeNetVariant(num_classes=NUM_CLASSES, norm=norm, **fields)
 
 
@@ -382,13 +429,22 @@ def make_model(variant: str, config) -> nn.Module:
 class Setup:
   """The real train step's inputs for one norm, laid out as in training."""
 
-  def __init__(self, norm: str, batch: int, *, seed: int = 0, steps: int = 2,
-               devices: int | None = None):
+  def __init__(
+      self,
+      norm: str,
+      batch: int,
+      *,
+      seed: int = 0,
+      steps: int = 2,
+      devices: int | None = None,
+  ):
     from train import configs
     from train import train as trainlib
+
     self.trainlib = trainlib
-    self.config = trainlib.resolve(configs.MNIST.replace(
-        dataset=DATASET, norm=norm, batch_size=batch))
+    self.config = trainlib.resolve(
+        configs.MNIST.replace(dataset=DATASET, norm=norm, batch_size=batch)
+    )
     chosen = trainlib.data_parallel_devices(batch)
     if devices is not None:
       chosen = chosen[:devices]
@@ -397,31 +453,43 @@ class Setup:
     batched = NamedSharding(self.mesh, P(None, trainlib.DATA_AXIS))
     base = make_model("base", self.config)
     self.tx = trainlib.create_optimizer(self.config)
-    init = jax.jit(functools.partial(
-        trainlib.create_train_state, model=base, image_shape=IMAGE_SHAPE,
-        tx=self.tx), out_shardings=self.replicated)
+    init = jax.jit(
+        functools.partial(
+            trainlib.create_train_state,
+            model=base,
+            image_shape=IMAGE_SHAPE,
+            tx=self.tx,
+        ),
+        out_shardings=self.replicated,
+    )
     self.state = init(jax.random.key(seed))
     rng = np.random.default_rng(seed)
     self.images = jax.device_put(
         rng.integers(0, 256, (steps, batch, *IMAGE_SHAPE), dtype=np.uint8),
-        batched)
+        batched,
+    )
     self.labels = jax.device_put(
-        rng.integers(0, NUM_CLASSES, (steps, batch)).astype(np.int32), batched)
+        rng.integers(0, NUM_CLASSES, (steps, batch)).astype(np.int32), batched
+    )
     self.steps = steps
     # As train.compile_program builds it (no donation on CPU).
     self.step = jax.jit(
         functools.partial(trainlib.train_step, dataset=self.config.dataset),
-        out_shardings=(self.replicated, self.replicated))
+        out_shardings=(self.replicated, self.replicated),
+    )
 
   def state_for(self, variant: str):
     """The initial state with ``variant``'s apply_fn (same parameters)."""
     model = make_model(variant, self.config)
     shapes = jax.eval_shape(
-        functools.partial(model.init, train=False), jax.random.key(0),
-        jnp.zeros((1, *IMAGE_SHAPE), jnp.float32))
-    want = jax.tree.map(lambda a: (a.shape, a.dtype),
-                        {"params": self.state.params,
-                         "batch_stats": self.state.batch_stats})
+        functools.partial(model.init, train=False),
+        jax.random.key(0),
+        jnp.zeros((1, *IMAGE_SHAPE), jnp.float32),
+    )
+    want = jax.tree.map(
+        lambda a: (a.shape, a.dtype),
+        {"params": self.state.params, "batch_stats": self.state.batch_stats},
+    )
     got = jax.tree.map(lambda a: (a.shape, a.dtype), dict(shapes))
     if got != want:
       raise ValueError(f"variant {variant!r} has another parameter tree")
@@ -431,8 +499,9 @@ class Setup:
     """``(compiled step, its state, compile seconds)``."""
     state = self.state_for(variant)
     t = time.perf_counter()
-    compiled = self.step.lower(state, self.images, self.labels,
-                               np.int32(0)).compile()
+    compiled = self.step.lower(
+        state, self.images, self.labels, np.int32(0)
+    ).compile()
     return compiled, state, time.perf_counter() - t
 
   def runner(self, compiled, state) -> Callable[[], Any]:
@@ -443,6 +512,7 @@ class Setup:
       i = counter[0] % self.steps
       counter[0] += 1
       return compiled(state, self.images, self.labels, np.int32(i))
+
     return run
 
 
@@ -473,23 +543,29 @@ def loss_and_grads(setup: Setup, variant: str, params=None, step: int = 0):
   """train_step's loss, gradients and batch_stats for ``variant`` (traceable)."""
   trainlib = setup.trainlib
   from train import input_pipeline
+
   state = setup.state_for(variant)
   x = input_pipeline.normalize_images(setup.images[step], DATASET)
   y = setup.labels[step]
 
   def loss_fn(params):
     logits, updates = state.apply_fn(
-        {"params": params, "batch_stats": state.batch_stats}, x, train=True,
-        mutable=["batch_stats"])
+        {"params": params, "batch_stats": state.batch_stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+    )
     return jnp.mean(trainlib.cross_entropy(logits, y)), updates
 
   (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      state.params if params is None else params)
+      state.params if params is None else params
+  )
   return loss, grads, updates["batch_stats"]
 
 
-def check_variants(norm: str, variants: Sequence[str], *, batch: int = 8,
-                   seed: int = 0) -> dict[str, dict[str, float]]:
+def check_variants(
+    norm: str, variants: Sequence[str], *, batch: int = 8, seed: int = 0
+) -> dict[str, dict[str, float]]:
   """Relative differences of each variant's loss/grads/stats from ``base``'s.
 
   All in one jitted program (one compilation instead of one per variant).
@@ -497,26 +573,33 @@ def check_variants(norm: str, variants: Sequence[str], *, batch: int = 8,
   setup = Setup(norm, batch, seed=seed, steps=1)
   names = ["base", *[v for v in variants if v != "base"]]
   outs = jax.jit(lambda p: [loss_and_grads(setup, v, p) for v in names])(
-      setup.state.params)
+      setup.state.params
+  )
   (lb, gb, sb), rows = outs[0], {}
   for name, (lv, gv, sv) in zip(names[1:], outs[1:]):
     if jax.tree.structure(gv) != jax.tree.structure(gb):
       raise ValueError(f"variant {name!r} has another gradient tree")
-    rows[name] = {"loss_rel": _rel(lv, lb), "grad_rel": _rel(gv, gb),
-                  "batch_stats_rel": _rel(sv, sb)}
+    rows[name] = {
+        "loss_rel": _rel(lv, lb),
+        "grad_rel": _rel(gv, gb),
+        "batch_stats_rel": _rel(sv, sb),
+    }
   return rows
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], runs: int,
-                     warmup: int) -> dict[str, list[float]]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], runs: int, warmup: int
+) -> dict[str, list[float]]:
   """Seconds per call of each fn (blocked), round-robin after warm-up."""
   return interleaved_samples(fns, runs, warmup)
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:
-  return {"median_ms": statistics.median(samples) * 1e3,
-          "min_ms": min(samples) * 1e3,
-          "runs_ms": [round(s * 1e3, 2) for s in samples]}
+  return {
+      "median_ms": statistics.median(samples) * 1e3,
+      "min_ms": min(samples) * 1e3,
+      "runs_ms": [round(s * 1e3, 2) for s in samples],
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -530,12 +613,18 @@ _POOL_OPCODES = {"reduce-window", "select-and-scatter"}
 
 
 def _phase(op_name: str) -> str:
-  return ("backward" if "transpose(" in op_name else
-          "forward" if "jvp(" in op_name else "update/other")
+  return (
+      "backward"
+      if "transpose(" in op_name
+      else "forward"
+      if "jvp(" in op_name
+      else "update/other"
+  )
 
 
-def categorize(op_name: str | None,
-               opcodes: frozenset[str] = frozenset()) -> tuple[str, str]:
+def categorize(
+    op_name: str | None, opcodes: frozenset[str] = frozenset()
+) -> tuple[str, str]:
   """``(part, phase)`` of an op_name such as ``.../transpose(jvp(LeNet))/conv2/...``.
 
   ``opcodes``: the HLO opcodes of the op (and of what it calls); a
@@ -548,12 +637,25 @@ def categorize(op_name: str | None,
     if f"/{layer}/" in op_name:
       return layer, phase
   in_model = "LeNet" in op_name
-  if in_model and (opcodes & _POOL_OPCODES or any(
-      k in op_name for k in ("reduce_window", "select_and_scatter",
-                             "max_pool", "reduce_max"))):
+  if in_model and (
+      opcodes & _POOL_OPCODES
+      or any(
+          k in op_name
+          for k in (
+              "reduce_window",
+              "select_and_scatter",
+              "max_pool",
+              "reduce_max",
+          )
+      )
+  ):
     return "pool", phase
-  if in_model and ("relu" in op_name or "/gt" in op_name or
-                   "/ge" in op_name or "select_n" in op_name):
+  if in_model and (
+      "relu" in op_name
+      or "/gt" in op_name
+      or "/ge" in op_name
+      or "select_n" in op_name
+  ):
     return "relu", phase
   if in_model:
     return "model-other", phase
@@ -577,9 +679,12 @@ def hlo_index(text: str) -> dict[str, dict[str, Any]]:
     m = _INSTRUCTION.match(line)
     if m:
       root, name, rhs = m.groups()
-      head = re.split(r", (?:metadata|backend_config|calls|to_apply|body|"
-                      r"condition|branch_computations|frontend_attributes)=",
-                      rhs, maxsplit=1)[0]
+      head = re.split(
+          r", (?:metadata|backend_config|calls|to_apply|body|"
+          r"condition|branch_computations|frontend_attributes)=",
+          rhs,
+          maxsplit=1,
+      )[0]
       op = re.search(r'op_name="([^"]*)"', rhs)
       opcode = _OPCODE.match(rhs)
       index[name] = {
@@ -587,7 +692,8 @@ def hlo_index(text: str) -> dict[str, dict[str, Any]]:
           "opcode": opcode.group(1) if opcode else None,
           "operands": re.findall(r"%([\w.\-]+)", head),
           "calls": re.findall(
-              r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", rhs),
+              r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", rhs
+          ),
       }
       members[computation].append(name)
       if root:
@@ -610,11 +716,15 @@ def hlo_index(text: str) -> dict[str, dict[str, Any]]:
   for name, info in index.items():
     nested = list(inside(name, set()))
     info["opcodes"] = frozenset(
-        [info["opcode"]] + [index[n]["opcode"] for n in nested]) - {None}
+        [info["opcode"]] + [index[n]["opcode"] for n in nested]
+    ) - {None}
     if info["op_name"] is None and nested:
       named = [index[n]["op_name"] for n in nested if index[n]["op_name"]]
-      rooted = [index[roots[c]]["op_name"] for c in info["calls"]
-                if c in roots and index[roots[c]]["op_name"]]
+      rooted = [
+          index[roots[c]]["op_name"]
+          for c in info["calls"]
+          if c in roots and index[roots[c]]["op_name"]
+      ]
       layered = [n for n in named if any(f"/{l}/" in n for l in _LAYERS)]
       pick = layered or rooted or named
       info["op_name"] = pick[0] if pick else None
@@ -625,12 +735,16 @@ def hlo_index(text: str) -> dict[str, dict[str, Any]]:
   for name, info in index.items():
     info["part"], info["phase"] = (
         categorize(info["op_name"], info["opcodes"])
-        if info["op_name"] else (None, None))
+        if info["op_name"]
+        else (None, None)
+    )
 
   def param_layer(name):
     for operand in index[name]["operands"]:
-      m = re.match(r"state\.params\[\\?'(\w+)\\?'\]",
-                   index.get(operand, {}).get("op_name") or "")
+      m = re.match(
+          r"state\.params\[\\?'(\w+)\\?'\]",
+          index.get(operand, {}).get("op_name") or "",
+      )
       if m:
         return m.group(1)
     return None
@@ -647,7 +761,9 @@ def hlo_index(text: str) -> dict[str, dict[str, Any]]:
       layer = param_layer(user)
       if layer and index[user]["phase"] == "update/other":
         info["part"], info["phase"] = layer, "backward"
-        info["op_name"] = f"(gradient of {layer}, feeds {index[user]['op_name']})"
+        info["op_name"] = (
+            f"(gradient of {layer}, feeds {index[user]['op_name']})"
+        )
         break
       if index[user]["part"] is not None and index[user]["op_name"]:
         info["part"], info["phase"] = index[user]["part"], index[user]["phase"]
@@ -672,8 +788,9 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
   return total
 
 
-def profile_compiled(compiled, run: Callable[[], Any], steps: int,
-                     top: int = 15) -> dict[str, Any]:
+def profile_compiled(
+    compiled, run: Callable[[], Any], steps: int, top: int = 15
+) -> dict[str, Any]:
   """Each XLA op's traced time over ``steps`` steps, by layer and phase.
 
   ``wall_ms``: how long the op was running on any thread (the union of its
@@ -713,15 +830,25 @@ def profile_compiled(compiled, run: Callable[[], Any], steps: int,
       "traced_step_ms": traced * 1e3 / steps,
       "op_wall_ms_per_step": per(total),
       "op_thread_ms_per_step": per(sum(thread_ns.values())),
-      "by_part": {k: {"wall_ms": per(v), "share": v / total,
-                      "thread_ms": per(parts_thread[k])}
-                  for k, v in parts_wall.most_common()},
-      "top_ops": [{"op": name, "wall_ms": per(ns), "share": ns / total,
-                   "thread_ms": per(thread_ns[name]),
-                   "part": f"{index[name]['part']}/{index[name]['phase']}",
-                   "op_name": index[name]["op_name"]}
-                  for name, ns in sorted(wall_ns.items(),
-                                         key=lambda kv: -kv[1])[:top]],
+      "by_part": {
+          k: {
+              "wall_ms": per(v),
+              "share": v / total,
+              "thread_ms": per(parts_thread[k]),
+          }
+          for k, v in parts_wall.most_common()
+      },
+      "top_ops": [
+          {
+              "op": name,
+              "wall_ms": per(ns),
+              "share": ns / total,
+              "thread_ms": per(thread_ns[name]),
+              "part": f"{index[name]['part']}/{index[name]['phase']}",
+              "op_name": index[name]["op_name"],
+          }
+          for name, ns in sorted(wall_ns.items(), key=lambda kv: -kv[1])[:top]
+      ],
   }
 
 
@@ -733,10 +860,17 @@ def layer_pieces(norm: str, batch: int) -> dict[str, tuple]:
   conv1, whose input is the data). Alternatives are named ``layer/method``.
   """
   from train import models
+
   factory = models.make_norm(norm)
-  shapes = {"x": (batch, 28, 28, 1), "a1": (batch, 24, 24, 20),
-            "p1": (batch, 12, 12, 20), "a2": (batch, 8, 8, 50),
-            "flat": (batch, 800), "h": (batch, 500), "logits": (batch, 10)}
+  shapes = {
+      "x": (batch, 28, 28, 1),
+      "a1": (batch, 24, 24, 20),
+      "p1": (batch, 12, 12, 20),
+      "a2": (batch, 8, 8, 50),
+      "flat": (batch, 800),
+      "h": (batch, 500),
+      "logits": (batch, 10),
+  }
   keys = iter(jax.random.split(jax.random.key(5), 64))
   data = {k: jax.random.normal(next(keys), v) for k, v in shapes.items()}
   labels = jax.random.randint(next(keys), (batch,), 0, NUM_CLASSES)
@@ -744,44 +878,76 @@ def layer_pieces(norm: str, batch: int) -> dict[str, tuple]:
   def module(mod, x, mutable=False):
     variables = mod.init(next(keys), x)
     if mutable:
-      fn = lambda p, x: mod.apply({**variables, "params": p}, x,
-                                  mutable=["batch_stats"])[0]
+      fn = lambda p, x: mod.apply(
+          {**variables, "params": p}, x, mutable=["batch_stats"]
+      )[0]
     else:
       fn = lambda p, x: mod.apply({"params": p}, x)
     return fn, variables["params"]
 
   def pool(method):
-    fn = {"window": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
-          "reshape": max_pool_2x2, "mask": max_pool_2x2_mask}[method]
+    fn = {
+        "window": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
+        "reshape": max_pool_2x2,
+        "mask": max_pool_2x2_mask,
+    }[method]
     return lambda p, x: fn(nn.relu(x))
 
   pieces = {}
   for method in ("conv", "im2col", "wgrad"):
     pieces[f"conv1/{method}"] = (
-        *module(VariantConv(20, method), data["x"]), data["x"], False)
-  pieces["norm1"] = (*module(factory(use_running_average=False), data["a1"],
-                             mutable=True), data["a1"], True)
+        *module(VariantConv(20, method), data["x"]),
+        data["x"],
+        False,
+    )
+  pieces["norm1"] = (
+      *module(factory(use_running_average=False), data["a1"], mutable=True),
+      data["a1"],
+      True,
+  )
   for method in ("window", "reshape", "mask"):
     pieces[f"relu+pool1/{method}"] = (pool(method), {}, data["a1"], True)
   for method in ("conv", "im2col", "wgrad", "mm_bwd"):
     pieces[f"conv2/{method}"] = (
-        *module(VariantConv(50, method), data["p1"]), data["p1"], True)
-  pieces["norm2"] = (*module(factory(use_running_average=False), data["a2"],
-                             mutable=True), data["a2"], True)
+        *module(VariantConv(50, method), data["p1"]),
+        data["p1"],
+        True,
+    )
+  pieces["norm2"] = (
+      *module(factory(use_running_average=False), data["a2"], mutable=True),
+      data["a2"],
+      True,
+  )
   for method in ("window", "reshape", "mask"):
     pieces[f"relu+pool2/{method}"] = (pool(method), {}, data["a2"], True)
-  pieces["fc1+relu"] = (*(lambda f, p: (lambda p_, x: nn.relu(f(p_, x)), p))(
-      *module(nn.Dense(500), data["flat"])), data["flat"], True)
+  pieces["fc1+relu"] = (
+      *(lambda f, p: (lambda p_, x: nn.relu(f(p_, x)), p))(
+          *module(nn.Dense(500), data["flat"])
+      ),
+      data["flat"],
+      True,
+  )
   pieces["fc2"] = (*module(nn.Dense(NUM_CLASSES), data["h"]), data["h"], True)
   import optax
+
   pieces["loss"] = (
       lambda p, x: optax.softmax_cross_entropy_with_integer_labels(
-          x, labels).mean(), {}, data["logits"], True)
+          x, labels
+      ).mean(),
+      {},
+      data["logits"],
+      True,
+  )
   return pieces
 
 
-def layer_costs(norm: str, batch: int, runs: int, warmup: int,
-                names: Sequence[str] | None = None) -> dict[str, Any]:
+def layer_costs(
+    norm: str,
+    batch: int,
+    runs: int,
+    warmup: int,
+    names: Sequence[str] | None = None,
+) -> dict[str, Any]:
   """Forward and forward+backward ms of each layer piece, jitted alone."""
   out = {}
   for name, (fn, params, x, wrt_x) in layer_pieces(norm, batch).items():
@@ -789,15 +955,21 @@ def layer_costs(norm: str, batch: int, runs: int, warmup: int,
       continue
     y = jax.eval_shape(fn, params, x)
     cot = jax.random.normal(jax.random.key(9), y.shape, y.dtype)
-    argnums = (0, 1) if wrt_x and jax.tree.leaves(params) else (
-        1 if wrt_x else 0)
+    argnums = (
+        (0, 1) if wrt_x and jax.tree.leaves(params) else (1 if wrt_x else 0)
+    )
     fwd = jax.jit(fn)
-    bwd = jax.jit(jax.value_and_grad(lambda p, x: jnp.vdot(fn(p, x), cot),
-                                     argnums=argnums))
+    bwd = jax.jit(
+        jax.value_and_grad(
+            lambda p, x: jnp.vdot(fn(p, x), cot), argnums=argnums
+        )
+    )
     try:
-      samples = time_interleaved({"fwd": lambda: fwd(params, x),
-                                  "fwd+bwd": lambda: bwd(params, x)},
-                                 runs, warmup)
+      samples = time_interleaved(
+          {"fwd": lambda: fwd(params, x), "fwd+bwd": lambda: bwd(params, x)},
+          runs,
+          warmup,
+      )
       out[name] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     except Exception as e:  # pylint: disable=broad-except
       out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -810,9 +982,13 @@ def layer_costs(norm: str, batch: int, runs: int, warmup: int,
 
 def machine_info() -> dict[str, Any]:
   import flax
+
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"),
+      "date": (
+          datetime.datetime.now(datetime.timezone.utc).isoformat(
+              timespec="seconds"
+          )
+      ),
       "platform": platform.platform(),
       "processor": platform.processor() or platform.machine(),
       "cpu_count": os.cpu_count(),
@@ -839,27 +1015,32 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
     names = variants
     if k and spec.get("adaptive"):
       first = out["norms"][spec["norms"][0]]["variants"]
-      ranked = sorted((v for v in first if v != "base" and
-                       "median_ms" in first[v]),
-                      key=lambda v: first[v]["median_ms"])
-      names = ["base"] + ranked[:spec["adaptive"]]
+      ranked = sorted(
+          (v for v in first if v != "base" and "median_ms" in first[v]),
+          key=lambda v: first[v]["median_ms"],
+      )
+      names = ["base"] + ranked[: spec["adaptive"]]
     row = {"devices": setup.mesh.size, "variants": {}}
     fns, outs = {}, {}
     for name in names:
       try:
         compiled, state, seconds = setup.compile(name)
         outs[name] = jax.device_get(
-            compiled(state, setup.images, setup.labels, np.int32(0)))
+            compiled(state, setup.images, setup.labels, np.int32(0))
+        )
         fns[name] = setup.runner(compiled, state)
-        row["variants"][name] = {"compile_s": round(seconds, 2),
-                                 "loss": float(outs[name][1]["loss"])}
+        row["variants"][name] = {
+            "compile_s": round(seconds, 2),
+            "loss": float(outs[name][1]["loss"]),
+        }
       except Exception as e:  # pylint: disable=broad-except
         row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
     if "base" in outs:
       for name in outs:
         if name != "base":
           row["variants"][name].update(
-              compare_outputs(setup.state, outs["base"], outs[name]))
+              compare_outputs(setup.state, outs["base"], outs[name])
+          )
     samples = time_interleaved(fns, spec["runs"], spec["warmup"])
     for name, s in samples.items():
       row["variants"][name].update(summarize(s))
@@ -882,14 +1063,20 @@ def child_profile(spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(spec["warmup"]):
           jax.block_until_ready(run())
         out["profiles"][f"{norm}/{variant}"] = profile_compiled(
-            compiled, run, spec["steps"])
+            compiled, run, spec["steps"]
+        )
       except Exception as e:  # pylint: disable=broad-except
         out["profiles"][f"{norm}/{variant}"] = {
-            "error": f"{type(e).__name__}: {e}"[:500]}
+            "error": f"{type(e).__name__}: {e}"[:500]
+        }
     if spec.get("layers"):  # the other norms: only their norm layers
       out.setdefault("layers", {})[norm] = layer_costs(
-          norm, spec["batch"], spec["layer_runs"], spec["warmup"],
-          names=None if norm == spec["norms"][0] else ("norm1", "norm2"))
+          norm,
+          spec["batch"],
+          spec["layer_runs"],
+          spec["warmup"],
+          names=None if norm == spec["norms"][0] else ("norm1", "norm2"),
+      )
   return out
 
 
@@ -920,46 +1107,87 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def run_child(kind: str, spec: dict[str, Any], *, devices: int,
-              flag_set: str = "default", timeout: float = 900) -> dict:
+def run_child(
+    kind: str,
+    spec: dict[str, Any],
+    *,
+    devices: int,
+    flag_set: str = "default",
+    timeout: float = 900,
+) -> dict:
   """Runs ``kind`` (time/profile) in a fresh interpreter with the flag set."""
   flags, env_extra = FLAG_SETS[flag_set]
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
-  env.update(env_extra, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      f"--xla_force_host_platform_device_count={devices} {flags}").strip())
+  env = {
+      k: v
+      for k, v in os.environ.items()
+      if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")
+  }
+  env.update(
+      env_extra,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=(
+          f"--xla_force_host_platform_device_count={devices} {flags}"
+      ).strip(),
+  )
   t = time.perf_counter()
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.bench_lenet_step", "--child", kind,
-       json.dumps(spec)], cwd=REPO, env=env, capture_output=True, text=True,
-      timeout=timeout)
+      [
+          sys.executable,
+          "-m",
+          "benchmarks.bench_lenet_step",
+          "--child",
+          kind,
+          json.dumps(spec),
+      ],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
   wall = time.perf_counter() - t
   for line in proc.stdout.splitlines():
     if line.startswith(_RESULT):
-      result = json.loads(line[len(_RESULT):])
+      result = json.loads(line[len(_RESULT) :])
       result["wall_s"] = round(wall, 1)
       result["flag_set"] = flag_set
       return result
-  return {"error": f"child {kind} ({flag_set}, {devices} devices) exited "
-                   f"{proc.returncode}: {proc.stderr[-2000:]}",
-          "flag_set": flag_set, "wall_s": round(wall, 1)}
+  return {
+      "error": (
+          f"child {kind} ({flag_set}, {devices} devices) exited "
+          f"{proc.returncode}: {proc.stderr[-2000:]}"
+      ),
+      "flag_set": flag_set,
+      "wall_s": round(wall, 1),
+  }
 
 
 def run_torch(args) -> dict[str, Any]:
   norms = "bn,sqd" if args.torch_sqd else "bn"
-  cmd = [args.torch_python, "-c", _TORCH_CHILD, str(args.torch_peer),
-         str(args.torch_runs), str(max(args.warmup, 3)),
-         str(args.torch_threads),
-         norms, "0.5", str(args.batch)]
+  cmd = [
+      args.torch_python,
+      "-c",
+      _TORCH_CHILD,
+      str(args.torch_peer),
+      str(args.torch_runs),
+      str(max(args.warmup, 3)),
+      str(args.torch_threads),
+      norms,
+      "0.5",
+      str(args.batch),
+  ]
   t = time.perf_counter()
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
   for line in proc.stdout.splitlines():
     if line.startswith(_RESULT):
-      result = json.loads(line[len(_RESULT):])
+      result = json.loads(line[len(_RESULT) :])
       result["wall_s"] = round(time.perf_counter() - t, 1)
       return result
-  return {"error": f"torch child exited {proc.returncode}: "
-                   f"{proc.stderr[-2000:]}"}
+  return {
+      "error": (
+          f"torch child exited {proc.returncode}: " f"{proc.stderr[-2000:]}"
+      )
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -980,11 +1208,20 @@ def _fmt(ms: float | None) -> str:
 def git_commit() -> str | None:
   """The checkout's commit, ``+dirty`` if tracked files differ from it."""
   try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                          capture_output=True, text=True, check=True)
-    dirty = subprocess.run(["git", "status", "--porcelain",
-                            "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True, check=True)
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
   except (OSError, subprocess.CalledProcessError):
     return None
   return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
@@ -995,12 +1232,15 @@ class Report:
 
   def __init__(self, args, argv):
     self.path = args.out
-    self.data = {"command": " ".join(
-        ["python -m benchmarks.bench_lenet_step", *argv]),
-        "args": {k: (str(v) if isinstance(v, Path) else v)
-                 for k, v in vars(args).items()},
+    self.data = {
+        "command": " ".join(["python -m benchmarks.bench_lenet_step", *argv]),
+        "args": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+        },
         "code": git_commit(),
-        "complete": False}
+        "complete": False,
+    }
 
   def put(self, key, value):
     self.data[key] = value
@@ -1019,7 +1259,7 @@ def torch_bn(report: Report) -> float | None:
 
 
 def print_ratio_line(label: str, ms: float | None, torch_ms: float | None):
-  extra = (f"  = {ms / torch_ms:.2f}x PyTorch BN" if ms and torch_ms else "")
+  extra = f"  = {ms / torch_ms:.2f}x PyTorch BN" if ms and torch_ms else ""
   print(f"  {label:<44} {_fmt(ms)}{extra}", flush=True)
 
 
@@ -1028,15 +1268,21 @@ def _print_profile(result: dict) -> None:
     if "by_part" not in prof:
       print(f"  {key}: {prof}")
       continue
-    print(f"  {key}: traced step {prof['traced_step_ms']:.0f} ms; ops "
-          f"{prof['op_wall_ms_per_step']:.0f} ms; share of op time by "
-          "layer/phase (Eigen conv/dot thunks run asynchronously: only their "
-          "launch is traced, see 'layers'):")
+    print(
+        f"  {key}: traced step {prof['traced_step_ms']:.0f} ms; ops "
+        f"{prof['op_wall_ms_per_step']:.0f} ms; share of op time by "
+        "layer/phase (Eigen conv/dot thunks run asynchronously: only their "
+        "launch is traced, see 'layers'):"
+    )
     for part, v in list(prof["by_part"].items())[:12]:
       print(f"    {part:<32} {100 * v['share']:5.1f}%  {v['wall_ms']:7.1f} ms")
-    print("    top ops: " + ", ".join(
-        f"{o['op']} ({o['part']}) {100 * o['share']:.0f}%"
-        for o in prof["top_ops"][:6]))
+    print(
+        "    top ops: "
+        + ", ".join(
+            f"{o['op']} ({o['part']}) {100 * o['share']:.0f}%"
+            for o in prof["top_ops"][:6]
+        )
+    )
   for norm, layers in result.get("layers", {}).items():
     print(f"  {norm}: each layer jitted alone, fwd / fwd+bwd ms:")
     for name, v in layers.items():
@@ -1057,50 +1303,95 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return result
 
   parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--runs", type=int, default=7,
-                      help="timed steps per variant (median)")
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+      "--runs", type=int, default=7, help="timed steps per variant (median)"
+  )
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--batch", type=int, default=1000)
   parser.add_argument("--norms", nargs="+", default=["bn", "sqd2"])
   sections = ["variants", "profile", "flags", "final"]
-  parser.add_argument("--sections", nargs="+", default=sections,
-                      choices=sections)
-  parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                      choices=list(VARIANTS))
-  parser.add_argument("--adaptive", type=int, default=2,
-                      help="after the first norm, time only base and this "
-                           "many of its fastest variants (0: all)")
-  parser.add_argument("--winner", choices=list(VARIANTS),
-                      help="the variant for profile/flags/final (default: the "
-                           "fastest bn variant of the variants section)")
-  parser.add_argument("--flag-sets", nargs="+", default=list(DEFAULT_FLAG_SETS),
-                      choices=[f for f in FLAG_SETS if f != "default"])
-  parser.add_argument("--flag-variants", nargs="+", default=["winner"],
-                      help="variants timed in each flags process ('winner' "
-                           "is replaced by the winner)")
-  parser.add_argument("--flag-runs", type=int, default=7,
-                      help="timed steps per variant in each flags process")
-  parser.add_argument("--best-flags", choices=list(FLAG_SETS),
-                      help="flag set for the final section (default: the "
-                           "fastest exact one of the flags section)")
-  parser.add_argument("--devices", type=int, nargs="+",
-                      default=[1, os.cpu_count() or 1],
-                      help="host device counts for the final section")
+  parser.add_argument(
+      "--sections", nargs="+", default=sections, choices=sections
+  )
+  parser.add_argument(
+      "--variants",
+      nargs="+",
+      default=list(DEFAULT_VARIANTS),
+      choices=list(VARIANTS),
+  )
+  parser.add_argument(
+      "--adaptive",
+      type=int,
+      default=2,
+      help="after the first norm, time only base and this "
+      "many of its fastest variants (0: all)",
+  )
+  parser.add_argument(
+      "--winner",
+      choices=list(VARIANTS),
+      help="the variant for profile/flags/final (default: the "
+      "fastest bn variant of the variants section)",
+  )
+  parser.add_argument(
+      "--flag-sets",
+      nargs="+",
+      default=list(DEFAULT_FLAG_SETS),
+      choices=[f for f in FLAG_SETS if f != "default"],
+  )
+  parser.add_argument(
+      "--flag-variants",
+      nargs="+",
+      default=["winner"],
+      help="variants timed in each flags process ('winner' "
+      "is replaced by the winner)",
+  )
+  parser.add_argument(
+      "--flag-runs",
+      type=int,
+      default=7,
+      help="timed steps per variant in each flags process",
+  )
+  parser.add_argument(
+      "--best-flags",
+      choices=list(FLAG_SETS),
+      help="flag set for the final section (default: the "
+      "fastest exact one of the flags section)",
+  )
+  parser.add_argument(
+      "--devices",
+      type=int,
+      nargs="+",
+      default=[1, os.cpu_count() or 1],
+      help="host device counts for the final section",
+  )
   parser.add_argument("--profile-steps", type=int, default=2)
-  parser.add_argument("--layer-runs", type=int, default=5,
-                      help="timed runs per layer piece (0: no layer timing)")
-  parser.add_argument("--torch-python",
-                      help="python of a venv with torch: also time the "
-                           "peer's LeNet BatchNorm step (at --batch)")
+  parser.add_argument(
+      "--layer-runs",
+      type=int,
+      default=5,
+      help="timed runs per layer piece (0: no layer timing)",
+  )
+  parser.add_argument(
+      "--torch-python",
+      help="python of a venv with torch: also time the "
+      "peer's LeNet BatchNorm step (at --batch)",
+  )
   parser.add_argument("--torch-peer", type=Path, default=DEFAULT_PEER)
   parser.add_argument("--torch-runs", type=int, default=11)
   parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1)
-  parser.add_argument("--torch-sqd", action="store_true",
-                      help="also time the peer's kthvalue-SQD step")
-  parser.add_argument("--quick", action="store_true",
-                      help="smoke check: batch 64, 1-2 runs, few variants, "
-                           "one flag set, 2 devices only in final")
+  parser.add_argument(
+      "--torch-sqd",
+      action="store_true",
+      help="also time the peer's kthvalue-SQD step",
+  )
+  parser.add_argument(
+      "--quick",
+      action="store_true",
+      help="smoke check: batch 64, 1-2 runs, few variants, "
+      "one flag set, 2 devices only in final",
+  )
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
   if args.quick:
@@ -1114,18 +1405,30 @@ def main(argv: Sequence[str] | None = None) -> dict:
   common = dict(batch=args.batch, warmup=args.warmup)
 
   if args.torch_python:
-    print(f"PyTorch peer ({args.torch_peer.name}, {args.torch_threads} "
-          f"threads, batch {args.batch})...", flush=True)
+    print(
+        f"PyTorch peer ({args.torch_peer.name}, {args.torch_threads} "
+        f"threads, batch {args.batch})...",
+        flush=True,
+    )
     report.put("torch", [run_torch(args)])
     print(f"  {report.data['torch'][0]}", flush=True)
 
   winner = args.winner
   if "variants" in args.sections:
-    print(f"variants (1 device, default flags, {args.runs} runs)...",
-          flush=True)
-    result = run_child("time", dict(common, norms=args.norms,
-                                     variants=args.variants, runs=args.runs,
-                                     adaptive=args.adaptive), devices=1)
+    print(
+        f"variants (1 device, default flags, {args.runs} runs)...", flush=True
+    )
+    result = run_child(
+        "time",
+        dict(
+            common,
+            norms=args.norms,
+            variants=args.variants,
+            runs=args.runs,
+            adaptive=args.adaptive,
+        ),
+        devices=1,
+    )
     report.put("variants", result)
     if "error" in result:
       print("  " + result["error"])
@@ -1134,14 +1437,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if "error" in v:
           print(f"  {norm:>5} {name:<20} {v['error'][:200]}")
           continue
-        diff = (f"  loss_rel {v['loss_rel']:.1e} update_rel "
-                f"{v['update_rel']:.1e}" if "loss_rel" in v else "")
-        print(f"  {norm:>5} {name:<20} {_fmt(v.get('median_ms'))}  "
-              f"x{v.get('ratio_to_base', float('nan')):.2f} of base{diff}",
-              flush=True)
+        diff = (
+            f"  loss_rel {v['loss_rel']:.1e} update_rel "
+            f"{v['update_rel']:.1e}"
+            if "loss_rel" in v
+            else ""
+        )
+        print(
+            f"  {norm:>5} {name:<20} {_fmt(v.get('median_ms'))}  "
+            f"x{v.get('ratio_to_base', float('nan')):.2f} of base{diff}",
+            flush=True,
+        )
     first = result.get("norms", {}).get(args.norms[0], {}).get("variants", {})
-    timed = {k: v["median_ms"] for k, v in first.items()
-             if k not in ("base", "flax_ops") and "median_ms" in v}
+    timed = {
+        k: v["median_ms"]
+        for k, v in first.items()
+        if k not in ("base", "flax_ops") and "median_ms" in v
+    }
     if winner is None and timed:
       winner = min(timed, key=timed.get)
   winner = winner or "base"  # nothing else timed: the later sections time base
@@ -1150,33 +1462,58 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
   if "profile" in args.sections:
     print("profile (1 device, default flags)...", flush=True)
-    result = run_child("profile", dict(
-        common, norms=args.norms, variants=list(dict.fromkeys(["base", winner])),
-        steps=args.profile_steps, layers=args.layer_runs > 0,
-        layer_runs=args.layer_runs), devices=1)
+    result = run_child(
+        "profile",
+        dict(
+            common,
+            norms=args.norms,
+            variants=list(dict.fromkeys(["base", winner])),
+            steps=args.profile_steps,
+            layers=args.layer_runs > 0,
+            layer_runs=args.layer_runs,
+        ),
+        devices=1,
+    )
     report.put("profile", result)
     _print_profile(result)
 
   best_flags = args.best_flags
   if "flags" in args.sections:
     norm = args.norms[0]
-    fvars = list(dict.fromkeys(winner if v == "winner" else v
-                               for v in args.flag_variants))
-    print(f"flags (1 device, {norm}, {', '.join(fvars)}, {args.flag_runs} "
-          "runs)...", flush=True)
+    fvars = list(
+        dict.fromkeys(
+            winner if v == "winner" else v for v in args.flag_variants
+        )
+    )
+    print(
+        f"flags (1 device, {norm}, {', '.join(fvars)}, {args.flag_runs} "
+        "runs)...",
+        flush=True,
+    )
     spec = dict(common, norms=[norm], variants=fvars, runs=args.flag_runs)
-    order = ["default", *args.flag_sets] + (["default"] if args.flag_sets
-                                             else [])
+    order = ["default", *args.flag_sets] + (
+        ["default"] if args.flag_sets else []
+    )
     results = []
     for flag_set in order:
       results.append(run_child("time", spec, devices=1, flag_set=flag_set))
       report.put("flags", results)
     defaults = [r for r in results if r["flag_set"] == "default"]
-    ref = {v: statistics.median([_ms(r, norm, v) for r in defaults
-                                 if _ms(r, norm, v)] or [float("nan")])
-           for v in fvars}
-    ref_loss = next((r["norms"][norm]["variants"][fvars[0]].get("loss")
-                     for r in defaults if "norms" in r), None)
+    ref = {
+        v: statistics.median(
+            [_ms(r, norm, v) for r in defaults if _ms(r, norm, v)]
+            or [float("nan")]
+        )
+        for v in fvars
+    }
+    ref_loss = next(
+        (
+            r["norms"][norm]["variants"][fvars[0]].get("loss")
+            for r in defaults
+            if "norms" in r
+        ),
+        None,
+    )
     summary = {}
     for r in results:
       if "error" in r:
@@ -1184,22 +1521,38 @@ def main(argv: Sequence[str] | None = None) -> dict:
         continue
       row = r["norms"][norm]["variants"]
       loss = row.get(fvars[0], {}).get("loss")
-      entry = {v: {"median_ms": _ms(r, norm, v),
-                   "ratio_to_default": (_ms(r, norm, v) or float("nan")) /
-                                       ref[v]} for v in fvars}
-      entry["loss_rel_to_default"] = (abs(loss - ref_loss) / abs(ref_loss)
-                                      if loss is not None and ref_loss else
-                                      float("nan"))
+      entry = {
+          v: {
+              "median_ms": _ms(r, norm, v),
+              "ratio_to_default": (_ms(r, norm, v) or float("nan")) / ref[v],
+          }
+          for v in fvars
+      }
+      entry["loss_rel_to_default"] = (
+          abs(loss - ref_loss) / abs(ref_loss)
+          if loss is not None and ref_loss
+          else float("nan")
+      )
       summary.setdefault(r["flag_set"], []).append(entry)
-      print(f"  {r['flag_set']:<22} " + "   ".join(
-          f"{v} {_fmt(entry[v]['median_ms'])} "
-          f"(x{entry[v]['ratio_to_default']:.2f})" for v in fvars)
-            + f"   loss_rel {entry['loss_rel_to_default']:.1e}", flush=True)
+      print(
+          f"  {r['flag_set']:<22} "
+          + "   ".join(
+              f"{v} {_fmt(entry[v]['median_ms'])} "
+              f"(x{entry[v]['ratio_to_default']:.2f})"
+              for v in fvars
+          )
+          + f"   loss_rel {entry['loss_rel_to_default']:.1e}",
+          flush=True,
+      )
     report.data["flags_summary"] = summary
     if winner in fvars:
-      candidates = {f: e[0][winner]["median_ms"] for f, e in summary.items()
-                    if f != "default" and f not in INEXACT_FLAG_SETS
-                    and e[0][winner]["median_ms"]}
+      candidates = {
+          f: e[0][winner]["median_ms"]
+          for f, e in summary.items()
+          if f != "default"
+          and f not in INEXACT_FLAG_SETS
+          and e[0][winner]["median_ms"]
+      }
       if best_flags is None and candidates:
         best = min(candidates, key=candidates.get)
         best_flags = best if candidates[best] < ref[winner] else "default"
@@ -1208,20 +1561,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
   report.save()
 
   if "final" in args.sections:
-    print(f"final: devices {args.devices} x flags default/{best_flags}, "
-          f"base and {winner}, {', '.join(args.norms)}, {args.runs} runs...",
-          flush=True)
-    spec = dict(common, norms=args.norms,
-                variants=list(dict.fromkeys(["base", winner])),
-                runs=args.runs)
+    print(
+        f"final: devices {args.devices} x flags default/{best_flags}, "
+        f"base and {winner}, {', '.join(args.norms)}, {args.runs} runs...",
+        flush=True,
+    )
+    spec = dict(
+        common,
+        norms=args.norms,
+        variants=list(dict.fromkeys(["base", winner])),
+        runs=args.runs,
+    )
     finals = []
     for devices in args.devices:
       for flag_set in dict.fromkeys(["default", best_flags]):
-        if (devices == 1 and flag_set == "default" and
-            "norms" in report.data.get("variants", {})):
+        if (
+            devices == 1
+            and flag_set == "default"
+            and "norms" in report.data.get("variants", {})
+        ):
           continue  # measured in the variants section
-        finals.append(dict(run_child("time", spec, devices=devices,
-                                     flag_set=flag_set), devices=devices))
+        finals.append(
+            dict(
+                run_child("time", spec, devices=devices, flag_set=flag_set),
+                devices=devices,
+            )
+        )
         report.put("final", finals)
         if "error" in finals[-1]:
           print("  " + finals[-1]["error"][:300])
@@ -1233,10 +1598,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
   # Summary: every measured configuration against PyTorch's BatchNorm step.
   tbn = torch_bn(report)
-  print("summary" + (f" (PyTorch {report.data['torch'][0].get('torch')} "
-                     f"BatchNorm step {tbn:.1f} ms, median of "
-                     f"{len(report.data['torch'])} processes)" if tbn else "")
-        + ":")
+  print(
+      "summary"
+      + (
+          f" (PyTorch {report.data['torch'][0].get('torch')} "
+          f"BatchNorm step {tbn:.1f} ms, median of "
+          f"{len(report.data['torch'])} processes)"
+          if tbn
+          else ""
+      )
+      + ":"
+  )
   rows, sources = [], []
   if "norms" in report.data.get("variants", {}):
     sources.append((1, "default", report.data["variants"]))
@@ -1249,11 +1621,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ms = _ms(r, norm, variant)
         if ms is None:
           continue
-        rows.append({"devices": devices, "flags": flag_set, "norm": norm,
-                     "variant": variant, "median_ms": ms,
-                     "ratio_to_torch_bn": ms / tbn if tbn else None})
-        print_ratio_line(f"{norm} {variant}, {devices} dev, {flag_set}", ms,
-                         tbn)
+        rows.append(
+            {
+                "devices": devices,
+                "flags": flag_set,
+                "norm": norm,
+                "variant": variant,
+                "median_ms": ms,
+                "ratio_to_torch_bn": ms / tbn if tbn else None,
+            }
+        )
+        print_ratio_line(
+            f"{norm} {variant}, {devices} dev, {flag_set}", ms, tbn
+        )
   sq = [t["sqd_ms"] for t in report.data.get("torch", []) if "sqd_ms" in t]
   if sq:
     print(f"  PyTorch kthvalue-SQD step {statistics.median(sq):.1f} ms")

@@ -31,10 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_gbn import DEFAULT_SHAPES
+from benchmarks.bench_gbn import interleaved_samples
+from benchmarks.bench_gbn import layer_step
+from benchmarks.bench_gbn import machine_info
+from benchmarks.bench_gbn import make_module
+from benchmarks.bench_gbn import parse_shape
 import gbn_jax
-from benchmarks.bench_gbn import (DEFAULT_SHAPES, interleaved_samples, layer_step, machine_info,
-                                  make_module, parse_shape)
-from gbn_jax._selection import dispatch, sort
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import sort
 
 DEFAULT_ALPHAS = (0.25, 0.5, 0.75, 0.99)
 
@@ -45,19 +50,25 @@ def with_method(method: str, fn):
   The method is part of jit's cache key, so each call must be in scope to hit
   the program traced for it (entering the scope costs microseconds).
   """
+
   def call():
     with gbn_jax.selection_config(method=method):
       return fn()
+
   return call
 
 
-def exact_everywhere(method: str, x: jax.Array, alpha: float, axes: tuple[int, ...]) -> bool:
+def exact_everywhere(
+    method: str, x: jax.Array, alpha: float, axes: tuple[int, ...]
+) -> bool:
   """The method's quantile equals the sort reference bit for bit, on ``x`` and relu(x)."""
   n = int(np.prod([x.shape[a] for a in axes]))
   k = gbn_jax.quantiles.quantile_rank(alpha, n)
   for data in (x, jnp.maximum(x, 0.0)):
     with gbn_jax.selection_config(method=method):
-      got = jax.jit(functools.partial(gbn_jax.quantile, alpha=alpha, axis=axes))(data)
+      got = jax.jit(
+          functools.partial(gbn_jax.quantile, alpha=alpha, axis=axes)
+      )(data)
     want = sort.kth_smallest_reference(data, k, axes)
     got = np.asarray(got, np.float32).view(np.int32)
     want = np.asarray(want, np.float32).view(np.int32)
@@ -78,13 +89,22 @@ def fastest_exact(rows: list[dict]) -> str | None:
     m = r["method"]
     totals.setdefault(m, {})[(r["shape"], r["alpha"])] = r["gbn_ms"]
     exact[m] = exact.get(m, True) and r["exact"]
-  complete = {m: sum(t.values()) for m, t in totals.items() if set(t) == points and exact[m]}
+  complete = {
+      m: sum(t.values())
+      for m, t in totals.items()
+      if set(t) == points and exact[m]
+  }
   return min(complete, key=complete.get) if complete else None
 
 
 def write(path, run: dict, rows: list[dict], complete: bool) -> dict:
-  result = {"machine": machine_info(), **run, "complete": complete, "layers": rows,
-            "fastest_exact": fastest_exact(rows)}
+  result = {
+      "machine": machine_info(),
+      **run,
+      "complete": complete,
+      "layers": rows,
+      "fastest_exact": fastest_exact(rows),
+  }
   if path:
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
@@ -92,27 +112,43 @@ def write(path, run: dict, rows: list[dict], complete: bool) -> dict:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
-  parser.add_argument("--alphas", nargs="+", type=float, default=list(DEFAULT_ALPHAS))
-  parser.add_argument("--methods", nargs="+", default=None,
-                      help="default: every method of dispatch.METHODS without a "
-                           "data-dependent loop ('adaptive' and 'bisect' loop, which costs a "
-                           "host sync per pass on a GPU; name them to include them) and "
-                           "without 'native' (CPU only)")
+  parser.add_argument(
+      "--alphas", nargs="+", type=float, default=list(DEFAULT_ALPHAS)
+  )
+  parser.add_argument(
+      "--methods",
+      nargs="+",
+      default=None,
+      help="default: every method of dispatch.METHODS without a "
+      "data-dependent loop ('adaptive' and 'bisect' loop, which costs a "
+      "host sync per pass on a GPU; name them to include them) and "
+      "without 'native' (CPU only)",
+  )
   parser.add_argument("--runs", type=int, default=15)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)")
+  parser.add_argument(
+      "--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)"
+  )
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
-  methods = args.methods or [m for m in dispatch.METHODS
-                             if m not in ("native", "adaptive", "bisect")]
+  methods = args.methods or [
+      m for m in dispatch.METHODS if m not in ("native", "adaptive", "bisect")
+  ]
   unknown = sorted(set(methods) - set(dispatch.METHODS))
   if unknown:
     parser.error(f"unknown methods {unknown}; choose from {dispatch.METHODS}")
-  run = dict(runs=args.runs, inner=args.inner, methods=methods,
-             command=" ".join(["python -m benchmarks.bench_methods", *(argv or sys.argv[1:])]))
+  run = dict(
+      runs=args.runs,
+      inner=args.inner,
+      methods=methods,
+      command=" ".join(
+          ["python -m benchmarks.bench_methods", *(argv or sys.argv[1:])]
+      ),
+  )
   rows: list[dict] = []
   for shape_text in args.shapes:
     shape = parse_shape(shape_text)
@@ -127,12 +163,23 @@ def main(argv=None) -> dict:
       bn_ms = statistics.median(samples["bn"]) * 1e3
       for method in methods:
         ms = statistics.median(samples[method]) * 1e3
-        rows.append({"shape": shape_text, "alpha": alpha, "method": method, "bn_ms": bn_ms,
-                     "gbn_ms": ms, "ratio": ms / bn_ms,
-                     "exact": exact_everywhere(method, x, alpha, axes)})
+        rows.append(
+            {
+                "shape": shape_text,
+                "alpha": alpha,
+                "method": method,
+                "bn_ms": bn_ms,
+                "gbn_ms": ms,
+                "ratio": ms / bn_ms,
+                "exact": exact_everywhere(method, x, alpha, axes),
+            }
+        )
         r = rows[-1]
-        print(f"{shape_text:>16} a={alpha:<5} {method:>12} bn {bn_ms:8.3f} ms  sqd {ms:8.3f} ms"
-              f"  x{r['ratio']:.2f}  exact={r['exact']}", flush=True)
+        print(
+            f"{shape_text:>16} a={alpha:<5} {method:>12} bn {bn_ms:8.3f} ms  sqd {ms:8.3f} ms"
+            f"  x{r['ratio']:.2f}  exact={r['exact']}",
+            flush=True,
+        )
       write(args.out, run, rows, complete=False)
   result = write(args.out, run, rows, complete=True)
   print(f"fastest exact method: {result['fastest_exact']}", flush=True)

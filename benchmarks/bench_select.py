@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gbn_jax._selection import dispatch, sort
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import sort
 
 DEFAULT_SHAPES = (
     "256x32x32x16:0,1,2",
@@ -59,7 +60,7 @@ def time_all(fns: dict, x, reps: int, warmup: int) -> dict[str, list[float]]:
   times = {name: [] for name in fns}
   names = list(fns)
   for r in range(reps):
-    order = names[r % len(names):] + names[: r % len(names)]
+    order = names[r % len(names) :] + names[: r % len(names)]
     for name in order:
       t0 = time.perf_counter()
       jax.block_until_ready(fns[name](x))
@@ -69,24 +70,45 @@ def time_all(fns: dict, x, reps: int, warmup: int) -> dict[str, list[float]]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
-                      help="shape:axes specs, e.g. 256x32x32x16:0,1,2")
-  parser.add_argument("--alpha", type=float, default=0.5,
-                      help="selects the ceil(alpha*n)-th smallest")
-  parser.add_argument("--data", default="normal", choices=["normal", "relu", "rounded"])
+  parser.add_argument(
+      "--shapes",
+      nargs="+",
+      default=list(DEFAULT_SHAPES),
+      help="shape:axes specs, e.g. 256x32x32x16:0,1,2",
+  )
+  parser.add_argument(
+      "--alpha",
+      type=float,
+      default=0.5,
+      help="selects the ceil(alpha*n)-th smallest",
+  )
+  parser.add_argument(
+      "--data", default="normal", choices=["normal", "relu", "rounded"]
+  )
   parser.add_argument("--reps", type=int, default=11)
   parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--sort-reps", type=int, default=3,
-                      help="repetitions of the (slow) sort reference")
-  parser.add_argument("--methods", nargs="+",
-                      default=["default"] + [m for m in dispatch.METHODS if m != "sort"],
-                      help='"default" is kth_smallest without method= (its own choice)')
+  parser.add_argument(
+      "--sort-reps",
+      type=int,
+      default=3,
+      help="repetitions of the (slow) sort reference",
+  )
+  parser.add_argument(
+      "--methods",
+      nargs="+",
+      default=["default"] + [m for m in dispatch.METHODS if m != "sort"],
+      help='"default" is kth_smallest without method= (its own choice)',
+  )
   parser.add_argument("--out", default=None, help="write results as JSON here")
   args = parser.parse_args()
 
   results = []
-  print(f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()})")
-  print(f"{'shape':>22} {'axis':>9} {'method':>10} {'median ms':>10} {'x meanvar':>10} {'x sort':>8}")
+  print(
+      f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()})"
+  )
+  print(
+      f"{'shape':>22} {'axis':>9} {'method':>10} {'median ms':>10} {'x meanvar':>10} {'x sort':>8}"
+  )
   for spec in args.shapes:
     shape, axis = parse_shape(spec)
     x = make_input(shape, args.data)
@@ -97,8 +119,14 @@ def main() -> None:
     }
     for m in args.methods:
       method = None if m == "default" else m
-      fns[m] = jax.jit(lambda x, method=method: dispatch.kth_smallest(x, k, axis, method=method))
-    sort_fn = {"sort": jax.jit(lambda x: sort.kth_smallest_reference(x, k, axis))}
+      fns[m] = jax.jit(
+          lambda x, method=method: dispatch.kth_smallest(
+              x, k, axis, method=method
+          )
+      )
+    sort_fn = {
+        "sort": jax.jit(lambda x: sort.kth_smallest_reference(x, k, axis))
+    }
     expected = np.asarray(sort_fn["sort"](x))
     for m in args.methods:
       got = np.asarray(fns[m](x))
@@ -108,15 +136,36 @@ def main() -> None:
     times.update(time_all(sort_fn, x, args.sort_reps, 1))
     med = {name: float(np.median(t)) for name, t in times.items()}
     for name, t in med.items():
-      print(f"{str(shape):>22} {str(axis):>9} {name:>10} {t:10.2f} "
-            f"{t / med['meanvar']:10.2f} {t / med['sort']:8.3f}")
-      results.append(dict(shape=shape, axis=axis, k=k, method=name, median_ms=t,
-                          ratio_meanvar=t / med["meanvar"], ratio_sort=t / med["sort"],
-                          times_ms=times[name]))
+      print(
+          f"{str(shape):>22} {str(axis):>9} {name:>10} {t:10.2f} "
+          f"{t / med['meanvar']:10.2f} {t / med['sort']:8.3f}"
+      )
+      results.append(
+          dict(
+              shape=shape,
+              axis=axis,
+              k=k,
+              method=name,
+              median_ms=t,
+              ratio_meanvar=t / med["meanvar"],
+              ratio_sort=t / med["sort"],
+              times_ms=times[name],
+          )
+      )
   if args.out:
     with open(args.out, "w") as f:
-      json.dump(dict(jax=jax.__version__, backend=jax.default_backend(), alpha=args.alpha,
-                     data=args.data, reps=args.reps, results=results), f, indent=1)
+      json.dump(
+          dict(
+              jax=jax.__version__,
+              backend=jax.default_backend(),
+              alpha=args.alpha,
+              data=args.data,
+              reps=args.reps,
+              results=results,
+          ),
+          f,
+          indent=1,
+      )
 
 
 if __name__ == "__main__":

@@ -42,20 +42,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_gbn import DEFAULT_SHAPES, machine_info, parse_shape, time_interleaved
-from gbn_jax._selection import bracket, common, dispatch, radix, sort
+from benchmarks.bench_gbn import DEFAULT_SHAPES
+from benchmarks.bench_gbn import machine_info
+from benchmarks.bench_gbn import parse_shape
+from benchmarks.bench_gbn import time_interleaved
+from gbn_jax._selection import bracket
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import radix
+from gbn_jax._selection import sort
 from gbn_jax.quantiles import quantile_rank
 
-ACCELERATOR_VARIANTS = ("bn", "radix", "bracket", "radix_sums", "radix_cmp4", "radix_cmp8",
-                        "pass_hist", "pass_hist_cmp4", "pass_sums", "adaptive", "sort", "default")
-CPU_VARIANTS = ("bn", "radix", "bracket", "radix_sums", "pass_hist", "pass_sums", "adaptive",
-                "sort", "default")
+ACCELERATOR_VARIANTS = (
+    "bn",
+    "radix",
+    "bracket",
+    "radix_sums",
+    "radix_cmp4",
+    "radix_cmp8",
+    "pass_hist",
+    "pass_hist_cmp4",
+    "pass_sums",
+    "adaptive",
+    "sort",
+    "default",
+)
+CPU_VARIANTS = (
+    "bn",
+    "radix",
+    "bracket",
+    "radix_sums",
+    "pass_hist",
+    "pass_sums",
+    "adaptive",
+    "sort",
+    "default",
+)
 #: Variants that time part of a selection: no value to check, no while loop.
 PASSES = ("pass_hist", "pass_hist_cmp4", "pass_sums")
 
 
 def one_pass(variant: str, axes: tuple[int, ...]):
   """A jitted single pass of the radix select over ``x``'s rows (see the docstring)."""
+
   def rows_of(x):
     rows, _, _ = common.to_rows(x, axes, None)
     return rows
@@ -63,7 +92,9 @@ def one_pass(variant: str, axes: tuple[int, ...]):
   def hist(x, bits, histogram):
     rows = rows_of(x)
     u = common.merged_keys(rows) ^ radix._SIGN  # pylint: disable=protected-access
-    digit = jax.lax.shift_right_logical(u, jnp.int32(32 - bits)) & jnp.int32((1 << bits) - 1)
+    digit = jax.lax.shift_right_logical(u, jnp.int32(32 - bits)) & jnp.int32(
+        (1 << bits) - 1
+    )
     fn = radix._HISTOGRAM_FNS[histogram]  # pylint: disable=protected-access
     return fn(digit, jnp.ones(rows.shape, bool), 1 << bits)
 
@@ -77,6 +108,7 @@ def one_pass(variant: str, axes: tuple[int, ...]):
     keys = common.float_to_key(jnp.median(rows[:64], axis=0))
     n = jnp.full(rows.shape[1:], rows.shape[0], jnp.int32)
     return radix.radix_sums(rows, None, keys, n, common.Comm(None, None))
+
   return jax.jit(sums)
 
 
@@ -86,11 +118,21 @@ def make_fns(variant: str, axes: tuple[int, ...], k: int):
   radix_select = radix.kth_smallest_accelerator
   select = {
       "radix": functools.partial(radix_select, k=k, axis=axes),
-      "bracket": functools.partial(bracket.kth_smallest_bracket, k=k, axis=axes),
-      "radix_cmp4": functools.partial(radix_select, k=k, axis=axes, histogram="compare", digit_bits=4),
-      "radix_cmp8": functools.partial(radix_select, k=k, axis=axes, histogram="compare", digit_bits=8),
-      "adaptive": functools.partial(dispatch.kth_smallest, k=k, axis=axes, method="adaptive"),
-      "sort": functools.partial(dispatch.kth_smallest, k=k, axis=axes, method="sort"),
+      "bracket": functools.partial(
+          bracket.kth_smallest_bracket, k=k, axis=axes
+      ),
+      "radix_cmp4": functools.partial(
+          radix_select, k=k, axis=axes, histogram="compare", digit_bits=4
+      ),
+      "radix_cmp8": functools.partial(
+          radix_select, k=k, axis=axes, histogram="compare", digit_bits=8
+      ),
+      "adaptive": functools.partial(
+          dispatch.kth_smallest, k=k, axis=axes, method="adaptive"
+      ),
+      "sort": functools.partial(
+          dispatch.kth_smallest, k=k, axis=axes, method="sort"
+      ),
       "default": functools.partial(dispatch.kth_smallest, k=k, axis=axes),
   }
   if variant == "bn":
@@ -99,8 +141,11 @@ def make_fns(variant: str, axes: tuple[int, ...], k: int):
   if variant in PASSES:
     return one_pass(variant, axes), None
   if variant == "radix_sums":
-    fn = jax.jit(functools.partial(
-        radix.kth_smallest_with_sums_accelerator, k=k, axis=axes))
+    fn = jax.jit(
+        functools.partial(
+            radix.kth_smallest_with_sums_accelerator, k=k, axis=axes
+        )
+    )
     return fn, jax.jit(lambda x: fn(x)[0])
   fn = jax.jit(select[variant])
   return fn, fn
@@ -110,8 +155,11 @@ def bracket_missed(x, axes: tuple[int, ...], k: int) -> bool:
   """Whether the bracket select falls back to radix on ``x`` (the ``cond`` taken)."""
   rows, _, kept_shape = common.to_rows(x, axes, None)
   ks = jnp.full((int(np.prod(kept_shape)),), k, jnp.int32)
-  sel = jax.jit(lambda r, k: bracket.bracket_kth_smallest(
-      r, None, k, common.Comm(None, None)))(rows, ks)
+  sel = jax.jit(
+      lambda r, k: bracket.bracket_kth_smallest(
+          r, None, k, common.Comm(None, None)
+      )
+  )(rows, ks)
   return bool(sel.missed)
 
 
@@ -127,22 +175,38 @@ def bitwise_equal(a, b) -> bool:
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
-  parser.add_argument("--alpha", type=float, default=0.5, help="k = ceil(alpha * n)")
-  parser.add_argument("--variants", nargs="+", help="default: by backend (see docstring)")
+  parser.add_argument(
+      "--alpha", type=float, default=0.5, help="k = ceil(alpha * n)"
+  )
+  parser.add_argument(
+      "--variants", nargs="+", help="default: by backend (see docstring)"
+  )
   parser.add_argument("--runs", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)")
+  parser.add_argument(
+      "--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)"
+  )
   parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
   on_cpu = jax.default_backend() == "cpu"
-  variants = args.variants or list(CPU_VARIANTS if on_cpu else ACCELERATOR_VARIANTS)
+  variants = args.variants or list(
+      CPU_VARIANTS if on_cpu else ACCELERATOR_VARIANTS
+  )
   result = {
-      "machine": machine_info(), "alpha": args.alpha, "runs": args.runs, "inner": args.inner,
-      "warmup": args.warmup, "variants": variants,
-      "command": " ".join(["python -m benchmarks.device_check_radix", *(argv or sys.argv[1:])]),
-      "rows": [], "complete": False,
+      "machine": machine_info(),
+      "alpha": args.alpha,
+      "runs": args.runs,
+      "inner": args.inner,
+      "warmup": args.warmup,
+      "variants": variants,
+      "command": " ".join(
+          ["python -m benchmarks.device_check_radix", *(argv or sys.argv[1:])]
+      ),
+      "rows": [],
+      "complete": False,
   }
 
   def write():
@@ -156,10 +220,21 @@ def main(argv=None) -> dict:
     n = int(np.prod(shape[:-1]))
     k = quantile_rank(args.alpha, n)
     x = jax.random.normal(jax.random.key(2), shape, jnp.float32)
-    relu = jnp.maximum(jax.random.normal(jax.random.key(3), shape, jnp.float32), 0.0)
-    want = {name: sort.kth_smallest_reference(v, k, axes) for name, v in
-            (("normal", x), ("relu", relu))}
-    row = {"shape": shape_text, "n": n, "k": k, "exact": {}, "while_loop": {}, "errors": {}}
+    relu = jnp.maximum(
+        jax.random.normal(jax.random.key(3), shape, jnp.float32), 0.0
+    )
+    want = {
+        name: sort.kth_smallest_reference(v, k, axes)
+        for name, v in (("normal", x), ("relu", relu))
+    }
+    row = {
+        "shape": shape_text,
+        "n": n,
+        "k": k,
+        "exact": {},
+        "while_loop": {},
+        "errors": {},
+    }
     fns = {}
     for variant in variants:
       try:
@@ -168,15 +243,20 @@ def main(argv=None) -> dict:
         if selection is not None:
           row["exact"][variant] = all(
               bitwise_equal(selection(v), want[name])
-              for name, v in (("normal", x), ("relu", relu)))
+              for name, v in (("normal", x), ("relu", relu))
+          )
           row["while_loop"][variant] = has_while(fn, x)
         fns[variant] = functools.partial(fn, x)
-      except Exception as e:  # keep going: one failing variant must not lose the rest
+      except (
+          Exception
+      ) as e:  # keep going: one failing variant must not lose the rest
         row["errors"][variant] = f"{type(e).__name__}: {e}"[:500]
     if "bracket" in variants:
       try:
-        row["bracket_missed"] = {name: bracket_missed(v, axes, k)
-                                 for name, v in (("normal", x), ("relu", relu))}
+        row["bracket_missed"] = {
+            name: bracket_missed(v, axes, k)
+            for name, v in (("normal", x), ("relu", relu))
+        }
       except Exception as e:  # report, keep timing
         row["errors"]["bracket_missed"] = f"{type(e).__name__}: {e}"[:500]
     med = time_interleaved(fns, args.runs, args.warmup, args.inner)
@@ -187,9 +267,16 @@ def main(argv=None) -> dict:
     write()
     timings = "  ".join(f"{name} {t * 1e3:.3f}" for name, t in med.items())
     print(f"{shape_text:>14} ms: {timings}", flush=True)
-    print(f"{'':>14} exact: {row['exact']}  while: {row['while_loop']}"
-          + (f"  bracket missed: {row['bracket_missed']}" if "bracket_missed" in row else "")
-          + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
+    print(
+        f"{'':>14} exact: {row['exact']}  while: {row['while_loop']}"
+        + (
+            f"  bracket missed: {row['bracket_missed']}"
+            if "bracket_missed" in row
+            else ""
+        )
+        + (f"  errors: {row['errors']}" if row["errors"] else ""),
+        flush=True,
+    )
   result["complete"] = True
   write()
   return result

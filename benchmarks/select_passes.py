@@ -18,7 +18,9 @@ import argparse
 import jax
 import numpy as np
 
-from gbn_jax._selection import common, dispatch, loop
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import loop
 
 KINDS = ("normal", "relu", "halves", "lognormal", "jax_normal")
 SHAPES = ((64, 32, 32, 16), (1000, 8, 8, 50))
@@ -52,7 +54,9 @@ def count_passes(x: np.ndarray, k: int) -> int:
   try:
     axes = tuple(range(x.ndim - 1))
     jax.block_until_ready(
-        jax.jit(lambda v: dispatch.kth_smallest(v, k, axes, method="adaptive"))(x)
+        jax.jit(lambda v: dispatch.kth_smallest(v, k, axes, method="adaptive"))(
+            x
+        )
     )
     jax.effects_barrier()
   finally:
@@ -62,10 +66,17 @@ def count_passes(x: np.ndarray, k: int) -> int:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--accelerator", action="store_true",
-                      help="force the GPU/TPU code paths on the CPU")
-  parser.add_argument("--eps", nargs="+", default=["5,1", "5,2", "5,3", "8,3"],
-                      help="first_eps,eps pairs (_FIRST_INTERP_EPS, _INTERP_EPS)")
+  parser.add_argument(
+      "--accelerator",
+      action="store_true",
+      help="force the GPU/TPU code paths on the CPU",
+  )
+  parser.add_argument(
+      "--eps",
+      nargs="+",
+      default=["5,1", "5,2", "5,3", "8,3"],
+      help="first_eps,eps pairs (_FIRST_INTERP_EPS, _INTERP_EPS)",
+  )
   args = parser.parse_args(argv)
   if args.accelerator:
     common.on_cpu = lambda: False  # pylint: disable=protected-access
@@ -78,8 +89,11 @@ def main(argv=None) -> None:
     for x in data:
       n = int(np.prod(x.shape[:-1]))
       passes += [count_passes(x, int(np.ceil(a * n))) for a in ALPHAS]
-    print(f"{'accelerator' if args.accelerator else 'cpu'} paths, first_eps {first_eps:g}, "
-          f"eps {eps:g}: mean passes {np.mean(passes):.2f}, worst {max(passes)}", flush=True)
+    print(
+        f"{'accelerator' if args.accelerator else 'cpu'} paths, first_eps {first_eps:g}, "
+        f"eps {eps:g}: mean passes {np.mean(passes):.2f}, worst {max(passes)}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

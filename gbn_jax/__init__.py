@@ -10,16 +10,16 @@ scoped by :func:`selection_config`); running
 statistics recomputed over many batches: :func:`precise_batch_stats`.
 """
 
+from gbn_jax._selection.dispatch import selection_config
+from gbn_jax.linen import GBatchNorm
 from gbn_jax.measures import MEASURES
 from gbn_jax.measures import Measure
 from gbn_jax.measures import get_measure
 from gbn_jax.measures import register_measure
+from gbn_jax.precise import precise_batch_stats
 from gbn_jax.quantiles import quantile
 from gbn_jax.quantiles import quantile_rank
 from gbn_jax.quantiles import superquantile
-from gbn_jax._selection.dispatch import selection_config
-from gbn_jax.linen import GBatchNorm
-from gbn_jax.precise import precise_batch_stats
 
 __version__ = "0.1.0"
 
@@ -29,8 +29,10 @@ def __getattr__(name: str):
   # so that linen-only users don't pay for importing flax.nnx.
   if name == "nnx":
     import importlib  # pylint: disable=g-import-not-at-top
+
     return importlib.import_module("gbn_jax.nnx")
   raise AttributeError(f"module 'gbn_jax' has no attribute {name!r}")
+
 
 __all__ = [
     "GBatchNorm",

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import dataclasses
 import functools
 import inspect
 import numbers
-from collections.abc import Mapping
 from typing import Any, NamedTuple
-
-import jax
-import jax.numpy as jnp
-from jax import lax
 
 from flax.core import FrozenDict
 from flax.linen import dtypes
+import jax
+from jax import lax
+import jax.numpy as jnp
 
 from gbn_jax import measures as measures_lib
 
@@ -46,15 +45,20 @@ def bind_measure(
   except measures_lib.FixedParamsError as e:
     # The module's fields, not get_measure, are what the user wrote.
     raise measures_lib.FixedParamsError(
-        e.name, e.fixed,
+        e.name,
+        e.fixed,
         lambda general, choose: f"GBatchNorm(measure={general!r}, {choose})",
     ) from None
   if not isinstance(fn, measures_lib.Measure):
     check_measure_signature(fn)
   if isinstance(fn, measures_lib.Measure) and fn.fn is measures_lib.sd:
     fn = dataclasses.replace(
-        fn, params=tuple(sorted({**dict(fn.params),
-                                 "fast_variance": use_fast_variance}.items()))
+        fn,
+        params=tuple(
+            sorted(
+                {**dict(fn.params), "fast_variance": use_fast_variance}.items()
+            )
+        ),
     )
   return fn
 
@@ -93,9 +97,7 @@ def _accepts(fn: Any, keyword: str) -> bool:
     params = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):
     return False
-  return any(
-      p.name == keyword or p.kind is p.VAR_KEYWORD for p in params
-  )
+  return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def batch_statistics(
@@ -121,9 +123,13 @@ def batch_statistics(
     # elements of every device along axis_name pool into one batch. A new
     # leading axis of size one gives every measure that batch to reduce.
     return batch_statistics(
-        measure, jnp.expand_dims(x, 0), (0,), dtype=dtype,
+        measure,
+        jnp.expand_dims(x, 0),
+        (0,),
+        dtype=dtype,
         mask=None if mask is None else jnp.broadcast_to(mask, x.shape)[None],
-        axis_name=axis_name, axis_index_groups=axis_index_groups,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
         force_float32_reductions=force_float32_reductions,
     )
   if dtype is None:
@@ -131,7 +137,11 @@ def batch_statistics(
   if force_float32_reductions:
     dtype = jnp.promote_types(dtype, jnp.float32)
   x = jnp.asarray(x, dtype)
-  where = None if mask is None else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+  where = (
+      None
+      if mask is None
+      else jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+  )
   reduction = {}
   if where is not None:
     if not _accepts(measure, "where"):
@@ -146,8 +156,11 @@ def batch_statistics(
       reduction["axis_index_groups"] = axis_index_groups
     else:
       gather = lambda a: lax.all_gather(
-          a, axis_name, axis_index_groups=axis_index_groups,
-          axis=reduction_axes[0], tiled=True,
+          a,
+          axis_name,
+          axis_index_groups=axis_index_groups,
+          axis=reduction_axes[0],
+          tiled=True,
       )
       x = gather(x)
       if where is not None:
@@ -159,8 +172,11 @@ def batch_statistics(
     # Unpacking a single array would iterate over it, and fail (or not)
     # with a message about shapes that does not point at the measure.
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-      what = (f"an array of shape {result.shape}" if hasattr(result, "shape")
-              else f"a {type(result).__name__}")
+      what = (
+          f"an array of shape {result.shape}"
+          if hasattr(result, "shape")
+          else f"a {type(result).__name__}"
+      )
       raise TypeError(
           f"measure {measure!r} returned {what}, not a pair (S, D);"
           f" {MEASURE_CONTRACT}."
@@ -187,7 +203,11 @@ def batch_statistics(
 
 def _real_dtype(dtype: Any) -> Any:
   """``dtype`` itself if real, the dtype of its real part if complex."""
-  return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
+  return (
+      jnp.finfo(dtype).dtype
+      if jnp.issubdtype(dtype, jnp.complexfloating)
+      else dtype
+  )
 
 
 def normalize(
@@ -254,18 +274,34 @@ def normalize_batch(
   # Complex input takes autodiff: the written-out backward is for real x.
   if axis_name is None and not jnp.iscomplexobj(x):
     static = _Static(
-        measure, reduction_axes, feature_axes, dtype, epsilon,
+        measure,
+        reduction_axes,
+        feature_axes,
+        dtype,
+        epsilon,
         force_float32_reductions,
     )
     return _fused_normalize(static, x, scale, bias, mask)
   statistic, deviation_sq = batch_statistics(
-      measure, x, reduction_axes, dtype=dtype, mask=mask, axis_name=axis_name,
+      measure,
+      x,
+      reduction_axes,
+      dtype=dtype,
+      mask=mask,
+      axis_name=axis_name,
       axis_index_groups=axis_index_groups,
       force_float32_reductions=force_float32_reductions,
   )
   y = normalize(
-      x, statistic, deviation_sq, scale, bias, reduction_axes, feature_axes,
-      dtype, epsilon,
+      x,
+      statistic,
+      deviation_sq,
+      scale,
+      bias,
+      reduction_axes,
+      feature_axes,
+      dtype,
+      epsilon,
   )
   return y, statistic, deviation_sq
 
@@ -282,15 +318,27 @@ class _Static(NamedTuple):
 def _fused_forward(static: _Static, x, scale, bias, mask):
   def stats(v):
     return batch_statistics(
-        static.measure, v, static.reduction_axes, dtype=static.dtype, mask=mask,
-        axis_name=None, axis_index_groups=None,
+        static.measure,
+        v,
+        static.reduction_axes,
+        dtype=static.dtype,
+        mask=mask,
+        axis_name=None,
+        axis_index_groups=None,
         force_float32_reductions=static.force_float32_reductions,
     )
 
   (statistic, deviation_sq), stats_vjp = jax.vjp(stats, x)
   y = normalize(
-      x, statistic, deviation_sq, scale, bias, static.reduction_axes,
-      static.feature_axes, static.dtype, static.epsilon,
+      x,
+      statistic,
+      deviation_sq,
+      scale,
+      bias,
+      static.reduction_axes,
+      static.feature_axes,
+      static.dtype,
+      static.epsilon,
   )
   return (y, statistic, deviation_sq), stats_vjp
 
@@ -342,6 +390,7 @@ _fused_normalize.defvjp(_fused_normalize_fwd, _fused_normalize_bwd)
 
 class RenormLimits(NamedTuple):
   """Clipping limits of batch renormalization; ``None`` leaves a side open."""
+
   rmin: float | None
   rmax: float | None
   dmax: float | None
@@ -426,7 +475,9 @@ def renorm_correction(
   """
   dtype = jnp.result_type(statistic)
   running_statistic = jnp.asarray(running_statistic, dtype)
-  running_deviation = jnp.sqrt(jnp.asarray(running_deviation_sq, dtype) + epsilon)
+  running_deviation = jnp.sqrt(
+      jnp.asarray(running_deviation_sq, dtype) + epsilon
+  )
   r = jnp.sqrt(deviation_sq + epsilon) / running_deviation
   d = (statistic - running_statistic) / running_deviation
   if limits.rmin is not None or limits.rmax is not None:
@@ -508,16 +559,34 @@ def renormalize_batch(
         " clipped to [-dmax, dmax], which has no meaning for complex numbers."
     )
   statistic, deviation_sq = batch_statistics(
-      measure, x, reduction_axes, dtype=dtype, mask=mask, axis_name=axis_name,
+      measure,
+      x,
+      reduction_axes,
+      dtype=dtype,
+      mask=mask,
+      axis_name=axis_name,
       axis_index_groups=axis_index_groups,
       force_float32_reductions=force_float32_reductions,
   )
   r, d = renorm_correction(
-      statistic, deviation_sq, running_statistic, running_deviation_sq,
-      epsilon, limits,
+      statistic,
+      deviation_sq,
+      running_statistic,
+      running_deviation_sq,
+      epsilon,
+      limits,
   )
   y = renormalize(
-      x, statistic, deviation_sq, r, d, scale, bias, reduction_axes,
-      feature_axes, dtype, epsilon,
+      x,
+      statistic,
+      deviation_sq,
+      r,
+      d,
+      scale,
+      bias,
+      reduction_axes,
+      feature_axes,
+      dtype,
+      epsilon,
   )
   return y, statistic, deviation_sq

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
 import flax.linen as nn
 from flax.linen import module as linen_module
+import jax
+import jax.numpy as jnp
 
 from gbn_jax import _normalization
 from gbn_jax.measures import MeasureFn
@@ -124,8 +124,11 @@ class GBatchNorm(nn.BatchNorm):
         self.measure, self.alpha, self.use_fast_variance, self.calibration
     )
     object.__setattr__(
-        self, "renorm_clipping",
-        _normalization.freeze_renorm_clipping(self.renorm, self.renorm_clipping),
+        self,
+        "renorm_clipping",
+        _normalization.freeze_renorm_clipping(
+            self.renorm, self.renorm_clipping
+        ),
     )
     super().__post_init__()
 
@@ -159,7 +162,10 @@ class GBatchNorm(nn.BatchNorm):
         jnp.float32 if self.force_float32_reductions else self.param_dtype
     )
     ra_mean = self.variable(
-        "batch_stats", "mean", lambda s: jnp.zeros(s, stats_dtype), feature_shape
+        "batch_stats",
+        "mean",
+        lambda s: jnp.zeros(s, stats_dtype),
+        feature_shape,
     )
     ra_var = self.variable(
         "batch_stats", "var", lambda s: jnp.ones(s, stats_dtype), feature_shape
@@ -194,8 +200,14 @@ class GBatchNorm(nn.BatchNorm):
       )
       if self.renorm:
         y, statistic, deviation_sq = _normalization.renormalize_batch(
-            measure, x, scale, bias, ra_mean.value, ra_var.value,
-            reduction_axes, feature_axes,
+            measure,
+            x,
+            scale,
+            bias,
+            ra_mean.value,
+            ra_var.value,
+            reduction_axes,
+            feature_axes,
             limits=_normalization.renorm_limits(self.renorm_clipping),
             **reduction,
         )

@@ -27,6 +27,7 @@ Gaussian data, as BatchNorm's is (the idea of scipy's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import dataclasses
 import functools
 import inspect
@@ -34,7 +35,6 @@ import math
 import numbers
 import statistics
 import types
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -44,7 +44,8 @@ import numpy as np
 from gbn_jax import quantiles
 from gbn_jax._selection import reductions
 from gbn_jax._selection.common import global_sum
-from gbn_jax._selection.reductions import global_mean, prepare_reduction
+from gbn_jax._selection.reductions import global_mean
+from gbn_jax._selection.reductions import prepare_reduction
 from gbn_jax.quantiles import extreme
 
 Array = jax.Array
@@ -122,8 +123,14 @@ def _abs_sq(x: Array) -> Array:
 
 
 def sd(
-    x, axis, *, where=None, axis_name=None, axis_index_groups=None,
-    fast_variance: bool = True, squared: bool = False,
+    x,
+    axis,
+    *,
+    where=None,
+    axis_name=None,
+    axis_index_groups=None,
+    fast_variance: bool = True,
+    squared: bool = False,
 ):
   """Mean and standard deviation ``sqrt(E[(x - E x)^2])`` (BatchNorm's pair).
 
@@ -142,7 +149,10 @@ def sd(
     var = jnp.maximum(0.0, mean_sq - _abs_sq(mean))
   else:
     var = global_mean(
-        _abs_sq(_centered(x, mean, axes)), axes, where, axis_name,
+        _abs_sq(_centered(x, mean, axes)),
+        axes,
+        where,
+        axis_name,
         axis_index_groups,
     )
   return mean, (var if squared else jnp.sqrt(var))
@@ -154,7 +164,11 @@ def mad(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   x, axes, where = _prepare(x, axis, where, "mad")
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   dev = global_mean(
-      jnp.abs(_centered(x, mean, axes)), axes, where, axis_name, axis_index_groups
+      jnp.abs(_centered(x, mean, axes)),
+      axes,
+      where,
+      axis_name,
+      axis_index_groups,
   )
   return mean, dev
 
@@ -165,7 +179,10 @@ def rsd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   dev = global_mean(
-      jnp.where(centered > 0, centered, 0), axes, where, axis_name,
+      jnp.where(centered > 0, centered, 0),
+      axes,
+      where,
+      axis_name,
       axis_index_groups,
   )
   return mean, _keep_nan(mean, dev)
@@ -190,7 +207,9 @@ def sqd(
 def rbd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Mid-range ``(max + min)/2`` and range ``max - min``."""
   x, axes, where = _prepare(x, axis, where, "rbd")
-  kw = dict(where=where, axis_name=axis_name, axis_index_groups=axis_index_groups)
+  kw = dict(
+      where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
+  )
   hi = extreme(x, axes, largest=True, **kw)
   lo = extreme(x, axes, largest=False, **kw)
   return (hi + lo) / 2, hi - lo
@@ -200,7 +219,11 @@ def wcd(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
   """Maximum and worst-case deviation ``max - E[x]``."""
   x, axes, where = _prepare(x, axis, where, "wcd")
   hi = extreme(
-      x, axes, largest=True, where=where, axis_name=axis_name,
+      x,
+      axes,
+      largest=True,
+      where=where,
+      axis_name=axis_name,
       axis_index_groups=axis_index_groups,
   )
   return hi, hi - global_mean(x, axes, where, axis_name, axis_index_groups)
@@ -251,10 +274,14 @@ def _log_phi_and_cdf() -> tuple[np.ndarray, np.ndarray]:
   log_pdf = -0.5 * _GRID**2 - 0.5 * math.log(2 * math.pi)
   # log Phi without cancellation at either end: erfc keeps the lower tail's
   # relative accuracy, log1p the upper tail's.
-  log_cdf = np.array([
-      math.log1p(-0.5 * math.erfc(v / math.sqrt(2))) if v > 0
-      else math.log(0.5 * math.erfc(-v / math.sqrt(2))) for v in _GRID
-  ])
+  log_cdf = np.array(
+      [
+          math.log1p(-0.5 * math.erfc(v / math.sqrt(2)))
+          if v > 0
+          else math.log(0.5 * math.erfc(-v / math.sqrt(2)))
+          for v in _GRID
+      ]
+  )
   return log_pdf, log_cdf
 
 
@@ -265,11 +292,11 @@ def _expected_max_float64(n: np.ndarray) -> np.ndarray:
   out = np.zeros(n.shape)
   flat, res = n.reshape(-1), out.reshape(-1)
   for start in range(0, flat.size, 256):  # bounded temporaries
-    m = flat[start:start + 256, None]
+    m = flat[start : start + 256, None]
     density = np.exp(np.log(np.maximum(m, 1)) + log_pdf + (m - 1) * log_cdf)
     f = _GRID * density
     trapezoid = _GRID_STEP * (f.sum(axis=1) - 0.5 * (f[:, 0] + f[:, -1]))
-    res[start:start + 256] = np.where(m[:, 0] > 1, trapezoid, 0.0)
+    res[start : start + 256] = np.where(m[:, 0] > 1, trapezoid, 0.0)
   return out
 
 
@@ -294,8 +321,11 @@ def _expected_max_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   lo, hi = _TABLE_OCTAVES
   log2_n = np.linspace(lo, hi, (hi - lo) * _TABLE_PER_OCTAVE + 1)
   log_n = log2_n * math.log(2)
-  return (exact.astype(np.float32), log_n.astype(np.float32),
-          _expected_max_float64(np.exp(log_n)).astype(np.float32))
+  return (
+      exact.astype(np.float32),
+      log_n.astype(np.float32),
+      _expected_max_float64(np.exp(log_n)).astype(np.float32),
+  )
 
 
 def expected_normal_max(n: int | Array) -> float | Array:
@@ -316,8 +346,9 @@ def expected_normal_max(n: int | Array) -> float | Array:
   exact, log_grid, table = _expected_max_table()
   n = jnp.asarray(n, jnp.float32)
   small = jnp.asarray(exact)[jnp.clip(n, 0, _EXACT_UP_TO).astype(jnp.int32)]
-  large = jnp.interp(jnp.log(jnp.maximum(n, 1)), jnp.asarray(log_grid),
-                     jnp.asarray(table))
+  large = jnp.interp(
+      jnp.log(jnp.maximum(n, 1)), jnp.asarray(log_grid), jnp.asarray(table)
+  )
   return jnp.where(n <= _EXACT_UP_TO, small, large)
 
 
@@ -415,9 +446,11 @@ def register_measure(
   if normal_scale is None:
     normal_scale = _BUILTIN_NORMAL_SCALES.get(fn)
   elif not callable(normal_scale):
-    if (isinstance(normal_scale, bool)
+    if (
+        isinstance(normal_scale, bool)
         or not isinstance(normal_scale, numbers.Real)
-        or not 0 < normal_scale < math.inf):
+        or not 0 < normal_scale < math.inf
+    ):
       raise ValueError(
           f"normal_scale of measure {name!r} must be a positive finite number"
           f" or a callable (n, **params) -> number, got {normal_scale!r}."
@@ -536,7 +569,10 @@ class Measure:
       return self.normal_constant(0)
     x, axes, where = prepare_reduction(x, axis, reduction.get("where"))
     n = reductions.element_count(
-        x, axes, where, reduction.get("axis_name"),
+        x,
+        axes,
+        where,
+        reduction.get("axis_name"),
         reduction.get("axis_index_groups"),
     )
     return self.normal_constant(n)
@@ -592,8 +628,12 @@ class FixedParamsError(TypeError):
       (e.g. ``'sqd'``), or None if there is none.
   """
 
-  def __init__(self, name: str, fixed: list[str],
-               call: Callable[[str, str], str] | None = None):
+  def __init__(
+      self,
+      name: str,
+      fixed: list[str],
+      call: Callable[[str, str], str] | None = None,
+  ):
     """``call(general, 'alpha=...')`` writes the fix in the caller's terms
     (default: a :func:`get_measure` call)."""
     self.name, self.fixed, self.general = name, fixed, _general_name(name)
@@ -601,11 +641,15 @@ class FixedParamsError(TypeError):
       call = lambda general, choose: f"get_measure({general!r}, {choose})"
     choose = ", ".join(f"{k}=..." for k in fixed)
     if self.general is None:
-      fix = (" register the measure's function under another name without"
-             " fixing them to choose them.")
+      fix = (
+          " register the measure's function under another name without"
+          " fixing them to choose them."
+      )
     else:
-      fix = (" use the general measure to choose them:"
-             f" {call(self.general, choose)}.")
+      fix = (
+          " use the general measure to choose them:"
+          f" {call(self.general, choose)}."
+      )
     super().__init__(f"measure {name!r} fixes {fixed};{fix}")
 
 
@@ -647,13 +691,20 @@ def get_measure(
   _check_params(name, entry.fn, params)
   bound = {**entry.params, **params}
   accepted = _keyword_params(entry.fn)
-  missing = [k for k, v in accepted.items() if v is _REQUIRED and k not in bound]
+  missing = [
+      k for k, v in accepted.items() if v is _REQUIRED and k not in bound
+  ]
   if missing:
     raise TypeError(f"measure {name!r} needs parameter(s) {missing}.")
   if calibration is not None and entry.normal_scale is None:
     raise ValueError(_no_constant_message(name))
-  return Measure(name, entry.fn, tuple(sorted(bound.items())), calibration,
-                 entry.normal_scale)
+  return Measure(
+      name,
+      entry.fn,
+      tuple(sorted(bound.items())),
+      calibration,
+      entry.normal_scale,
+  )
 
 
 def resolve_measure(

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
+import jax
+import jax.numpy as jnp
 
 from gbn_jax import _normalization
 from gbn_jax.measures import MeasureFn
@@ -109,7 +109,13 @@ class GBatchNorm(nnx.BatchNorm):
       )
       if self.renorm:
         y, statistic, deviation_sq = _normalization.renormalize_batch(
-            measure, x, scale, bias, statistic, deviation_sq, reduction_axes,
+            measure,
+            x,
+            scale,
+            bias,
+            statistic,
+            deviation_sq,
+            reduction_axes,
             feature_axes,
             limits=_normalization.renorm_limits(self.renorm_clipping),
             **reduction,
@@ -118,12 +124,18 @@ class GBatchNorm(nnx.BatchNorm):
         y, statistic, deviation_sq = _normalization.normalize_batch(
             measure, x, scale, bias, reduction_axes, feature_axes, **reduction
         )
-      _update(self.mean, jax.lax.stop_gradient(
-          self.momentum * self.mean[...] + (1 - self.momentum) * statistic
-      ))
-      _update(self.var, jax.lax.stop_gradient(
-          self.momentum * self.var[...] + (1 - self.momentum) * deviation_sq
-      ))
+      _update(
+          self.mean,
+          jax.lax.stop_gradient(
+              self.momentum * self.mean[...] + (1 - self.momentum) * statistic
+          ),
+      )
+      _update(
+          self.var,
+          jax.lax.stop_gradient(
+              self.momentum * self.var[...] + (1 - self.momentum) * deviation_sq
+          ),
+      )
       return y
     return _normalization.normalize(
         x,

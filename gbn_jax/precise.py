@@ -56,7 +56,9 @@ def _statistic_paths(batch_stats: PyTree) -> list[tuple[str, ...]]:
 
 def _pick(tree: PyTree, paths: list[tuple[str, ...]]) -> list[Array]:
   """The leaves of ``tree`` at ``paths`` (dict or FrozenDict alike)."""
-  found = {_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  found = {
+      _path(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
   missing = [p for p in paths if p not in found]
   if missing:
     raise ValueError(
@@ -67,8 +69,9 @@ def _pick(tree: PyTree, paths: list[tuple[str, ...]]) -> list[Array]:
   return [found[p] for p in paths]
 
 
-def _replace(tree: PyTree, paths: list[tuple[str, ...]],
-             values: list[Array]) -> PyTree:
+def _replace(
+    tree: PyTree, paths: list[tuple[str, ...]], values: list[Array]
+) -> PyTree:
   """``tree`` with the leaves at ``paths`` replaced by ``values``."""
   new = dict(zip(paths, values))
   return jax.tree_util.tree_map_with_path(
@@ -117,8 +120,9 @@ def _same_outputs(a: PyTree, b: PyTree) -> Array:
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     x, y = jnp.asarray(x), jnp.asarray(y)
     if jnp.issubdtype(x.dtype, jnp.inexact):
-      agree.append(jnp.all(jnp.isclose(x, y, rtol=1e-4, atol=1e-6,
-                                       equal_nan=True)))
+      agree.append(
+          jnp.all(jnp.isclose(x, y, rtol=1e-4, atol=1e-6, equal_nan=True))
+      )
     else:
       agree.append(jnp.all(x == y))
   return jnp.all(jnp.stack(agree))
@@ -195,7 +199,8 @@ def precise_batch_stats(
   zeros = _replace(batch_stats, paths, [jnp.zeros_like(v) for v in old])
   probe_values = [_probe(jnp.result_type(v)) for v in old]
   probes = _replace(
-      batch_stats, paths,
+      batch_stats,
+      paths,
       [jnp.full_like(v, b) for v, b in zip(old, probe_values)],
   )
 
@@ -219,7 +224,9 @@ def precise_batch_stats(
     try:
       first = next(iterator)
     except StopIteration:
-      raise ValueError("precise_batch_stats needs at least one batch.") from None
+      raise ValueError(
+          "precise_batch_stats needs at least one batch."
+      ) from None
 
   outputs_zero, new_zero = run(zeros, first)
   outputs_probe, new_probe = run(probes, first)

@@ -27,25 +27,25 @@ The selection itself (``gbn_jax._selection``) is exact whichever backend runs;
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
-from gbn_jax._selection import dispatch, fused
-from gbn_jax._selection.common import AxisIndexGroups, global_sum
-from gbn_jax._selection.reductions import (
-    Axis,
-    element_count,
-    expand,
-    global_mean,
-    has_nan,
-    prepare_reduction,
-    quantile_rank,
-)
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import fused
+from gbn_jax._selection.common import AxisIndexGroups
+from gbn_jax._selection.common import global_sum
+from gbn_jax._selection.reductions import Axis
+from gbn_jax._selection.reductions import element_count
+from gbn_jax._selection.reductions import expand
+from gbn_jax._selection.reductions import global_mean
+from gbn_jax._selection.reductions import has_nan
+from gbn_jax._selection.reductions import prepare_reduction
+from gbn_jax._selection.reductions import quantile_rank
 
 Array = jax.Array
 
@@ -66,9 +66,7 @@ def validate_alpha(alpha: Any) -> float:
         f"alpha must be a real number strictly between 0 and 1, got {alpha!r}."
     ) from None
   if isinstance(alpha, bool) or not 0.0 < value < 1.0:
-    raise ValueError(
-        f"alpha must lie strictly between 0 and 1, got {alpha!r}."
-    )
+    raise ValueError(f"alpha must lie strictly between 0 and 1, got {alpha!r}.")
   return value
 
 
@@ -158,22 +156,34 @@ def _selector(
   # a fresh partial per call would recompile every eager call.
   if kind == "quantile":
     return functools.partial(
-        _select_quantile, alpha=param, axes=axes, axis_name=axis_name, groups=groups,
+        _select_quantile,
+        alpha=param,
+        axes=axes,
+        axis_name=axis_name,
+        groups=groups,
         check_nan=check_nan,
     )
   return functools.partial(
-      _select_extreme, largest=param, axes=axes, axis_name=axis_name, groups=groups
+      _select_extreme,
+      largest=param,
+      axes=axes,
+      axis_name=axis_name,
+      groups=groups,
   )
 
 
-def _quantile(x, alpha, axes, where, axis_name, groups, check_nan=True) -> Array:
+def _quantile(
+    x, alpha, axes, where, axis_name, groups, check_nan=True
+) -> Array:
   """Quantile of an already-prepared float array (no dtype handling)."""
   groups = _hashable_groups(groups)
   select = _selector("quantile", alpha, axes, axis_name, groups, check_nan)
   return _tie_split(select, axes, axis_name, groups, x, where)
 
 
-def _superquantile_and_mean(x, alpha, axes, where, axis_name, groups) -> tuple[Array, ...]:
+def _superquantile_and_mean(
+    x, alpha, axes, where, axis_name, groups
+) -> tuple[Array, ...]:
   """``(q_alpha, qbar_alpha, E[x])`` of a prepared float array.
 
   The sums from the selection's own sweep where a backend fuses them
@@ -181,17 +191,23 @@ def _superquantile_and_mean(x, alpha, axes, where, axis_name, groups) -> tuple[A
   otherwise the selection and two means. A NaN element makes the excess,
   hence qbar, NaN, and then q too.
   """
-  parts = fused.superquantile_parts(x, alpha, axes, where, axis_name, _hashable_groups(groups))
+  parts = fused.superquantile_parts(
+      x, alpha, axes, where, axis_name, _hashable_groups(groups)
+  )
   if parts is not None:
     q, mean, mean_excess = parts
   else:
-    q, mean_excess = _quantile_and_mean_excess(x, alpha, axes, where, axis_name, groups)
+    q, mean_excess = _quantile_and_mean_excess(
+        x, alpha, axes, where, axis_name, groups
+    )
     mean = global_mean(x, axes, where, axis_name, groups)
   qbar = q + mean_excess / (1.0 - alpha)
   return jnp.where(jnp.isnan(qbar), jnp.nan, q), qbar, mean
 
 
-def _quantile_and_mean_excess(x, alpha, axes, where, axis_name, groups) -> tuple[Array, Array]:
+def _quantile_and_mean_excess(
+    x, alpha, axes, where, axis_name, groups
+) -> tuple[Array, Array]:
   """``(q_alpha, E[(x - q_alpha)^+])`` of a prepared float array, in JAX."""
   q = _quantile(x, alpha, axes, where, axis_name, groups, check_nan=False)
   # "Not at most q" rather than "above q": a NaN element makes the excess
@@ -255,7 +271,9 @@ def quantile(
   x_in, axes, where = prepare_reduction(x, axis, where)
   x = x_in.astype(jnp.promote_types(x_in.dtype, jnp.float32))
   groups = _hashable_groups(axis_index_groups)
-  return _jitted_quantile(x, where, alpha, axes, axis_name, groups).astype(x_in.dtype)
+  return _jitted_quantile(x, where, alpha, axes, axis_name, groups).astype(
+      x_in.dtype
+  )
 
 
 def superquantile(

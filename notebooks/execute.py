@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+from collections.abc import Iterator, Sequence
 import contextlib
 import hashlib
 import io
@@ -35,7 +36,6 @@ import pathlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
 
 import jupytext
 import nbclient
@@ -80,12 +80,21 @@ def kernel_environment() -> Iterator[str]:
   with tempfile.TemporaryDirectory(prefix="gbn-jax-kernel-") as tmp:
     spec_dir = pathlib.Path(tmp) / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f",
-                 "{connection_file}"],
-        "display_name": "gbn-jax notebooks",
-        "language": "python",
-    }))
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [
+                    sys.executable,
+                    "-m",
+                    "ipykernel_launcher",
+                    "-f",
+                    "{connection_file}",
+                ],
+                "display_name": "gbn-jax notebooks",
+                "language": "python",
+            }
+        )
+    )
 
     def prepend(path: str, old: str | None) -> str:
       return os.pathsep.join(filter(None, [path, old]))
@@ -146,8 +155,11 @@ def smaller_png(data: str) -> str:
     image = image.convert("RGB")  # opaque: MEDIANCUT needs RGB
   if image.mode not in ("RGB", "RGBA"):
     return data
-  method = (Image.Quantize.MEDIANCUT if image.mode == "RGB"
-            else Image.Quantize.FASTOCTREE)
+  method = (
+      Image.Quantize.MEDIANCUT
+      if image.mode == "RGB"
+      else Image.Quantize.FASTOCTREE
+  )
   out = io.BytesIO()
   image.quantize(256, method=method).save(out, "PNG", optimize=True)
   if out.tell() >= len(raw):
@@ -196,10 +208,12 @@ def write(name: str, nb: nbformat.NotebookNode) -> pathlib.Path:
   # Ids from the cells' contents: re-executing does not rewrite them all.
   seen = set()
   for cell in nb.cells:
-    digest = hashlib.sha256(f"{cell.cell_type}\0{cell.source.strip()}"
-                            .encode()).hexdigest()
-    cell.id = next(digest[i:i + 8] for i in range(0, 57)
-                   if digest[i:i + 8] not in seen)
+    digest = hashlib.sha256(
+        f"{cell.cell_type}\0{cell.source.strip()}".encode()
+    ).hexdigest()
+    cell.id = next(
+        digest[i : i + 8] for i in range(0, 57) if digest[i : i + 8] not in seen
+    )
     seen.add(cell.id)
   path = NOTEBOOK_DIR / f"{name}.ipynb"
   # jupytext writes the ipynb as `jupytext --sync` would (its metadata
@@ -212,29 +226,40 @@ def write(name: str, nb: nbformat.NotebookNode) -> pathlib.Path:
 def main(argv: Sequence[str] | None = None) -> int:
   names = notebook_names()
   parser = argparse.ArgumentParser(
-      prog=_PROG, description="Executes notebooks/NAME.py and writes "
-      "notebooks/NAME.ipynb with its outputs.")
-  parser.add_argument("names", nargs="*", metavar="NAME",
-                      help="notebooks to run (default: all: "
-                      f"{', '.join(names)})")
+      prog=_PROG,
+      description="Executes notebooks/NAME.py and writes "
+      "notebooks/NAME.ipynb with its outputs.",
+  )
+  parser.add_argument(
+      "names",
+      nargs="*",
+      metavar="NAME",
+      help="notebooks to run (default: all: " f"{', '.join(names)})",
+  )
   args = parser.parse_args(argv)
   unknown = sorted(set(args.names) - set(names))
   if unknown:
-    parser.error(f"no notebook {', '.join(unknown)}; notebooks: "
-                 f"{', '.join(names)}")
+    parser.error(
+        f"no notebook {', '.join(unknown)}; notebooks: " f"{', '.join(names)}"
+    )
   with kernel_environment() as kernel_name:
     for name in args.names or names:
       start = time.perf_counter()
       try:
         nb = execute(name, kernel_name)
       except nbclient.exceptions.CellExecutionError as e:
-        print(f"{_PROG}: error: notebooks/{name}.py failed; notebooks/"
-              f"{name}.ipynb left as it was.\n{e}", file=sys.stderr)
+        print(
+            f"{_PROG}: error: notebooks/{name}.py failed; notebooks/"
+            f"{name}.ipynb left as it was.\n{e}",
+            file=sys.stderr,
+        )
         return 1
       path = write(name, nb)
-      print(f"{path.relative_to(REPO)}: executed in "
-            f"{time.perf_counter() - start:.0f} s, "
-            f"{path.stat().st_size / 1024:.0f} KiB")
+      print(
+          f"{path.relative_to(REPO)}: executed in "
+          f"{time.perf_counter() - start:.0f} s, "
+          f"{path.stat().st_size / 1024:.0f} KiB"
+      )
   return 0
 
 

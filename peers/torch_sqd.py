@@ -32,12 +32,12 @@ Importing the module has no side effect and works without torch (``SQD`` and
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 import json
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -48,11 +48,17 @@ except ImportError:  # torch is no dependency of gbn-jax; see the docstring
   torch = nn = F = None
 
 #: Layer shapes, NCHW (``benchmarks/bench_gbn.py``'s, there NHWC).
-LAYER_SHAPES = ((256, 16, 32, 32), (1024, 16, 32, 32), (1000, 50, 8, 8),
-                (512, 256))
-_NO_TORCH = ("peers/torch_sqd.py needs PyTorch, which gbn-jax does not "
-             "depend on: run it with a python that has torch installed "
-             "(pip install torch in a separate venv).")
+LAYER_SHAPES = (
+    (256, 16, 32, 32),
+    (1024, 16, 32, 32),
+    (1000, 50, 8, 8),
+    (512, 256),
+)
+_NO_TORCH = (
+    "peers/torch_sqd.py needs PyTorch, which gbn-jax does not "
+    "depend on: run it with a python that has torch installed "
+    "(pip install torch in a separate venv)."
+)
 
 
 def _require_torch() -> None:
@@ -98,9 +104,19 @@ def lenet(norm: Callable[[int], Any]):
   """LeNet for 28x28x1 (the repository's ``train.models`` LeNet's layers)."""
   _require_torch()
   return nn.Sequential(
-      nn.Conv2d(1, 20, 5, bias=False), norm(20), nn.ReLU(), nn.MaxPool2d(2),
-      nn.Conv2d(20, 50, 5, bias=False), norm(50), nn.ReLU(), nn.MaxPool2d(2),
-      nn.Flatten(), nn.Linear(800, 500), nn.ReLU(), nn.Linear(500, 10))
+      nn.Conv2d(1, 20, 5, bias=False),
+      norm(20),
+      nn.ReLU(),
+      nn.MaxPool2d(2),
+      nn.Conv2d(20, 50, 5, bias=False),
+      norm(50),
+      nn.ReLU(),
+      nn.MaxPool2d(2),
+      nn.Flatten(),
+      nn.Linear(800, 500),
+      nn.ReLU(),
+      nn.Linear(500, 10),
+  )
 
 
 def _sync(device) -> None:
@@ -122,12 +138,14 @@ def timed(fn: Callable[[], Any], device, runs: int, warm: int = 3) -> float:
   return statistics.median(times) * 1e3
 
 
-def layer_case(shape: Sequence[int], device, runs: int,
-               alpha: float) -> dict[str, Any]:
+def layer_case(
+    shape: Sequence[int], device, runs: int, alpha: float
+) -> dict[str, Any]:
   """Forward + backward of BatchNorm and SQD on one input shape."""
   channels = shape[1]
-  bn = (nn.BatchNorm2d(channels) if len(shape) == 4
-        else nn.BatchNorm1d(channels)).to(device)
+  bn = (
+      nn.BatchNorm2d(channels) if len(shape) == 4 else nn.BatchNorm1d(channels)
+  ).to(device)
   sqd = SQD(channels, alpha).to(device)
   x = torch.randn(*shape, device=device, requires_grad=True)
   grad = torch.randn(*shape, device=device)
@@ -136,6 +154,7 @@ def layer_case(shape: Sequence[int], device, runs: int,
     def fn():
       x.grad = None
       module(x).backward(grad)
+
     return fn
 
   bn_ms, sqd_ms = [], []
@@ -143,8 +162,12 @@ def layer_case(shape: Sequence[int], device, runs: int,
     bn_ms.append(timed(step(bn), device, max(1, runs // 3)))
     sqd_ms.append(timed(step(sqd), device, max(1, runs // 3)))
   b, s = statistics.median(bn_ms), statistics.median(sqd_ms)
-  return {"shape": "x".join(map(str, shape)), "bn_ms": b, "sqd_ms": s,
-          "ratio": s / b}
+  return {
+      "shape": "x".join(map(str, shape)),
+      "bn_ms": b,
+      "sqd_ms": s,
+      "ratio": s / b,
+  }
 
 
 def step_case(device, runs: int, alpha: float) -> dict[str, Any]:
@@ -152,8 +175,7 @@ def step_case(device, runs: int, alpha: float) -> dict[str, Any]:
   x = torch.randn(1000, 1, 28, 28, device=device)
   y = torch.randint(0, 10, (1000,), device=device)
   ms = {}
-  for name, norm in (("bn", nn.BatchNorm2d),
-                     ("sqd", lambda c: SQD(c, alpha))):
+  for name, norm in (("bn", nn.BatchNorm2d), ("sqd", lambda c: SQD(c, alpha))):
     model = lenet(norm).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, weight_decay=5e-4)
 
@@ -163,19 +185,30 @@ def step_case(device, runs: int, alpha: float) -> dict[str, Any]:
       opt.step()
 
     ms[name] = timed(fn, device, runs)
-  return {"model": "lenet", "batch": 1000, "bn_ms": ms["bn"],
-          "sqd_ms": ms["sqd"], "ratio": ms["sqd"] / ms["bn"]}
+  return {
+      "model": "lenet",
+      "batch": 1000,
+      "bn_ms": ms["bn"],
+      "sqd_ms": ms["sqd"],
+      "ratio": ms["sqd"] / ms["bn"],
+  }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python peers/torch_sqd.py",
       description="Times PyTorch BatchNorm against a kthvalue SQD layer "
-      "(layers and a LeNet step); see the module docstring.")
-  parser.add_argument("--device", default=None,
-                      help="cpu or cuda (default: cuda if available)")
-  parser.add_argument("--threads", type=int, default=0,
-                      help="torch intra-op threads (0: torch's default)")
+      "(layers and a LeNet step); see the module docstring.",
+  )
+  parser.add_argument(
+      "--device", default=None, help="cpu or cuda (default: cuda if available)"
+  )
+  parser.add_argument(
+      "--threads",
+      type=int,
+      default=0,
+      help="torch intra-op threads (0: torch's default)",
+  )
   parser.add_argument("--runs", type=int, default=21)
   parser.add_argument("--alpha", type=float, default=0.5)
   parser.add_argument("--out", help="write the results as JSON here")
@@ -185,20 +218,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   if args.threads:
     torch.set_num_threads(args.threads)
-  device = torch.device(args.device or (
-      "cuda" if torch.cuda.is_available() else "cpu"))
+  device = torch.device(
+      args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+  )
   rows = [layer_case(s, device, args.runs, args.alpha) for s in LAYER_SHAPES]
   step = step_case(device, args.runs, args.alpha)
-  name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-          else platform.processor() or platform.machine())
-  result = {"torch": torch.__version__, "device": name,
-            "threads": torch.get_num_threads(), "alpha": args.alpha,
-            "layers": rows, "train_step": step}
+  name = (
+      torch.cuda.get_device_name(device)
+      if device.type == "cuda"
+      else platform.processor() or platform.machine()
+  )
+  result = {
+      "torch": torch.__version__,
+      "device": name,
+      "threads": torch.get_num_threads(),
+      "alpha": args.alpha,
+      "layers": rows,
+      "train_step": step,
+  }
   for r in rows:
-    print(f"{r['shape']:>16}: BatchNorm {r['bn_ms']:.3f} ms, kthvalue-SQD "
-          f"{r['sqd_ms']:.3f} ms ({r['ratio']:.2f}x)")
-  print(f"LeNet b1000 step: BatchNorm {step['bn_ms']:.2f} ms, SQD "
-        f"{step['sqd_ms']:.2f} ms ({step['ratio']:.2f}x)")
+    print(
+        f"{r['shape']:>16}: BatchNorm {r['bn_ms']:.3f} ms, kthvalue-SQD "
+        f"{r['sqd_ms']:.3f} ms ({r['ratio']:.2f}x)"
+    )
+  print(
+      f"LeNet b1000 step: BatchNorm {step['bn_ms']:.2f} ms, SQD "
+      f"{step['sqd_ms']:.2f} ms ({step['ratio']:.2f}x)"
+  )
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

@@ -8,5 +8,7 @@ tests/test_multidevice.py runs it in a subprocess with that flag.
 import os
 
 collect_ignore = []
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+if "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
   collect_ignore.append("multidevice")

@@ -18,11 +18,11 @@ reads is exactly what was written:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import gzip
+from pathlib import Path
 import struct
 import tarfile
-from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -73,8 +73,10 @@ def write_idx_dataset(
     if array.ndim == 4:
       assert array.shape[-1] == 1
       array = array[..., 0]
-    write_file(folder / (name + (".gz" if gz else "")),
-               idx_bytes(array.astype(np.uint8)))
+    write_file(
+        folder / (name + (".gz" if gz else "")),
+        idx_bytes(array.astype(np.uint8)),
+    )
   return folder
 
 
@@ -190,8 +192,10 @@ def write_tfds_dataset(
   def generate(self, images, labels, split):
     for i, (image, label) in enumerate(zip(images, labels)):
       array = image[..., 0] if image.shape[-1] == 1 else image
-      example = {"image": PIL.Image.fromarray(np.asarray(array)),
-                 "label": int(label)}
+      example = {
+          "image": PIL.Image.fromarray(np.asarray(array)),
+          "label": int(label),
+      }
       for key, feature in self.info.features.items():
         if key == "id":
           example[key] = f"{split}_{i:05d}"
@@ -201,14 +205,19 @@ def write_tfds_dataset(
 
   def split_generators(self, dl_manager):
     del dl_manager
-    return {"train": self._generate_examples(*train, "train"),
-            "test": self._generate_examples(*test, "test")}
+    return {
+        "train": self._generate_examples(*train, "train"),
+        "test": self._generate_examples(*test, "test"),
+    }
 
   builder_cls = type(
       base.__name__ + "Fake",
       (base,),
-      {"name": tfds_name, "_split_generators": split_generators,
-       "_generate_examples": generate},
+      {
+          "name": tfds_name,
+          "_split_generators": split_generators,
+          "_generate_examples": generate,
+      },
       skip_registration=True,
   )
   builder = builder_cls(data_dir=str(data_dir), file_format="array_record")

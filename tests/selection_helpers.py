@@ -30,7 +30,9 @@ def columns(x, axis, where=None):
   cols = np.transpose(x, perm).reshape(-1, n_cols)
   mask = np.ones(cols.shape, bool)
   if where is not None:
-    mask = np.transpose(np.broadcast_to(where, x.shape), perm).reshape(cols.shape)
+    mask = np.transpose(np.broadcast_to(where, x.shape), perm).reshape(
+        cols.shape
+    )
   return cols, mask, [x.shape[d] for d in kept]
 
 
@@ -89,21 +91,37 @@ def data(kind, shape, seed=0):
     x[rng.random(shape) < 0.15] = np.inf
     x[rng.random(shape) < 0.15] = -np.inf
   elif kind == "signed_zero":
-    x = rng.choice(np.float32([-0.0, 0.0, -1.0, 1.0]), size=shape, p=[0.3, 0.3, 0.2, 0.2])
+    x = rng.choice(
+        np.float32([-0.0, 0.0, -1.0, 1.0]), size=shape, p=[0.3, 0.3, 0.2, 0.2]
+    )
   elif kind == "denormal":
     # Denormals of both signs among zeros and normals: distinct integer keys.
-    pool = np.float32([-3e-39, -1e-45, -0.0, 0.0, 1e-45, 2e-45, 5e-39, TINY, -TINY, 1.0])
+    pool = np.float32(
+        [-3e-39, -1e-45, -0.0, 0.0, 1e-45, 2e-45, 5e-39, TINY, -TINY, 1.0]
+    )
     x = rng.choice(pool, size=shape)
   elif kind == "wide":  # magnitudes over the whole float range
     x = (np.sign(x) * np.exp(rng.uniform(-87, 88, shape))).astype(np.float32)
   elif kind == "huge":
-    big = np.float32([np.finfo(np.float32).max, -np.finfo(np.float32).max, 3e38, -1e38])
+    big = np.float32(
+        [np.finfo(np.float32).max, -np.finfo(np.float32).max, 3e38, -1e38]
+    )
     x = np.where(rng.random(shape) < 0.5, rng.choice(big, size=shape), x)
   return np.asarray(x, np.float32)
 
 
-KINDS = ["normal", "relu", "halves", "tiny_set", "constant", "inf", "signed_zero", "denormal",
-         "wide", "huge"]
+KINDS = [
+    "normal",
+    "relu",
+    "halves",
+    "tiny_set",
+    "constant",
+    "inf",
+    "signed_zero",
+    "denormal",
+    "wide",
+    "huge",
+]
 
 
 class ExactnessSuite:
@@ -134,7 +152,9 @@ class ExactnessSuite:
     for k in ranks(4 * 16 * 16):
       self.check(x, np.full(3, k), (0, 1, 2))
 
-  @pytest.mark.parametrize("kind", ["relu", "tiny_set", "signed_zero", "denormal"])
+  @pytest.mark.parametrize(
+      "kind", ["relu", "tiny_set", "signed_zero", "denormal"]
+  )
   def test_repeated_values_at_every_target(self, kind):
     # Ranks at both ends of every run of tied values, and inside it.
     x = data(kind, (300, 4), seed=3 + len(kind))
@@ -148,7 +168,8 @@ class ExactnessSuite:
       self.check(x, np.full(4, k), (0,))
 
   @pytest.mark.parametrize(
-      "shape,axis", [((30, 4, 70), (0, 2)), ((5, 600), (1,)), ((3, 40, 50), (0, 1, 2))]
+      "shape,axis",
+      [((30, 4, 70), (0, 2)), ((5, 600), (1,)), ((3, 40, 50), (0, 1, 2))],
   )
   def test_other_axes(self, shape, axis):
     x = data("normal", shape, seed=5)
@@ -167,7 +188,14 @@ class ExactnessSuite:
     x[~where] = -np.inf  # masked-out values must not matter (smaller than all)
     n = where.sum(axis=(0, 1))
     axis = (0, 1)
-    for alpha in (0.0, 0.1, 0.25, 0.5, 0.9, 1.0):  # k = ceil(alpha * n), alpha*n whole too
+    for alpha in (
+        0.0,
+        0.1,
+        0.25,
+        0.5,
+        0.9,
+        1.0,
+    ):  # k = ceil(alpha * n), alpha*n whole too
       k = np.maximum(np.ceil(alpha * n), 1).astype(np.int32)
       self.check(x, k, axis, where)
       value = np.asarray(self.value(x, jnp.asarray(k), axis, where))

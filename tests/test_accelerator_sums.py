@@ -21,8 +21,12 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax import measures, quantiles
-from gbn_jax._selection import common, dispatch, native, radix
+from gbn_jax import measures
+from gbn_jax import quantiles
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import native
+from gbn_jax._selection import radix
 
 ALPHAS = [1e-6, 0.25, 0.5, 0.75, 0.99, 0.999999]
 N_FEATURES = 8
@@ -127,17 +131,21 @@ def _ref_grad(x, alpha, cq, cd, where=None):
 
 def _weights():
   rng = np.random.default_rng(5)
-  return (rng.standard_normal(N_FEATURES).astype(np.float32),
-          rng.standard_normal(N_FEATURES).astype(np.float32))
+  return (
+      rng.standard_normal(N_FEATURES).astype(np.float32),
+      rng.standard_normal(N_FEATURES).astype(np.float32),
+  )
 
 
 def _objective(alphas, cq, cd):
   """Jitted ``x, where -> [((s, d), grad) for alpha in alphas]`` (one compile)."""
+
   def loss(x, where, alpha):
     s, d = measures.sqd(x, 0, alpha=alpha, where=where)
     # NaN features stay NaN in (s, d) but must not poison the other gradients.
     value = jnp.sum(jnp.where(jnp.isnan(s), 0, s) * cq) + jnp.sum(
-        jnp.where(jnp.isnan(d), 0, d) * cd)
+        jnp.where(jnp.isnan(d), 0, d) * cd
+    )
     return value, (s, d)
 
   def all_alphas(x, where):
@@ -146,6 +154,7 @@ def _objective(alphas, cq, cd):
       (_, stats), grad = jax.value_and_grad(loss, has_aux=True)(x, where, alpha)
       out.append((stats, grad))
     return out
+
   return jax.jit(all_alphas)
 
 
@@ -180,8 +189,9 @@ def _assert_matches_reference(x, where, alpha, s, d, grad):
   _assert_d_close(x, d, want_d)
   want_g = _ref_grad(x, alpha, cq, cd, where)
   ok = ~np.isnan(want_q)  # NaN features: checked against the unfused path
-  np.testing.assert_allclose(np.asarray(grad)[:, ok], want_g[:, ok], rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(grad)[:, ok], want_g[:, ok], rtol=1e-5, atol=1e-6
+  )
   return want_g
 
 
@@ -193,8 +203,9 @@ def test_values_and_gradients_match_definitions(masked, fused, monkeypatch):
   step = _objective(ALPHAS, cq, cd)
   results = step(jnp.asarray(x), where)
   assert len(fused) == len(ALPHAS), "the fused sums were not called"
-  unfused = _unfused(_objective(ALPHAS, cq, cd), jnp.asarray(x), where,
-                     monkeypatch=monkeypatch)
+  unfused = _unfused(
+      _objective(ALPHAS, cq, cd), jnp.asarray(x), where, monkeypatch=monkeypatch
+  )
   for alpha, ((s, d), grad), ((s0, d0), grad0) in zip(ALPHAS, results, unfused):
     _assert_matches_reference(x, where, alpha, s, d, grad)
     # Tie-preserving finite differences of the float64 reference, on the
@@ -206,8 +217,9 @@ def test_values_and_gradients_match_definitions(masked, fused, monkeypatch):
     # And the unfused path, NaN features and masked-out elements included.
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
     _assert_d_close(x, d, d0)
-    np.testing.assert_allclose(np.asarray(grad), np.asarray(grad0), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(grad), np.asarray(grad0), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -218,14 +230,21 @@ def test_tiny_batches(n, fused, monkeypatch):
   # empty one, so one row is a full-batch case too.
   for where in (_mask(n, seed=n),):
     results = _objective(alphas, *_weights())(jnp.asarray(x), where)
-    unfused = _unfused(_objective(alphas, *_weights()), jnp.asarray(x), where,
-                       monkeypatch=monkeypatch)
-    for alpha, ((s, d), grad), ((s0, d0), grad0) in zip(alphas, results, unfused):
+    unfused = _unfused(
+        _objective(alphas, *_weights()),
+        jnp.asarray(x),
+        where,
+        monkeypatch=monkeypatch,
+    )
+    for alpha, ((s, d), grad), ((s0, d0), grad0) in zip(
+        alphas, results, unfused
+    ):
       _assert_matches_reference(x, where, alpha, s, d, grad)
       np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
       _assert_d_close(x, d, d0)
-      np.testing.assert_allclose(np.asarray(grad), np.asarray(grad0), rtol=1e-5,
-                                 atol=1e-6)
+      np.testing.assert_allclose(
+          np.asarray(grad), np.asarray(grad0), rtol=1e-5, atol=1e-6
+      )
   assert fused
 
 
@@ -243,7 +262,9 @@ def test_nan_and_empty_features(fused):
   assert fused
 
 
-def test_zero_and_denormal_answers_count_as_float_compares_do(fused, monkeypatch):
+def test_zero_and_denormal_answers_count_as_float_compares_do(
+    fused, monkeypatch
+):
   """On XLA:CPU compares flush denormals, so the JVP counts ties itself."""
   tiny = np.float32(1e-40)  # denormal
   x = np.zeros((12, 3), np.float32)
@@ -253,9 +274,13 @@ def test_zero_and_denormal_answers_count_as_float_compares_do(fused, monkeypatch
   x[6, 2] = tiny
   step = lambda: _objective((0.5,), *(w[:3] for w in _weights()))
   [((s, d), grad)] = step()(jnp.asarray(x), None)
-  [((s0, d0), grad0)] = _unfused(step(), jnp.asarray(x), None, monkeypatch=monkeypatch)
+  [((s0, d0), grad0)] = _unfused(
+      step(), jnp.asarray(x), None, monkeypatch=monkeypatch
+  )
   np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
-  np.testing.assert_allclose(np.asarray(d), np.asarray(d0), rtol=1e-6, atol=1e-45)
+  np.testing.assert_allclose(
+      np.asarray(d), np.asarray(d0), rtol=1e-6, atol=1e-45
+  )
   np.testing.assert_allclose(np.asarray(grad), np.asarray(grad0), rtol=1e-6)
   assert fused
 
@@ -290,13 +315,16 @@ def test_key_counts_where_compares_keep_denormals(alpha, fused, monkeypatch):
   for w in (None, where):
     f = lambda x, w=w: measures.sqd(x, 0, alpha=alpha, where=w)
     cq, cd = _weights()
-    loss = lambda x: jnp.sum(jnp.nan_to_num(jnp.stack(f(x))) * jnp.stack([cq, cd]))
+    loss = lambda x: jnp.sum(
+        jnp.nan_to_num(jnp.stack(f(x))) * jnp.stack([cq, cd])
+    )
     grad = jax.jit(jax.grad(loss))(jnp.asarray(x))
     jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x)[1])))(jnp.asarray(x))
     want_g = _ref_grad(x, alpha, cq, cd, w)
     ok = ~np.isnan(_ref_sqd(x, alpha, w)[0])
-    np.testing.assert_allclose(np.asarray(grad)[:, ok], want_g[:, ok], rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(grad)[:, ok], want_g[:, ok], rtol=1e-5, atol=1e-6
+    )
     # Full-size reductions left in the gradient: the sums pass's two (the
     # JVP's tangent sums transpose to broadcasts), no tie or "above" counts.
     assert _full_size_sums(jaxpr.jaxpr, x.size) == 2
@@ -318,8 +346,13 @@ def test_half_precision_keeps_dtypes(dtype, fused, monkeypatch):
   def parts_and_grad(x):
     def loss(x):
       parts = quantiles._superquantile_and_mean(  # pylint: disable=protected-access
-          x, 0.75, (0,), None, None, None)
-      return sum(jnp.sum(jnp.nan_to_num(a.astype(jnp.float32))) for a in parts), parts
+          x, 0.75, (0,), None, None, None
+      )
+      return (
+          sum(jnp.sum(jnp.nan_to_num(a.astype(jnp.float32))) for a in parts),
+          parts,
+      )
+
     return jax.grad(loss, has_aux=True)(x)[::-1]
 
   # Two jit objects, each traced under its own method.
@@ -332,10 +365,18 @@ def test_half_precision_keeps_dtypes(dtype, fused, monkeypatch):
   assert g.dtype == g0.dtype == dtype
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
   for a, b in zip(got[1:], want[1:]):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=1e-2, atol=1e-2)
-  np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g0, np.float32),
-                             rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(a, np.float32),
+        np.asarray(b, np.float32),
+        rtol=1e-2,
+        atol=1e-2,
+    )
+  np.testing.assert_allclose(
+      np.asarray(g, np.float32),
+      np.asarray(g0, np.float32),
+      rtol=1e-2,
+      atol=1e-3,
+  )
   assert fused
 
 
@@ -350,10 +391,17 @@ def test_gbatchnorm_output_and_input_gradient(fused, monkeypatch):
 
   # Two jit objects, each traced under its own method.
   (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
-  (_, y0), g0 = _unfused(jax.jit(jax.value_and_grad(loss, has_aux=True)), x,
-                         monkeypatch=monkeypatch)
-  np.testing.assert_allclose(np.asarray(y), np.asarray(y0), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-4, atol=1e-5)
+  (_, y0), g0 = _unfused(
+      jax.jit(jax.value_and_grad(loss, has_aux=True)),
+      x,
+      monkeypatch=monkeypatch,
+  )
+  np.testing.assert_allclose(
+      np.asarray(y), np.asarray(y0), rtol=1e-5, atol=1e-5
+  )
+  np.testing.assert_allclose(
+      np.asarray(g), np.asarray(g0), rtol=1e-4, atol=1e-5
+  )
   assert fused
 
 
@@ -361,12 +409,17 @@ def test_one_call_and_default_dispatch(fused, monkeypatch):
   """One fused call per sqd (value and gradient); the default picks it only
   where kth_smallest would pick the radix select."""
   x = jnp.asarray(_data(40))
-  jax.make_jaxpr(jax.grad(lambda x: jnp.sum(measures.sqd(x, 0, alpha=0.5)[1])))(x)
+  jax.make_jaxpr(jax.grad(lambda x: jnp.sum(measures.sqd(x, 0, alpha=0.5)[1])))(
+      x
+  )
   assert len(fused) == 1
   rows = dispatch._ADAPTIVE_MIN_ROWS  # pylint: disable=protected-access
   big = jax.ShapeDtypeStruct((rows, 2), jnp.float32)
   small = jax.ShapeDtypeStruct((8, 2), jnp.float32)
-  fuses = lambda x: dispatch.fused_sums_backend(x, (0,), None, None, None) == "accelerator"
+  fuses = (
+      lambda x: dispatch.fused_sums_backend(x, (0,), None, None, None)
+      == "accelerator"
+  )
   monkeypatch.setattr(common, "on_cpu", lambda: False)
   monkeypatch.setattr(native, "applies", lambda axis_name: False)
   with gbn_jax.selection_config(method=None):
@@ -433,8 +486,16 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
 def test_shard_map_over_two_host_devices():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (
-      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]
+  proc = subprocess.run(
+      [sys.executable, "-c", _SHARD_MAP_SCRIPT],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert proc.returncode == 0 and "OK" in proc.stdout, (
+      proc.stdout + proc.stderr[-5000:]
+  )

@@ -14,10 +14,14 @@ import jax
 import numpy as np
 import pytest
 
-from test_train import TINY, exact, run_quiet, small_dataset
 from train import input_pipeline
 from train import report
 from train import train
+
+from test_train import TINY
+from test_train import exact
+from test_train import run_quiet
+from test_train import small_dataset
 
 
 def _lower_percentile(values: np.ndarray, p: float) -> float:
@@ -32,26 +36,42 @@ def test_recorded_percentiles_equal_numpy(tmp_path, norm):
   config = train.resolve(TINY.replace(norm=norm, epochs=2))
   record = train.ActivationRecording(every=2, layer="norm2", feature=3)
   history = run_quiet(config, tmp_path / "run", dataset=ds, record=record)
-  rows = [json.loads(line) for line in
-          (tmp_path / "run" / train.ACTIVATIONS_FILE).read_text().splitlines()]
+  rows = [
+      json.loads(line)
+      for line in (
+          (tmp_path / "run" / train.ACTIVATIONS_FILE).read_text().splitlines()
+      )
+  ]
   steps = len(ds.train_images) // config.batch_size
   assert [r["step"] for r in rows] == list(range(0, 2 * steps, 2))
-  assert [r["epoch"] for r in rows] == [s // steps + 1 for s in range(0, 2 * steps, 2)]
+  assert [r["epoch"] for r in rows] == [
+      s // steps + 1 for s in range(0, 2 * steps, 2)
+  ]
 
   # Step 0 sees the initial state and the first batch of epoch 1.
   model = train.create_model(config, ds.num_classes)
   state = train.create_train_state(
-      train.init_key(config.seed), model,
-      ds.train_images.shape[1:], train.create_optimizer(config))
+      train.init_key(config.seed),
+      model,
+      ds.train_images.shape[1:],
+      train.create_optimizer(config),
+  )
   images, _ = train.prepare_epoch(
-      jax.numpy.asarray(ds.train_images), jax.numpy.asarray(ds.train_labels),
-      train.epoch_key(config.seed, 1), steps=steps,
-      batch_size=config.batch_size, augment=False)
+      jax.numpy.asarray(ds.train_images),
+      jax.numpy.asarray(ds.train_labels),
+      train.epoch_key(config.seed, 1),
+      steps=steps,
+      batch_size=config.batch_size,
+      augment=False,
+  )
   x = input_pipeline.normalize_images(images[0], config.dataset)
   _, variables = model.apply(
-      {"params": state.params, "batch_stats": state.batch_stats}, x,
-      train=True, mutable=["batch_stats", "intermediates"],
-      capture_intermediates=lambda mdl, _: mdl.name in ("conv2", "norm2"))
+      {"params": state.params, "batch_stats": state.batch_stats},
+      x,
+      train=True,
+      mutable=["batch_stats", "intermediates"],
+      capture_intermediates=lambda mdl, _: mdl.name in ("conv2", "norm2"),
+  )
   inter = variables["intermediates"]
   before = np.asarray(inter["conv2"]["__call__"][0])[..., 3]
   after = np.asarray(inter["norm2"]["__call__"][0])[..., 3]
@@ -76,26 +96,35 @@ def test_resume_keeps_rows_of_saved_epochs_only(tmp_path):
   stale = json.loads(full.splitlines()[-1])
   stale["epoch"] = 3
   path.write_text(full + json.dumps(stale) + "\n")
-  run_quiet(config.replace(epochs=3), tmp_path / "run", dataset=ds,
-            record=record)
+  run_quiet(
+      config.replace(epochs=3), tmp_path / "run", dataset=ds, record=record
+  )
   rows = [json.loads(line) for line in path.read_text().splitlines()]
   steps = len(ds.train_images) // config.batch_size
   assert [r["step"] for r in rows] == list(range(3 * steps))
 
 
 def test_unknown_layer_is_a_clear_error(tmp_path):
-  with pytest.raises(ValueError, match="not a layer of the model; norm "
-                     "layers: norm1, norm2"):
-    run_quiet(train.resolve(TINY), tmp_path / "run", dataset=small_dataset(),
-              record=train.ActivationRecording(every=1, layer="norm7"))
+  with pytest.raises(
+      ValueError, match="not a layer of the model; norm " "layers: norm1, norm2"
+  ):
+    run_quiet(
+        train.resolve(TINY),
+        tmp_path / "run",
+        dataset=small_dataset(),
+        record=train.ActivationRecording(every=1, layer="norm7"),
+    )
 
 
 def test_report_draws_activations(tmp_path):
   ds = small_dataset()
   for norm in ("sqd1", "bn"):
-    run_quiet(train.resolve(TINY.replace(norm=norm, epochs=1)),
-              tmp_path / "runs" / norm, dataset=ds,
-              record=train.ActivationRecording(every=1))
+    run_quiet(
+        train.resolve(TINY.replace(norm=norm, epochs=1)),
+        tmp_path / "runs" / norm,
+        dataset=ds,
+        record=train.ActivationRecording(every=1),
+    )
   report.write_report([tmp_path / "runs"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
   assert "## Activations" in text and "bn seed 0, sqd1 seed 0" in text

@@ -7,12 +7,11 @@ norm; the benchmark's child must time the train step itself, and the profile
 must attribute the step's ops to layers.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import flax.linen as nn
 
 from benchmarks import bench_lenet_step as bench
 
@@ -32,12 +31,15 @@ def test_variants_match_the_real_model(norm):
 
 def test_pools_agree_after_relu_even_on_ties():
   # Zeros after the ReLU tie in most windows; positive values tie too here.
-  x = jnp.asarray(np.random.default_rng(0).integers(-3, 3, (2, 6, 8, 3)),
-                  jnp.float32)
+  x = jnp.asarray(
+      np.random.default_rng(0).integers(-3, 3, (2, 6, 8, 3)), jnp.float32
+  )
   g = jax.random.normal(jax.random.key(0), (2, 3, 4, 3))
-  pools = {"window": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
-           "reshape": bench.max_pool_2x2,
-           "mask": bench.max_pool_2x2_mask}
+  pools = {
+      "window": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
+      "reshape": bench.max_pool_2x2,
+      "mask": bench.max_pool_2x2_mask,
+  }
   outs, grads = {}, {}
   for name, pool in pools.items():
     y, vjp = jax.vjp(lambda x: pool(nn.relu(x)), x)
@@ -62,13 +64,18 @@ def test_conv_formulations_and_col2im():
   @jax.jit
   def run():
     out = []
-    for fn in (bench._conv_nhwc, bench.conv_im2col_wgrad,
-               bench.conv_matmul_bwd):
+    for fn in (
+        bench._conv_nhwc,
+        bench.conv_im2col_wgrad,
+        bench.conv_matmul_bwd,
+    ):
       y, vjp = jax.vjp(fn, x, k)
       out.append((y, *vjp(g)))
     # col2im is im2col's transpose: <im2col(x), dp> = <x, col2im(dp)>
-    dots = (jnp.vdot(bench.im2col(x, 5, 5), dp),
-            jnp.vdot(x, bench.col2im(dp, 5, 5)))
+    dots = (
+        jnp.vdot(bench.im2col(x, 5, 5), dp),
+        jnp.vdot(x, bench.col2im(dp, 5, 5)),
+    )
     return out, dots
 
   (ref, *others), (lhs, rhs) = run()
@@ -79,8 +86,15 @@ def test_conv_formulations_and_col2im():
 
 
 def test_child_times_the_real_step_and_compares_variants():
-  result = bench.child_time({"norms": ["bn"], "variants": ["base", "pool_mask"],
-                             "batch": 8, "runs": 1, "warmup": 1})
+  result = bench.child_time(
+      {
+          "norms": ["bn"],
+          "variants": ["base", "pool_mask"],
+          "batch": 8,
+          "runs": 1,
+          "warmup": 1,
+      }
+  )
   row = result["norms"]["bn"]
   assert row["devices"] >= 1
   base, variant = row["variants"]["base"], row["variants"]["pool_mask"]

@@ -22,8 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax._selection import bracket, common, dispatch, radix, sort
-from selection_helpers import ExactnessSuite, assert_bitwise, columns, data, numpy_kth
+from gbn_jax._selection import bracket
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import radix
+from gbn_jax._selection import sort
+
+from selection_helpers import ExactnessSuite
+from selection_helpers import assert_bitwise
+from selection_helpers import columns
+from selection_helpers import data
+from selection_helpers import numpy_kth
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
@@ -51,7 +60,9 @@ def check(x, k, axis, where=None):
 
 class TestExactness(ExactnessSuite):
   check = staticmethod(check)
-  value = staticmethod(lambda x, k, axis, where=None: select(x, k, axis, where)[0])
+  value = staticmethod(
+      lambda x, k, axis, where=None: select(x, k, axis, where)[0]
+  )
 
 
 @pytest.mark.parametrize("kind", ["relu", "halves", "inf", "denormal", "wide"])
@@ -125,8 +136,11 @@ def test_fallback_runs_on_a_miss_or_an_overflow(kind, monkeypatch):
     return radix_select(*args, **kwargs)
 
   monkeypatch.setattr(radix, "radix_kth_smallest", spy)
-  sel = jax.jit(lambda r, k: bracket.bracket_kth_smallest(r, None, k, common.Comm(None, None)))(
-      jnp.asarray(x), k)
+  sel = jax.jit(
+      lambda r, k: bracket.bracket_kth_smallest(
+          r, None, k, common.Comm(None, None)
+      )
+  )(jnp.asarray(x), k)
   assert calls and bool(sel.missed)
   want, want_ties, _ = numpy_kth(x, np.asarray(k), (0,))
   assert_bitwise(common.key_to_output(sel.keys), want)
@@ -141,20 +155,26 @@ def test_fallback_runs_on_a_miss_or_an_overflow(kind, monkeypatch):
 def test_compaction_keeps_row_order_and_counts_overflow(unique):
   rng = np.random.default_rng(5)
   keys = rng.integers(-50, 50, (200, 3)).astype(np.int32)
-  interior = rng.random((200, 3)) < np.asarray([0.05, 0.2, 0.5])  # 2nd, 3rd overflow
-  buf, count = jax.jit(lambda k, i: bracket._compact(k, i, 16, unique))(keys, interior)
+  interior = rng.random((200, 3)) < np.asarray(
+      [0.05, 0.2, 0.5]
+  )  # 2nd, 3rd overflow
+  buf, count = jax.jit(lambda k, i: bracket._compact(k, i, 16, unique))(
+      keys, interior
+  )
   np.testing.assert_array_equal(count, interior.sum(0))
   for f in range(3):
     kept = keys[interior[:, f], f][:16]
-    np.testing.assert_array_equal(buf[:kept.size, f], kept)
-    assert np.all(np.asarray(buf[kept.size:, f]) == np.iinfo(np.int32).max)
+    np.testing.assert_array_equal(buf[: kept.size, f], kept)
+    assert np.all(np.asarray(buf[kept.size :, f]) == np.iinfo(np.int32).max)
 
 
 def test_one_cond_no_while_loop():
   x = jnp.asarray(data("normal", (2000, 7), seed=0))
   where = jnp.asarray(np.random.default_rng(0).random(x.shape) < 0.5)
   k = jnp.full((7,), 300, jnp.int32)
-  fn = lambda v, m: bracket.kth_smallest_bracket(v, k, (0,), where=m, return_ties=True)
+  fn = lambda v, m: bracket.kth_smallest_bracket(
+      v, k, (0,), where=m, return_ties=True
+  )
   jaxpr = str(jax.make_jaxpr(fn)(x, where))
   assert "while" not in jaxpr and "scan" not in jaxpr
   assert jaxpr.count("cond[") == 1
@@ -163,23 +183,31 @@ def test_one_cond_no_while_loop():
 
 def test_vmap_and_vmap_axis_name_pooling():
   x = data("relu", (4, 3000, 3), seed=6)
-  got = jax.jit(jax.vmap(lambda v: bracket.kth_smallest_bracket(v, 1500, (0,))))(x)
+  got = jax.jit(
+      jax.vmap(lambda v: bracket.kth_smallest_bracket(v, 1500, (0,)))
+  )(x)
   assert_bitwise(got, np.stack([numpy_kth(v, 1500, (0,))[0] for v in x]))
   where = np.random.default_rng(6).random(x.shape) < 0.7
   k = jnp.asarray([1, 4000, 8400], jnp.int32)
-  pooled = jax.jit(jax.vmap(
-      lambda v, m: bracket.kth_smallest_bracket(
-          v, k, (0,), where=m, axis_name="b", return_ties=True),
-      axis_name="b",
-  ))(x, where)
-  want_value, want_ties, _ = numpy_kth(x.reshape(-1, 3), k, (0,), where.reshape(-1, 3))
+  pooled = jax.jit(
+      jax.vmap(
+          lambda v, m: bracket.kth_smallest_bracket(
+              v, k, (0,), where=m, axis_name="b", return_ties=True
+          ),
+          axis_name="b",
+      )
+  )(x, where)
+  want_value, want_ties, _ = numpy_kth(
+      x.reshape(-1, 3), k, (0,), where.reshape(-1, 3)
+  )
   for d in range(4):
     assert_bitwise(pooled[0][d], want_value)
   local_ties = np.asarray(pooled[1])
   np.testing.assert_array_equal(local_ties.sum(axis=0), want_ties)
   for d in range(4):
     np.testing.assert_array_equal(
-        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0))
+        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0)
+    )
 
 
 def test_half_precision_float64_and_gradient():
@@ -188,7 +216,9 @@ def test_half_precision_float64_and_gradient():
   got = jax.jit(lambda v: bracket.kth_smallest_bracket(v, 100, (0, 1, 2)))(x16)
   assert_bitwise(got, want)
   x = jnp.asarray(data("normal", (300, 2), seed=7))
-  g = jax.jit(jax.grad(lambda v: jnp.sum(bracket.kth_smallest_bracket(v, 70, (0,)))))(x)
+  g = jax.jit(
+      jax.grad(lambda v: jnp.sum(bracket.kth_smallest_bracket(v, 70, (0,))))
+  )(x)
   assert g.shape == x.shape and not np.any(np.asarray(g))
 
 
@@ -215,10 +245,15 @@ def test_dispatch_through_kth_smallest():
   rng = np.random.default_rng(7)
   x = rng.standard_normal((3000, 5)).astype(np.float32)
   x[::3, 1] = 0.0  # ties at the target
-  got, ties = jax.jit(lambda v: dispatch.kth_smallest(
-      v, 900, (0,), method="bracket", return_ties=True))(jnp.asarray(x))
+  got, ties = jax.jit(
+      lambda v: dispatch.kth_smallest(
+          v, 900, (0,), method="bracket", return_ties=True
+      )
+  )(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got), np.sort(x, axis=0)[899])
-  assert ties is None  # XLA:CPU flushes denormals in compares: the caller counts
+  assert (
+      ties is None
+  )  # XLA:CPU flushes denormals in compares: the caller counts
 
 
 _SHARD_MAP_SCRIPT = r"""
@@ -267,9 +302,17 @@ print("OK")
 
 def test_shard_map_and_pmap_groups_on_four_host_devices():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+  env["XLA_FLAGS"] = (
+      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  )
   env["JAX_PLATFORMS"] = "cpu"
   root = pathlib.Path(__file__).parent.parent
-  proc = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+      [sys.executable, "-c", _SHARD_MAP_SCRIPT],
+      env=env,
+      cwd=root,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]

@@ -8,17 +8,20 @@ import pathlib
 import subprocess
 import sys
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from scipy import integrate, stats
+from scipy import integrate
+from scipy import stats
 
 import gbn_jax
+from gbn_jax import GBatchNorm
+from gbn_jax import get_measure
+from gbn_jax import measures
 import gbn_jax.nnx as gnnx
-from gbn_jax import GBatchNorm, get_measure, measures
 
 HERE = pathlib.Path(__file__).parent
 BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
@@ -46,10 +49,21 @@ def _measure(name, calibration=None):
 
 def _scipy_max(n):
   """E[max of n standard normals] by scipy's quad around the mode."""
-  f = lambda z: z * n * np.exp(stats.norm.logpdf(z) + (n - 1) * stats.norm.logcdf(z))
+  f = (
+      lambda z: z
+      * n
+      * np.exp(stats.norm.logpdf(z) + (n - 1) * stats.norm.logcdf(z))
+  )
   mode = math.sqrt(2 * math.log(n)) if n > 1 else 0.0
-  return integrate.quad(f, -15, 15, points=[mode - 1, mode, mode + 1],
-                        epsabs=1e-14, epsrel=1e-13, limit=500)[0]
+  return integrate.quad(
+      f,
+      -15,
+      15,
+      points=[mode - 1, mode, mode + 1],
+      epsabs=1e-14,
+      epsrel=1e-13,
+      limit=500,
+  )[0]
 
 
 def test_population_constants_equal_scipy():
@@ -61,13 +75,21 @@ def test_population_constants_equal_scipy():
       "bpoe": norm.expect(lambda z: z, lb=0, conditional=True),
   }
   for alpha in ALPHAS:  # CVaR_alpha minus the mean
-    want[f"sqd:{alpha}"] = norm.expect(lambda z: z, lb=norm.ppf(alpha)) / (1 - alpha)
-  want.update({"sqd1": want["sqd:0.25"], "sqd2": want["sqd:0.5"],
-               "sqd3": want["sqd:0.75"]})
+    want[f"sqd:{alpha}"] = norm.expect(lambda z: z, lb=norm.ppf(alpha)) / (
+        1 - alpha
+    )
+  want.update(
+      {
+          "sqd1": want["sqd:0.25"],
+          "sqd2": want["sqd:0.5"],
+          "sqd3": want["sqd:0.75"],
+      }
+  )
   for name, value in want.items():
     for n in (2, 1000):  # no dependence on n
-      np.testing.assert_allclose(_measure(name).normal_constant(n), value,
-                                 rtol=1e-9, err_msg=name)
+      np.testing.assert_allclose(
+          _measure(name).normal_constant(n), value, rtol=1e-9, err_msg=name
+      )
   assert get_measure("sd").normal_constant(7) == 1.0
 
 
@@ -76,16 +98,24 @@ def test_expected_max_equals_scipy_quad(n):
   got = measures.expected_normal_max(n)
   np.testing.assert_allclose(got, _scipy_max(n), rtol=1e-12)
   np.testing.assert_allclose(get_measure("wcd").normal_constant(n), got, rtol=0)
-  np.testing.assert_allclose(get_measure("rbd").normal_constant(n), 2 * got, rtol=0)
+  np.testing.assert_allclose(
+      get_measure("rbd").normal_constant(n), 2 * got, rtol=0
+  )
 
 
 def test_expected_max_closed_forms_and_degenerate_n():
-  np.testing.assert_allclose(measures.expected_normal_max(2), 1 / math.sqrt(math.pi),
-                             rtol=1e-14)
-  np.testing.assert_allclose(measures.expected_normal_max(3),
-                             1.5 / math.sqrt(math.pi), rtol=1e-14)
-  assert measures.expected_normal_max(1) == measures.expected_normal_max(0) == 0.0
-  np.testing.assert_array_equal(measures.expected_normal_max(jnp.array([0, 1])), 0)
+  np.testing.assert_allclose(
+      measures.expected_normal_max(2), 1 / math.sqrt(math.pi), rtol=1e-14
+  )
+  np.testing.assert_allclose(
+      measures.expected_normal_max(3), 1.5 / math.sqrt(math.pi), rtol=1e-14
+  )
+  assert (
+      measures.expected_normal_max(1) == measures.expected_normal_max(0) == 0.0
+  )
+  np.testing.assert_array_equal(
+      measures.expected_normal_max(jnp.array([0, 1])), 0
+  )
 
 
 @pytest.mark.parametrize("n", [7, 60])
@@ -98,21 +128,33 @@ def test_range_and_max_constants_equal_monte_carlo(n):
 
 def test_traced_table_error_is_below_2e7():
   """The masked path's table against the exact integration, up to 2**31."""
-  ns = np.concatenate([
-      np.arange(0, 5000),
-      np.unique(np.round(np.geomspace(5000, 2**31 - 1, 4000)).astype(np.int64))])
+  ns = np.concatenate(
+      [
+          np.arange(0, 5000),
+          np.unique(
+              np.round(np.geomspace(5000, 2**31 - 1, 4000)).astype(np.int64)
+          ),
+      ]
+  )
   exact = np.array([measures.expected_normal_max(int(n)) for n in ns])
-  table = np.asarray(jax.jit(measures.expected_normal_max)(jnp.asarray(ns, jnp.int32)))
+  table = np.asarray(
+      jax.jit(measures.expected_normal_max)(jnp.asarray(ns, jnp.int32))
+  )
   error = np.abs(table - exact) / np.maximum(exact, 1e-300)
   assert error.max() < 2e-7, (ns[error.argmax()], error.max())
 
 
 def test_constants_do_not_import_scipy():
-  code = ("import sys, gbn_jax; gbn_jax.measures.expected_normal_max(10**6);"
-          "gbn_jax.get_measure('sqd', alpha=0.3, calibration='normal')"
-          ".normal_constant(5); assert 'scipy' not in sys.modules")
-  subprocess.run([sys.executable, "-c", code], check=True,
-                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  code = (
+      "import sys, gbn_jax; gbn_jax.measures.expected_normal_max(10**6);"
+      "gbn_jax.get_measure('sqd', alpha=0.3, calibration='normal')"
+      ".normal_constant(5); assert 'scipy' not in sys.modules"
+  )
+  subprocess.run(
+      [sys.executable, "-c", code],
+      check=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
 
 
 # --- D is sigma for Gaussian data -----------------------------------------------
@@ -151,7 +193,7 @@ def test_masked_constant_is_that_of_each_features_count(name):
   mask = jnp.arange(40)[:, None] < keep
   _, got = get_measure(name, calibration="normal")(x, axis=0, where=mask)
   for f, k in enumerate(keep):
-    _, want = get_measure(name, calibration="normal")(x[:k, f:f + 1], axis=0)
+    _, want = get_measure(name, calibration="normal")(x[:k, f : f + 1], axis=0)
     np.testing.assert_allclose(got[f], want[0], rtol=1e-6, atol=0)
 
 
@@ -160,7 +202,8 @@ def test_single_element_stays_zero():
     _, d = get_measure(name, calibration="normal")(jnp.ones((1, 3)), axis=0)
     np.testing.assert_array_equal(d, 0)
     _, d = get_measure(name, calibration="normal")(
-        jnp.ones((4, 3)), axis=0, where=jnp.arange(4)[:, None] < 1)
+        jnp.ones((4, 3)), axis=0, where=jnp.arange(4)[:, None] < 1
+    )
     np.testing.assert_array_equal(d, 0)
 
 
@@ -172,7 +215,9 @@ def test_single_element_stays_zero():
 def test_gradient_is_the_raw_one_over_the_constant(name, masked):
   x = jax.random.normal(jax.random.key(3), (24, 5)) * 2
   w = jax.random.normal(jax.random.key(4), (5,))
-  where = jax.random.bernoulli(jax.random.key(5), 0.7, x.shape) if masked else None
+  where = (
+      jax.random.bernoulli(jax.random.key(5), 0.7, x.shape) if masked else None
+  )
   n = jnp.sum(where, 0) if masked else x.shape[0]
   c = get_measure(name).normal_constant(n)
   cal, raw = get_measure(name, calibration="normal"), get_measure(name)
@@ -192,7 +237,9 @@ def _module_reference(name, variables, x, mask, epsilon=1e-5):
   def forward(params, v):
     s, d = raw(v, 0, where=mask)
     d2 = jnp.square(d / jnp.where(c > 0, c, 1))
-    return (v - s) * jax.lax.rsqrt(d2 + epsilon) * params["scale"] + params["bias"], d2
+    return (v - s) * jax.lax.rsqrt(d2 + epsilon) * params["scale"] + params[
+        "bias"
+    ], d2
 
   return forward, p
 
@@ -202,16 +249,21 @@ def _module_reference(name, variables, x, mask, epsilon=1e-5):
 def test_module_equals_its_definition(name, masked):
   x = jax.random.normal(jax.random.key(6), (16, 4)) * 2 + 1
   wout = jax.random.normal(jax.random.key(7), x.shape)
-  mask = jax.random.bernoulli(jax.random.key(8), 0.8, x.shape) if masked else None
+  mask = (
+      jax.random.bernoulli(jax.random.key(8), 0.8, x.shape) if masked else None
+  )
   module = GBatchNorm(measure=name, calibration="normal", momentum=0.0)
   variables = module.init(jax.random.key(0), x, False)
-  variables = {**variables, "params": jax.tree.map(
-      lambda a: a + 0.3, variables["params"])}
+  variables = {
+      **variables,
+      "params": jax.tree.map(lambda a: a + 0.3, variables["params"]),
+  }
   forward, params = _module_reference(name, variables, x, mask)
 
   def loss(p, v):
-    y, upd = module.apply({**variables, "params": p}, v, False, mask=mask,
-                          mutable=["batch_stats"])
+    y, upd = module.apply(
+        {**variables, "params": p}, v, False, mask=mask, mutable=["batch_stats"]
+    )
     return jnp.sum(jnp.tanh(y) * wout), (y, upd["batch_stats"]["var"])
 
   def loss_ref(p, v):
@@ -219,13 +271,17 @@ def test_module_equals_its_definition(name, masked):
     return jnp.sum(jnp.tanh(y) * wout), (y, d2)
 
   (_, (y, var)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
-  (_, (y_ref, d2)), g_ref = jax.value_and_grad(loss_ref, (0, 1), has_aux=True)(params, x)
+  (_, (y_ref, d2)), g_ref = jax.value_and_grad(loss_ref, (0, 1), has_aux=True)(
+      params, x
+  )
   close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
   close(y, y_ref)
   close(var, d2)  # the running var holds the calibrated D^2
   jax.tree.map(close, g, g_ref)
   # Inference normalizes by the (calibrated) running statistics.
-  stats_ = module.apply(variables, x, False, mask=mask, mutable=["batch_stats"])[1]
+  stats_ = module.apply(
+      variables, x, False, mask=mask, mutable=["batch_stats"]
+  )[1]
   y_inf = module.apply({**variables, **stats_}, x, True)
   close(y_inf, y_ref)
 
@@ -236,8 +292,9 @@ def test_nnx_matches_linen():
     lin = GBatchNorm(measure=name, calibration="normal", momentum=0.5)
     variables = lin.init(jax.random.key(0), x, False)
     y, upd = lin.apply(variables, x, False, mutable=["batch_stats"])
-    mod = gnnx.GBatchNorm(3, measure=name, calibration="normal", momentum=0.5,
-                          rngs=nnx.Rngs(0))
+    mod = gnnx.GBatchNorm(
+        3, measure=name, calibration="normal", momentum=0.5, rngs=nnx.Rngs(0)
+    )
     np.testing.assert_array_equal(mod(x), y)
     np.testing.assert_array_equal(mod.var[...], upd["batch_stats"]["var"])
     assert mod.calibration == "normal"
@@ -261,12 +318,18 @@ def test_renorm_with_calibration_at_rmax_1_is_plain_calibrated_gbn():
 
 def _train_step(module, variables, x, w, mask=None):
   def loss(params, v):
-    y, upd = module.apply({**variables, "params": params}, v, False, mask=mask,
-                          mutable=["batch_stats"])
+    y, upd = module.apply(
+        {**variables, "params": params},
+        v,
+        False,
+        mask=mask,
+        mutable=["batch_stats"],
+    )
     return jnp.sum(jnp.sin(y) * w), (y, upd)
 
-  (_, (y, upd)), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
-      variables["params"], x)
+  (_, (y, upd)), grads = jax.jit(
+      jax.value_and_grad(loss, (0, 1), has_aux=True)
+  )(variables["params"], x)
   return y, upd, grads
 
 
@@ -278,7 +341,9 @@ def test_off_is_bit_identical_to_the_module_without_the_option(name):
   variables = GBatchNorm(measure=name).init(jax.random.key(0), x, False)
   for m in (None, mask):
     a = _train_step(GBatchNorm(measure=name), variables, x, w, m)
-    b = _train_step(GBatchNorm(measure=name, calibration=None), variables, x, w, m)
+    b = _train_step(
+        GBatchNorm(measure=name, calibration=None), variables, x, w, m
+    )
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
@@ -287,13 +352,19 @@ def test_calibrated_sd_is_uncalibrated_sd_and_flax_batchnorm():
   w = jax.random.normal(jax.random.key(15), x.shape)
   variables = nn.BatchNorm().init(jax.random.key(0), x, False)
   cal = _train_step(GBatchNorm(calibration="normal"), variables, x, w)
-  jax.tree.map(np.testing.assert_array_equal, cal,
-               _train_step(GBatchNorm(), variables, x, w))
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      cal,
+      _train_step(GBatchNorm(), variables, x, w),
+  )
   bn = _train_step(nn.BatchNorm(), variables, x, w)
   close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
   jax.tree.map(close, cal[:2], bn[:2])
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5),
-               cal[2], bn[2])
+  jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5),
+      cal[2],
+      bn[2],
+  )
   s, d = get_measure("sd", calibration="normal")(x, (0, 1, 2))
   s0, d0 = get_measure("sd")(x, (0, 1, 2))
   np.testing.assert_array_equal(d, d0)
@@ -312,8 +383,9 @@ def test_user_measure_needs_its_constant():
   with pytest.raises(ValueError, match="no normal-consistency constant"):
     GBatchNorm(measure="test_spread_nc", calibration="normal")
   with pytest.raises(ValueError, match="no normal-consistency constant"):
-    gnnx.GBatchNorm(3, measure="test_spread_nc", calibration="normal",
-                    rngs=nnx.Rngs(0))
+    gnnx.GBatchNorm(
+        3, measure="test_spread_nc", calibration="normal", rngs=nnx.Rngs(0)
+    )
   with pytest.raises(ValueError, match="register it with"):
     GBatchNorm(measure=spread, calibration="normal")
   GBatchNorm(measure="test_spread_nc")  # fine uncalibrated
@@ -323,12 +395,14 @@ def test_user_measure_needs_its_constant():
 def test_user_constant_float_and_callable():
   def spread(x, axis, *, where=None, k=1.0):
     s = jnp.mean(x, axis, where=where)
-    return s, k * jnp.sqrt(jnp.mean(jnp.square(x - jnp.expand_dims(s, axis)), axis,
-                                    where=where))
+    return s, k * jnp.sqrt(
+        jnp.mean(jnp.square(x - jnp.expand_dims(s, axis)), axis, where=where)
+    )
 
   x = jax.random.normal(jax.random.key(16), (10, 3))
-  gbn_jax.register_measure("test_spread_f", spread, normal_scale=2.0, k=2.0,
-                           overwrite=True)
+  gbn_jax.register_measure(
+      "test_spread_f", spread, normal_scale=2.0, k=2.0, overwrite=True
+  )
   _, d = get_measure("test_spread_f", calibration="normal")(x, 0)
   np.testing.assert_allclose(d, jnp.std(x, 0), rtol=1e-6)
   seen = []
@@ -337,7 +411,9 @@ def test_user_constant_float_and_callable():
     seen.append((n, k))
     return k * jnp.sqrt(jnp.asarray(n - 1, jnp.float32) / n)  # E-ish
 
-  gbn_jax.register_measure("test_spread_c", spread, normal_scale=scale, overwrite=True)
+  gbn_jax.register_measure(
+      "test_spread_c", spread, normal_scale=scale, overwrite=True
+  )
   get_measure("test_spread_c", calibration="normal", k=3.0)(x, 0)
   assert seen[-1] == (10, 3.0)
   mask = x > -5
@@ -346,24 +422,34 @@ def test_user_constant_float_and_callable():
   np.testing.assert_array_equal(n, [10, 10, 10])
   assert n.dtype == jnp.int32
   # A built-in function registered anew keeps its constant.
-  gbn_jax.register_measure("test_sqd_p90", measures.sqd, alpha=0.9, overwrite=True)
+  gbn_jax.register_measure(
+      "test_sqd_p90", measures.sqd, alpha=0.9, overwrite=True
+  )
   np.testing.assert_allclose(
       get_measure("test_sqd_p90", calibration="normal").normal_constant(3),
-      get_measure("sqd", alpha=0.9).normal_constant(3))
+      get_measure("sqd", alpha=0.9).normal_constant(3),
+  )
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), "1", True])
+@pytest.mark.parametrize(
+    "bad", [0.0, -1.0, float("nan"), float("inf"), "1", True]
+)
 def test_bad_normal_scale(bad):
   with pytest.raises(ValueError, match="normal_scale"):
-    gbn_jax.register_measure("test_bad_scale", measures.mad, normal_scale=bad,
-                             overwrite=True)
+    gbn_jax.register_measure(
+        "test_bad_scale", measures.mad, normal_scale=bad, overwrite=True
+    )
 
 
 def test_bad_calibration_fails_at_construction():
-  for make in (lambda: GBatchNorm(measure="mad", calibration="gaussian"),
-               lambda: gnnx.GBatchNorm(3, calibration="Normal", rngs=nnx.Rngs(0)),
-               lambda: get_measure("mad", calibration=True)):
-    with pytest.raises(ValueError, match="calibration must be None or 'normal'"):
+  for make in (
+      lambda: GBatchNorm(measure="mad", calibration="gaussian"),
+      lambda: gnnx.GBatchNorm(3, calibration="Normal", rngs=nnx.Rngs(0)),
+      lambda: get_measure("mad", calibration=True),
+  ):
+    with pytest.raises(
+        ValueError, match="calibration must be None or 'normal'"
+    ):
       make()
 
 
@@ -371,17 +457,24 @@ def test_measure_objects_and_repr():
   m = get_measure("sqd", alpha=0.3, calibration="normal")
   assert repr(m) == "Measure('sqd', alpha=0.3, calibration='normal')"
   assert m != get_measure("sqd", alpha=0.3) and hash(m) == hash(
-      get_measure("sqd", alpha=0.3, calibration="normal"))
+      get_measure("sqd", alpha=0.3, calibration="normal")
+  )
   # A Measure object as the module's measure is calibrated by the module, or
   # calibrates itself.
   x = jax.random.normal(jax.random.key(17), (8, 3))
   variables = GBatchNorm(measure="mad").init(jax.random.key(0), x, False)
   want = GBatchNorm(measure="mad", calibration="normal").apply(
-      variables, x, False, mutable=["batch_stats"])
-  for module in (GBatchNorm(measure=get_measure("mad"), calibration="normal"),
-                 GBatchNorm(measure=get_measure("mad", calibration="normal"))):
-    jax.tree.map(np.testing.assert_array_equal,
-                 module.apply(variables, x, False, mutable=["batch_stats"]), want)
+      variables, x, False, mutable=["batch_stats"]
+  )
+  for module in (
+      GBatchNorm(measure=get_measure("mad"), calibration="normal"),
+      GBatchNorm(measure=get_measure("mad", calibration="normal")),
+  ):
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        module.apply(variables, x, False, mutable=["batch_stats"]),
+        want,
+    )
 
 
 # --- across devices ---------------------------------------------------------------
@@ -391,13 +484,30 @@ def test_measure_objects_and_repr():
 def test_multidevice_calibration():
   """tests/multidevice/test_calibration_multidevice.py on 4 host devices (also
   part of tests/test_multidevice.py's whole-folder run)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  ).strip())
+  env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=(
+          os.environ.get("XLA_FLAGS", "")
+          + " --xla_force_host_platform_device_count=4"
+      ).strip(),
+  )
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       str(HERE / "multidevice" / "test_calibration_multidevice.py")],
-      env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
+      [
+          sys.executable,
+          "-m",
+          "pytest",
+          "-q",
+          "-p",
+          "no:cacheprovider",
+          str(HERE / "multidevice" / "test_calibration_multidevice.py"),
+      ],
+      env=env,
+      cwd=HERE,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
   assert " passed" in proc.stdout and "skipped" not in proc.stdout
 
@@ -406,19 +516,26 @@ def test_multidevice_calibration():
 
 
 def test_cli_config_and_models():
-  from train import configs, models  # pylint: disable=g-import-not-at-top
+  from train import configs  # pylint: disable=g-import-not-at-top
   from train import main as train_main  # pylint: disable=g-import-not-at-top
+  from train import models  # pylint: disable=g-import-not-at-top
 
   parser = train_main.build_parser(configs.MNIST, "x")
   args = parser.parse_args(["--norm", "rsd", "--calibration", "normal"])
   config = configs.validate(train_main.config_from_args(args, configs.MNIST))
   assert config.calibration == "normal"
-  assert train_main.config_from_args(parser.parse_args([]), configs.MNIST
-                                     ).calibration == "none"
+  assert (
+      train_main.config_from_args(
+          parser.parse_args([]), configs.MNIST
+      ).calibration
+      == "none"
+  )
   assert train_main.default_workdir(config) == os.path.join(
-      "workdir", "mnist-lenet-rsd-cal_normal-seed0")
-  assert train_main.default_workdir(config.replace(calibration="none")) == \
-      os.path.join("workdir", "mnist-lenet-rsd-seed0")
+      "workdir", "mnist-lenet-rsd-cal_normal-seed0"
+  )
+  assert train_main.default_workdir(
+      config.replace(calibration="none")
+  ) == os.path.join("workdir", "mnist-lenet-rsd-seed0")
   with pytest.raises(SystemExit):
     parser.parse_args(["--calibration", "gaussian"])
   with pytest.raises(ValueError, match="--calibration 'x' is not one of"):
@@ -430,12 +547,20 @@ def test_cli_config_and_models():
   # bn stays flax's BatchNorm, sd the module without calibration; others get it.
   norm = models.make_norm("bn", calibration="normal")
   assert norm.func is nn.BatchNorm and "calibration" not in norm.keywords
-  norm = models.make_norm("bn", calibration="normal", renorm_clipping={"rmax": 2})
+  norm = models.make_norm(
+      "bn", calibration="normal", renorm_clipping={"rmax": 2}
+  )
   assert norm.keywords["measure"] == "sd" and "calibration" not in norm.keywords
-  assert "calibration" not in models.make_norm("sd", calibration="normal").keywords
-  assert models.make_norm("sqd:0.3", calibration="normal").keywords[
-      "calibration"] == "normal"
-  assert "calibration" not in models.make_norm("mad", calibration="none").keywords
+  assert (
+      "calibration" not in models.make_norm("sd", calibration="normal").keywords
+  )
+  assert (
+      models.make_norm("sqd:0.3", calibration="normal").keywords["calibration"]
+      == "normal"
+  )
+  assert (
+      "calibration" not in models.make_norm("mad", calibration="none").keywords
+  )
   with pytest.raises(ValueError, match="calibration 'x'"):
     models.make_norm("mad", calibration="x")
 
@@ -443,6 +568,7 @@ def test_cli_config_and_models():
 def test_help_says_calibration_is_a_no_op_for_bn_and_sd(capsys):
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import main as train_main  # pylint: disable=g-import-not-at-top
+
   with pytest.raises(SystemExit):
     train_main.run(["--help"], configs.MNIST, prog="train.mnist")
   text = " ".join(capsys.readouterr().out.split())
@@ -451,14 +577,20 @@ def test_help_says_calibration_is_a_no_op_for_bn_and_sd(capsys):
 
 
 def test_sweep_names_and_old_run_dirs(tmp_path):
-  from train import checkpointing, configs, sweep  # pylint: disable=g-import-not-at-top
-  runs = sweep.expand(["--norm", "bn,mad", "--calibration", "none,normal",
-                       "--epochs", "2"], "mnist")
+  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  from train import configs  # pylint: disable=g-import-not-at-top
+  from train import sweep  # pylint: disable=g-import-not-at-top
+
+  runs = sweep.expand(
+      ["--norm", "bn,mad", "--calibration", "none,normal", "--epochs", "2"],
+      "mnist",
+  )
   assert [r.name for r in runs] == [
       "mnist-lenet-bn-b1000-lr0.01-seed0",
       "mnist-lenet-bn-b1000-lr0.01-cal_normal-seed0",
       "mnist-lenet-mad-b1000-lr0.01-seed0",
-      "mnist-lenet-mad-b1000-lr0.01-cal_normal-seed0"]
+      "mnist-lenet-mad-b1000-lr0.01-cal_normal-seed0",
+  ]
   assert [r.config.calibration for r in runs] == ["none", "normal"] * 2
   # A finished run written before the field existed keeps its name and is
   # skipped; its calibrated twin is not.
@@ -473,21 +605,30 @@ def test_sweep_names_and_old_run_dirs(tmp_path):
   assert checkpointing.read_config(run_dir) == old.config
   assert sweep.is_finished(old, run_dir)
   assert not sweep.is_finished(runs[3], run_dir)
-  assert configs.differences(checkpointing.read_config(run_dir), runs[3].config) \
-      == ['calibration: "none" -> "normal"']
+  assert configs.differences(
+      checkpointing.read_config(run_dir), runs[3].config
+  ) == ['calibration: "none" -> "normal"']
 
 
 def test_training_with_calibration(tmp_path):
   sys.path.insert(0, str(HERE))
-  from test_train import TINY, run_quiet, small_dataset  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
 
-  config = train.resolve(TINY.replace(norm="rsd", calibration="normal", epochs=1))
+  from test_train import TINY  # pylint: disable=g-import-not-at-top
+  from test_train import run_quiet  # pylint: disable=g-import-not-at-top
+  from test_train import small_dataset  # pylint: disable=g-import-not-at-top
+
+  config = train.resolve(
+      TINY.replace(norm="rsd", calibration="normal", epochs=1)
+  )
   model = train.create_model(config, 10)
   norm = model.norm(use_running_average=False)
   assert isinstance(norm, GBatchNorm) and norm.calibration == "normal"
   cal = run_quiet(config, tmp_path / "cal", dataset=small_dataset())
-  raw = run_quiet(config.replace(calibration="none"), tmp_path / "raw",
-                  dataset=small_dataset())
+  raw = run_quiet(
+      config.replace(calibration="none"),
+      tmp_path / "raw",
+      dataset=small_dataset(),
+  )
   assert np.isfinite(cal[-1]["train_loss"])
   assert cal[-1]["train_loss"] != raw[-1]["train_loss"]

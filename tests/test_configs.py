@@ -48,7 +48,9 @@ def _argv(name: str, value) -> list[str]:
 
 
 def test_every_field_is_declared_and_sampled():
-  assert set(configs.FIELDS) == {f.name for f in dataclasses.fields(configs.Config)}
+  assert set(configs.FIELDS) == {
+      f.name for f in dataclasses.fields(configs.Config)
+  }
   assert set(SAMPLES) == set(configs.FIELDS)
 
 
@@ -71,7 +73,9 @@ def test_flag_sets_its_field_and_check_names_it(name):
 def test_no_flags_is_the_defaults():
   for defaults in (configs.CIFAR, configs.MNIST):
     parser = train_main.build_parser(defaults, "x")
-    assert train_main.config_from_args(parser.parse_args([]), defaults) == defaults
+    assert (
+        train_main.config_from_args(parser.parse_args([]), defaults) == defaults
+    )
 
 
 def test_flag_takes_value_agrees_with_argparse():
@@ -82,7 +86,9 @@ def test_flag_takes_value_agrees_with_argparse():
     for option in action.option_strings:
       if option in ("-h", "--help"):
         continue
-      assert train_main.flag_takes_value(option) is (action.nargs is None), option
+      assert train_main.flag_takes_value(option) is (
+          action.nargs is None
+      ), option
       seen += 1
   assert seen >= 25
   assert train_main.flag_takes_value("--no-augment") is False
@@ -90,10 +96,17 @@ def test_flag_takes_value_agrees_with_argparse():
 
 
 def test_added_fields_default_in_old_config_files():
-  old = {f: v for f, v in configs.CIFAR.to_json().items()
-         if f not in configs.ADDED_FIELDS}
-  assert configs.ADDED_FIELDS == {"renorm", "renorm_rmax", "renorm_dmax",
-                                  "calibration"}
+  old = {
+      f: v
+      for f, v in configs.CIFAR.to_json().items()
+      if f not in configs.ADDED_FIELDS
+  }
+  assert configs.ADDED_FIELDS == {
+      "renorm",
+      "renorm_rmax",
+      "renorm_dmax",
+      "calibration",
+  }
   assert configs.Config.from_json(old) == configs.CIFAR
   with pytest.raises(ValueError, match="missing fields"):
     configs.Config.from_json({k: v for k, v in old.items() if k != "seed"})
@@ -106,8 +119,13 @@ def test_committed_run_names_reproduce():
   if not config_files:
     pytest.skip("no committed sweeps in this checkout")
   for path in config_files:
-    config = train.resolve(configs.Config.from_json(json.loads(path.read_text())))
-    defaults = (configs.MNIST if config.dataset in ("mnist", "fashion_mnist")
-                else configs.CIFAR)
+    config = train.resolve(
+        configs.Config.from_json(json.loads(path.read_text()))
+    )
+    defaults = (
+        configs.MNIST
+        if config.dataset in ("mnist", "fashion_mnist")
+        else configs.CIFAR
+    )
     defaults = train.resolve(defaults.replace(dataset=config.dataset))
     assert sweep.run_name(config, defaults) == path.parent.name, path

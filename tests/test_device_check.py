@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 
@@ -23,13 +23,28 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
   out, work = tmp_path / "out", tmp_path / "work"
-  env = dict(os.environ, DRY_RUN="1", OUT=str(out), WORK=str(work), PYTHON=sys.executable,
-             BUDGET="420")
-  proc = subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600)
+  env = dict(
+      os.environ,
+      DRY_RUN="1",
+      OUT=str(out),
+      WORK=str(work),
+      PYTHON=sys.executable,
+      BUDGET="420",
+  )
+  proc = subprocess.run(
+      ["bash", "benchmarks/device_check.sh"],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # What comes back from a device: the log and one archive.
-  assert sorted(p.name for p in out.iterdir()) == ["device_results.tgz", "log.txt"]
+  assert sorted(p.name for p in out.iterdir()) == [
+      "device_results.tgz",
+      "log.txt",
+  ]
   unpacked = tmp_path / "unpacked"
   with tarfile.open(out / "device_results.tgz") as tar:
     tar.extractall(unpacked, filter="data")
@@ -50,22 +65,38 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
   assert bench["complete"]
   assert {r["model"] for r in bench["train_steps"]} == {"lenet", "resnet20"}
   assert {r["measure"] for r in bench["layers"]} == {"sd", "sqd2", "sqd:0.99"}
-  assert all(r["bn_ms"] > 0 and r["gbn_ms"] > 0 for r in bench["layers"] + bench["train_steps"])
+  assert all(
+      r["bn_ms"] > 0 and r["gbn_ms"] > 0
+      for r in bench["layers"] + bench["train_steps"]
+  )
 
   sweep = unpacked / "sweeps" / "cifar10_lenet_gpu"
   runs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-  assert runs == [f"cifar10-lenet-{n}-b256-lr0.1-noaug-seed{s}"
-                  for n in ("bn", "sqd2") for s in (0, 1)]
+  assert runs == [
+      f"cifar10-lenet-{n}-b256-lr0.1-noaug-seed{s}"
+      for n in ("bn", "sqd2")
+      for s in (0, 1)
+  ]
   for run in runs:
-    rows = [json.loads(line) for line in (sweep / run / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (sweep / run / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["epoch"] for r in rows] == [1, 2]
     config = json.loads((sweep / run / "config.json").read_text())
-    assert (config["learning_rate"], config["weight_decay"], config["augment"]) == (0.1, 1e-4, False)
+    assert (
+        config["learning_rate"],
+        config["weight_decay"],
+        config["augment"],
+    ) == (0.1, 1e-4, False)
     assert not (sweep / run / "checkpoints").exists()  # left out of the archive
   # Then, in the same detached job, the gain study's ResNet20 runs.
   resnet = unpacked / "sweeps" / "cifar10_resnet20_gain_gpu"
   assert sorted(p.name for p in resnet.iterdir() if p.is_dir()) == [
-      "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0"]
-  rows = (resnet / "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0" / "metrics.jsonl").read_text()
+      "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0"
+  ]
+  rows = (
+      resnet / "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0" / "metrics.jsonl"
+  ).read_text()
   assert [json.loads(line)["epoch"] for line in rows.splitlines()] == [1]
   assert "table2: sweep finished" in log

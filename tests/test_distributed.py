@@ -11,20 +11,21 @@ resumes from the last checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from test_train import REPO, write_tiny_mnist
 from train import checkpointing
+
+from test_train import REPO
+from test_train import write_tiny_mnist
 
 _AUDIT_HOOK = """
 import os, sys
@@ -56,31 +57,63 @@ def setup(tmp_path_factory):
 
 
 def _args(data: Path, workdir: Path, epochs: int) -> list[str]:
-  return [sys.executable, "-m", "train.mnist", "--data-dir", str(data),
-          "--workdir", str(workdir), "--batch-size", "16", "--epochs",
-          str(epochs), "--norm", "sqd2", "--lr", "0.05", "--no-progress"]
+  return [
+      sys.executable,
+      "-m",
+      "train.mnist",
+      "--data-dir",
+      str(data),
+      "--workdir",
+      str(workdir),
+      "--batch-size",
+      "16",
+      "--epochs",
+      str(epochs),
+      "--norm",
+      "sqd2",
+      "--lr",
+      "0.05",
+      "--no-progress",
+  ]
 
 
 def _launch_pair(setup, workdir: Path, epochs: int, port: int):
   root, data, hook = setup
   processes = []
   for rank in (0, 1):
-    env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(rank),
-           "GBN_HOST_DEVICES": "1", "GBN_DISTRIBUTED_HEARTBEAT_SECONDS": "10",
-           "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
-           "GBN_TEST_WRITE_LOG": str(root / f"writes{rank}-{workdir.name}")}
-    processes.append(subprocess.Popen(
-        _args(data, workdir, epochs), cwd=REPO, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    env = {
+        **os.environ,
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": str(rank),
+        "GBN_HOST_DEVICES": "1",
+        "GBN_DISTRIBUTED_HEARTBEAT_SECONDS": "10",
+        "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
+        "GBN_TEST_WRITE_LOG": str(root / f"writes{rank}-{workdir.name}"),
+    }
+    processes.append(
+        subprocess.Popen(
+            _args(data, workdir, epochs),
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    )
   return processes
 
 
 def _single_process(setup, workdir: Path, epochs: int) -> list[dict]:
   _, data, _ = setup
   result = subprocess.run(
-      _args(data, workdir, epochs), cwd=REPO, capture_output=True, text=True,
-      timeout=300, env={**os.environ, "GBN_HOST_DEVICES": "2"})
+      _args(data, workdir, epochs),
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "GBN_HOST_DEVICES": "2"},
+  )
   assert result.returncode == 0, result.stderr
   assert "2 device(s)" in result.stderr
   return checkpointing.read_metrics(workdir)
@@ -104,16 +137,20 @@ def test_two_processes_equal_one_with_two_devices(setup, tmp_path):
     assert p.returncode == 0, err[-3000:]
   assert "2 device(s)" in outputs[0][1]
   # Gloo prints its connection lines to stdout; the summary is ours.
-  summaries = [[l for l in out.splitlines() if not l.startswith("[Gloo]")]
-               for out, _ in outputs]
+  summaries = [
+      [l for l in out.splitlines() if not l.startswith("[Gloo]")]
+      for out, _ in outputs
+  ]
   assert len(summaries[0]) == 1
   assert summaries[0][0].startswith("mnist lenet norm=sqd2 seed=0: 3 epochs")
   assert summaries[1] == []  # process 1 reports nothing
   writes0 = (root / "writes0-pair").read_text().split()
   assert "config.json" in writes0 and "metrics.jsonl" in writes0
   assert not (root / "writes1-pair").exists()
-  _assert_same_training(checkpointing.read_metrics(tmp_path / "pair"),
-                        _single_process(setup, tmp_path / "one", 3))
+  _assert_same_training(
+      checkpointing.read_metrics(tmp_path / "pair"),
+      _single_process(setup, tmp_path / "one", 3),
+  )
 
 
 @pytest.mark.slow

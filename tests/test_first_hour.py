@@ -7,18 +7,19 @@ import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib
-import numpy as np
 import pytest
 
-from test_train import REPO, TINY, _fake_run, small_dataset, write_tiny_mnist
 from train import checkpointing
 from train import configs
 from train import main as train_main
 from train import plot
-from train import train
+
+from test_train import REPO
+from test_train import TINY
+from test_train import _fake_run
+from test_train import write_tiny_mnist
 
 
 def _run_cli(argv, capsys):
@@ -31,32 +32,62 @@ def test_workdir_that_is_a_file_is_one_clean_line(tmp_path, capsys):
   (tmp_path / "file").write_text("x")
   code, _, err = _run_cli(["--workdir", str(tmp_path / "file")], capsys)
   assert code == 1
-  assert err.strip() == (f"train.mnist: error: --workdir {tmp_path / 'file'} "
-                         "exists and is not a folder")
+  assert err.strip() == (
+      f"train.mnist: error: --workdir {tmp_path / 'file'} "
+      "exists and is not a folder"
+  )
 
 
 def test_workdir_that_cannot_be_created_is_one_clean_line(tmp_path, capsys):
   (tmp_path / "file").write_text("x")
   data = write_tiny_mnist(tmp_path / "data")
-  code, _, err = _run_cli(["--workdir", str(tmp_path / "file" / "run"),
-                           "--data-dir", str(data), "--no-progress"], capsys)
+  code, _, err = _run_cli(
+      [
+          "--workdir",
+          str(tmp_path / "file" / "run"),
+          "--data-dir",
+          str(data),
+          "--no-progress",
+      ],
+      capsys,
+  )
   assert code == 1
   lines = err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("train.mnist: error: ")
   assert "Not a directory" in lines[0] and "Traceback" not in err
 
 
-def test_run_that_failed_before_its_first_epoch_does_not_block(tmp_path,
-                                                               capsys):
+def test_run_that_failed_before_its_first_epoch_does_not_block(
+    tmp_path, capsys
+):
   workdir = tmp_path / "run"
-  code, _, err = _run_cli(["--workdir", str(workdir), "--data-dir",
-                           str(tmp_path / "nowhere"), "--dataset", "svhn"],
-                          capsys)
+  code, _, err = _run_cli(
+      [
+          "--workdir",
+          str(workdir),
+          "--data-dir",
+          str(tmp_path / "nowhere"),
+          "--dataset",
+          "svhn",
+      ],
+      capsys,
+  )
   assert code == 1 and "could not find the svhn dataset" in err
   data = write_tiny_mnist(tmp_path / "data")
-  code, out, err = _run_cli(["--workdir", str(workdir), "--data-dir",
-                             str(data), "--batch-size", "16", "--epochs", "1",
-                             "--no-progress"], capsys)
+  code, out, err = _run_cli(
+      [
+          "--workdir",
+          str(workdir),
+          "--data-dir",
+          str(data),
+          "--batch-size",
+          "16",
+          "--epochs",
+          "1",
+          "--no-progress",
+      ],
+      capsys,
+  )
   assert code == 0, err
   assert "1 epoch," in out and "1 epochs" not in out
   assert checkpointing.read_config(workdir).dataset == "mnist"
@@ -67,40 +98,75 @@ def test_run_that_failed_before_its_first_epoch_does_not_block(tmp_path,
     mode = stat.S_IMODE((workdir / name).stat().st_mode)
     assert mode == 0o666 & ~umask, (name, oct(mode))
   # A run that did finish an epoch still refuses a different config.
-  code, _, err = _run_cli(["--workdir", str(workdir), "--data-dir",
-                           str(data), "--batch-size", "16", "--epochs", "1",
-                           "--norm", "mad", "--no-progress"], capsys)
+  code, _, err = _run_cli(
+      [
+          "--workdir",
+          str(workdir),
+          "--data-dir",
+          str(data),
+          "--batch-size",
+          "16",
+          "--epochs",
+          "1",
+          "--norm",
+          "mad",
+          "--no-progress",
+      ],
+      capsys,
+  )
   assert code == 1 and "different config" in err
 
 
 def test_first_epoch_notes():
   import jax  # pylint: disable=g-import-not-at-top
+
   cpu = jax.devices("cpu")
-  lines = train_main._first_epoch_notes(
-      configs.CIFAR, 300.0, cpu, prog="p")
-  assert lines[0] == ("p: the first epoch took 300s; the remaining 99 epochs "
-                      "should take about 8.2 h")
+  lines = train_main._first_epoch_notes(configs.CIFAR, 300.0, cpu, prog="p")
+  assert lines[0] == (
+      "p: the first epoch took 300s; the remaining 99 epochs "
+      "should take about 8.2 h"
+  )
   assert "meant for a GPU" in lines[1] and "--model lenet" in lines[1]
   assert train_main._first_epoch_notes(
-      configs.MNIST.replace(epochs=3), 30.0, cpu, prog="p") == [
-          "p: the first epoch took 30s; the remaining 2 epochs should take "
-          "about 60s"]
-  assert train_main._first_epoch_notes(
-      configs.MNIST.replace(epochs=1), 30.0, cpu, prog="p") == []
+      configs.MNIST.replace(epochs=3), 30.0, cpu, prog="p"
+  ) == [
+      "p: the first epoch took 30s; the remaining 2 epochs should take "
+      "about 60s"
+  ]
+  assert (
+      train_main._first_epoch_notes(
+          configs.MNIST.replace(epochs=1), 30.0, cpu, prog="p"
+      )
+      == []
+  )
   # After a resume, only the epochs after the first one trained remain.
   assert train_main._first_epoch_notes(
-      configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=3) == [
-          "p: the first epoch took 30s; the remaining 2 epochs should take "
-          "about 60s"]
-  assert train_main._first_epoch_notes(
-      configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=5) == []
+      configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=3
+  ) == [
+      "p: the first epoch took 30s; the remaining 2 epochs should take "
+      "about 60s"
+  ]
+  assert (
+      train_main._first_epoch_notes(
+          configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=5
+      )
+      == []
+  )
 
 
 def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
-    tmp_path, capsys):
+    tmp_path, capsys
+):
   data = write_tiny_mnist(tmp_path / "data")  # 64 images: 4 batches of 16
-  run = ["--workdir", str(tmp_path / "run"), "--data-dir", str(data),
-         "--batch-size", "16", "--no-progress"]
+  run = [
+      "--workdir",
+      str(tmp_path / "run"),
+      "--data-dir",
+      str(data),
+      "--batch-size",
+      "16",
+      "--no-progress",
+  ]
   code, _, err = _run_cli([*run, "--epochs", "1"], capsys)
   assert code == 0, err
   assert "(4 batches of 16), " in err and "dropped" not in err
@@ -114,23 +180,41 @@ def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
   assert code == 0, err
   assert "remaining" not in err
   assert (tmp_path / "run" / checkpointing.DATA_SOURCE_FILE).read_text() == (
-      "".join(f"from epoch {e}: mnist files in {data}: train-images-idx3-"
-              "ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-"
-              "ubyte.gz, t10k-labels-idx1-ubyte.gz\n" for e in (1, 2, 4)))
+      "".join(
+          f"from epoch {e}: mnist files in {data}: train-images-idx3-"
+          "ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-"
+          "ubyte.gz, t10k-labels-idx1-ubyte.gz\n"
+          for e in (1, 2, 4)
+      )
+  )
 
 
 def test_data_dir_without_the_data_is_an_error_not_another_copy(
-    tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
   from train import datasets  # pylint: disable=g-import-not-at-top
+
   installed = write_tiny_mnist(tmp_path / "installed" / "mnist")
-  monkeypatch.setattr(datasets, "SYSTEM_DATA_DIRS",
-                      (str(tmp_path / "installed"),))
+  monkeypatch.setattr(
+      datasets, "SYSTEM_DATA_DIRS", (str(tmp_path / "installed"),)
+  )
   empty = tmp_path / "empty"
   empty.mkdir()
   for data_dir in (empty, tmp_path / "typo"):
-    code, _, err = _run_cli(["--workdir", str(tmp_path / "run"), "--data-dir",
-                             str(data_dir), "--batch-size", "16", "--epochs",
-                             "1", "--no-progress"], capsys)
+    code, _, err = _run_cli(
+        [
+            "--workdir",
+            str(tmp_path / "run"),
+            "--data-dir",
+            str(data_dir),
+            "--batch-size",
+            "16",
+            "--epochs",
+            "1",
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 1
     first = err.splitlines()[0]
     assert first.startswith("train.mnist: error: could not find the mnist")
@@ -141,10 +225,25 @@ def test_data_dir_without_the_data_is_an_error_not_another_copy(
 def test_cli_prints_estimate_after_first_epoch(tmp_path):
   data = write_tiny_mnist(tmp_path / "data")
   result = subprocess.run(
-      [sys.executable, "-m", "train.mnist", "--data-dir", str(data),
-       "--workdir", str(tmp_path / "run"), "--batch-size", "16", "--epochs",
-       "3", "--no-progress"], cwd=REPO, capture_output=True, text=True,
-      timeout=300)
+      [
+          sys.executable,
+          "-m",
+          "train.mnist",
+          "--data-dir",
+          str(data),
+          "--workdir",
+          str(tmp_path / "run"),
+          "--batch-size",
+          "16",
+          "--epochs",
+          "3",
+          "--no-progress",
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert result.returncode == 0, result.stderr
   lines = result.stderr.splitlines()
   at = next(i for i, l in enumerate(lines) if l.startswith("epoch 1/3"))
@@ -169,16 +268,40 @@ def test_norm_momentum_error_names_the_flag(capsys):
 
 def test_data_not_found_is_quiet_without_tensorflow(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "train.cifar", "--dataset", "svhn", "--model",
-       "lenet", "--data-dir", str(tmp_path / "nowhere"), "--workdir",
-       str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
-      timeout=120, env={**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds"),
-                        "GBN_DATA_DIR": "", "HOME": str(tmp_path)})
+      [
+          sys.executable,
+          "-m",
+          "train.cifar",
+          "--dataset",
+          "svhn",
+          "--model",
+          "lenet",
+          "--data-dir",
+          str(tmp_path / "nowhere"),
+          "--workdir",
+          str(tmp_path / "run"),
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env={
+          **os.environ,
+          "TFDS_DATA_DIR": str(tmp_path / "tfds"),
+          "GBN_DATA_DIR": "",
+          "HOME": str(tmp_path),
+      },
+  )
   assert result.returncode == 1
   assert result.stderr.startswith(
-      "python -m train.cifar: error: could not find the svhn dataset.")
-  for noise in ("WARNING:absl", "Downloading and preparing", "importlib_resources'",
-                "Traceback"):
+      "python -m train.cifar: error: could not find the svhn dataset."
+  )
+  for noise in (
+      "WARNING:absl",
+      "Downloading and preparing",
+      "importlib_resources'",
+      "Traceback",
+  ):
     assert noise not in result.stderr
 
 
@@ -190,8 +313,11 @@ def _tick_labels(ax, axis):
   ticks = ax.get_yticklabels() if axis == "y" else ax.get_xticklabels()
   low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
   locs = ax.get_yticks() if axis == "y" else ax.get_xticks()
-  return [t.get_text() for t, loc in zip(ticks, locs)
-          if low <= loc <= high and t.get_text()]
+  return [
+      t.get_text()
+      for t, loc in zip(ticks, locs)
+      if low <= loc <= high and t.get_text()
+  ]
 
 
 def test_plot_labels_tell_runs_apart(tmp_path):
@@ -211,9 +337,11 @@ def test_plot_axes_legend_ticks(tmp_path, monkeypatch):
   runs = [_fake_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))]
   figures = []
   original = matplotlib.figure.Figure.savefig
-  monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
-                      lambda fig, *a, **k: (figures.append(fig),
-                                            original(fig, *a, **k)))
+  monkeypatch.setattr(
+      matplotlib.figure.Figure,
+      "savefig",
+      lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)),
+  )
   plot.plot_runs(runs, tmp_path / "out")
   assert len(figures) == 4
   for fig, (metric, _, xkey, _) in zip(figures, plot.CURVES):
@@ -230,7 +358,8 @@ def test_plot_axes_legend_ticks(tmp_path, monkeypatch):
 
 
 def test_plot_skips_run_without_epochs_and_defaults_out_beside_runs(
-    tmp_path, capsys):
+    tmp_path, capsys
+):
   good = _fake_run(tmp_path / "runs" / "bn", "bn", 0)
   empty = tmp_path / "runs" / "empty"
   empty.mkdir()
@@ -251,12 +380,23 @@ def test_plot_takes_a_sweep_glob_and_a_folder_above_the_runs(tmp_path, capsys):
   (sweep / "report").mkdir()  # what train.report writes beside the runs
   (sweep / "report" / "report.md").write_text("# report\n")
   # The shell's expansion of sweeps/x/*/: two runs and the report folder.
-  assert plot.main([str(sweep / "bn"), str(sweep / "mad"),
-                    str(sweep / "report"), "--out", str(tmp_path / "a")]) == 0
+  assert (
+      plot.main(
+          [
+              str(sweep / "bn"),
+              str(sweep / "mad"),
+              str(sweep / "report"),
+              "--out",
+              str(tmp_path / "a"),
+          ]
+      )
+      == 0
+  )
   err = capsys.readouterr().err
   assert [l for l in err.splitlines() if str(sweep / "report") in l] == [
       f"note: skipped {sweep / 'report'}: not a run directory (no "
-      "config.json in or under it)"]
+      "config.json in or under it)"
+  ]
   assert len(list((tmp_path / "a").glob("*.png"))) == 4
   # The sweep folder itself; the PNGs go beside its runs by default.
   assert plot.main([str(sweep)]) == 0
@@ -271,14 +411,23 @@ def test_plot_takes_a_sweep_glob_and_a_folder_above_the_runs(tmp_path, capsys):
 
 def test_gbn_jax_nnx_after_plain_import():
   result = subprocess.run(
-      [sys.executable, "-c", "import sys, gbn_jax\n"
-       "assert 'gbn_jax.nnx' not in sys.modules\n"
-       "from flax import nnx\n"
-       "layer = gbn_jax.nnx.GBatchNorm(4, measure='sqd1', rngs=nnx.Rngs(0))\n"
-       "print(type(layer).__module__)"], cwd=REPO, capture_output=True,
-      text=True, timeout=120)
+      [
+          sys.executable,
+          "-c",
+          "import sys, gbn_jax\n"
+          "assert 'gbn_jax.nnx' not in sys.modules\n"
+          "from flax import nnx\n"
+          "layer = gbn_jax.nnx.GBatchNorm(4, measure='sqd1', rngs=nnx.Rngs(0))\n"
+          "print(type(layer).__module__)",
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == "gbn_jax.nnx"
   import gbn_jax  # pylint: disable=g-import-not-at-top
+
   with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
     gbn_jax.nonexistent  # pylint: disable=pointless-statement

@@ -16,17 +16,18 @@ from the definitions (tests/reference.py) for the rest.
 
 import functools
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from gbn_jax import GBatchNorm
 import gbn_jax.linen
 import gbn_jax.nnx
+
 import reference as ref
-from gbn_jax import GBatchNorm
 
 MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 ORDERED = ["rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
@@ -38,8 +39,10 @@ _close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-5)
 
 def _params(f, seed=3):
   k1, k2 = jax.random.split(jax.random.key(seed))
-  return {"scale": 1 + 0.5 * jax.random.normal(k1, (f,)),
-          "bias": jax.random.normal(k2, (f,))}
+  return {
+      "scale": 1 + 0.5 * jax.random.normal(k1, (f,)),
+      "bias": jax.random.normal(k2, (f,)),
+  }
 
 
 def _ref_stats(measure, x, axes, mask=None):
@@ -52,24 +55,29 @@ def _ref_stats(measure, x, axes, mask=None):
 @pytest.mark.parametrize("measure", MEASURES)
 def test_linen_unbatched_is_bias(measure):
   x = jnp.array([0.5, -2.0, 3.0])
-  module = GBatchNorm(use_running_average=False, measure=measure,
-                      momentum=MOMENTUM)
+  module = GBatchNorm(
+      use_running_average=False, measure=measure, momentum=MOMENTUM
+  )
   params = _params(3)
-  variables = {"params": params,
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  variables = {
+      "params": params,
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
   y, upd = module.apply(variables, x, mutable=["batch_stats"])
   # The definitions on a one-element batch: S = x, D = 0.
   s, d = _ref_stats(measure, np.asarray(x)[None], (0,))
   np.testing.assert_array_equal(s, x)
   np.testing.assert_array_equal(d, 0)
-  _close(y, ref.normalize(x[None], s, d, (0,), params["scale"],
-                          params["bias"])[0])
+  _close(
+      y, ref.normalize(x[None], s, d, (0,), params["scale"], params["bias"])[0]
+  )
   _close(y, params["bias"])
   _close(upd["batch_stats"]["mean"], (1 - MOMENTUM) * s)
   _close(upd["batch_stats"]["var"], MOMENTUM + (1 - MOMENTUM) * d**2)
   # y = bias whatever x is, so no gradient reaches x.
-  gx = jax.grad(lambda v: module.apply(variables, v, mutable=["batch_stats"])[0]
-                .sum())(x)
+  gx = jax.grad(
+      lambda v: module.apply(variables, v, mutable=["batch_stats"])[0].sum()
+  )(x)
   np.testing.assert_array_equal(gx, 0)
   # init_with_output: the failing call.
   y0, _ = module.init_with_output(jax.random.key(0), x)
@@ -79,8 +87,9 @@ def test_linen_unbatched_is_bias(measure):
 def test_linen_unbatched_sd_equals_flax():
   x = jnp.array([0.5, -2.0, 3.0])
   for fast in (True, False):
-    kw = dict(use_running_average=False, momentum=MOMENTUM,
-              use_fast_variance=fast)
+    kw = dict(
+        use_running_average=False, momentum=MOMENTUM, use_fast_variance=fast
+    )
     y, v = GBatchNorm(**kw).init_with_output(jax.random.key(0), x)
     yf, vf = nn.BatchNorm(**kw).init_with_output(jax.random.key(0), x)
     np.testing.assert_array_equal(y, yf)
@@ -94,10 +103,13 @@ def test_linen_unbatched_sd_equals_flax():
 def test_unbatched_calibrated(measure):
   # n = 1: rbd's and wcd's constants are 0 and D = 0 is left as is.
   x = jnp.array([0.5, -2.0, 3.0])
-  module = GBatchNorm(use_running_average=False, measure=measure,
-                      calibration="normal")
-  variables = {"params": _params(3),
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  module = GBatchNorm(
+      use_running_average=False, measure=measure, calibration="normal"
+  )
+  variables = {
+      "params": _params(3),
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
   y, upd = module.apply(variables, x, mutable=["batch_stats"])
   _close(y, variables["params"]["bias"])
   np.testing.assert_array_equal(upd["batch_stats"]["var"], np.float32(0.99))
@@ -106,8 +118,9 @@ def test_unbatched_calibrated(measure):
 @pytest.mark.parametrize("measure", MEASURES)
 def test_nnx_unbatched_is_bias(measure):
   x = jnp.array([0.5, -2.0, 3.0])
-  layer = gbn_jax.nnx.GBatchNorm(3, measure=measure, momentum=MOMENTUM,
-                                 rngs=nnx.Rngs(0))
+  layer = gbn_jax.nnx.GBatchNorm(
+      3, measure=measure, momentum=MOMENTUM, rngs=nnx.Rngs(0)
+  )
   params = _params(3)
   layer.scale[...], layer.bias[...] = params["scale"], params["bias"]
   y = layer(x)
@@ -116,7 +129,10 @@ def test_nnx_unbatched_is_bias(measure):
   _close(layer.var[...], MOMENTUM * jnp.ones(3))
   if measure == "sd":
     flax_layer = nnx.BatchNorm(3, momentum=MOMENTUM, rngs=nnx.Rngs(0))
-    flax_layer.scale[...], flax_layer.bias[...] = params["scale"], params["bias"]
+    flax_layer.scale[...], flax_layer.bias[...] = (
+        params["scale"],
+        params["bias"],
+    )
     np.testing.assert_array_equal(y, flax_layer(x))
     np.testing.assert_array_equal(layer.var[...], flax_layer.var[...])
 
@@ -128,11 +144,14 @@ def test_unbatched_masked(measure):
   x = jnp.array([0.5, -2.0, 3.0])
   mask = jnp.array([True, False, True])
   module = GBatchNorm(use_running_average=False, measure=measure)
-  variables = {"params": _params(3),
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  variables = {
+      "params": _params(3),
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
   y, upd = module.apply(variables, x, mask=mask, mutable=["batch_stats"])
-  y1, upd1 = module.apply(variables, x[None], mask=mask[None],
-                          mutable=["batch_stats"])
+  y1, upd1 = module.apply(
+      variables, x[None], mask=mask[None], mutable=["batch_stats"]
+  )
   np.testing.assert_array_equal(y, y1[0])
   jax.tree.map(np.testing.assert_array_equal, upd, upd1)
   _close(y[mask], variables["params"]["bias"][mask])
@@ -149,31 +168,38 @@ def _batch(n=12, f=3, seed=0):
 def test_linen_vmap_axis_name(measure):
   x = _batch()
   params = _params(3)
-  variables = {"params": params,
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  variables = {
+      "params": params,
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
 
   def per_example(cls, **kw):
     return nn.vmap(
-        cls, in_axes=0, out_axes=0, axis_name="batch",
+        cls,
+        in_axes=0,
+        out_axes=0,
+        axis_name="batch",
         variable_axes={"params": None, "batch_stats": None},
         split_rngs={"params": False},
     )(use_running_average=False, axis_name="batch", momentum=MOMENTUM, **kw)
 
   y, upd = per_example(GBatchNorm, measure=measure).apply(
-      variables, x, mutable=["batch_stats"])
+      variables, x, mutable=["batch_stats"]
+  )
   s, d = _ref_stats(measure, np.asarray(x), (0,))
   _close(y, ref.normalize(x, s, d, (0,), params["scale"], params["bias"]))
   _close(upd["batch_stats"]["mean"], (1 - MOMENTUM) * s)
   _close(upd["batch_stats"]["var"], MOMENTUM + (1 - MOMENTUM) * d**2)
   # The same as one batched call.
-  yb, updb = GBatchNorm(use_running_average=False, measure=measure,
-                        momentum=MOMENTUM).apply(variables, x,
-                                                 mutable=["batch_stats"])
+  yb, updb = GBatchNorm(
+      use_running_average=False, measure=measure, momentum=MOMENTUM
+  ).apply(variables, x, mutable=["batch_stats"])
   _close(y, yb)
   jax.tree.map(_close, upd, updb)
   if measure == "sd":
-    yf, updf = per_example(nn.BatchNorm).apply(variables, x,
-                                               mutable=["batch_stats"])
+    yf, updf = per_example(nn.BatchNorm).apply(
+        variables, x, mutable=["batch_stats"]
+    )
     _close(y, yf)
     jax.tree.map(_close, upd, updf)
 
@@ -192,16 +218,23 @@ def test_nnx_vmap_axis_name(measure):
 
     return f(layer, x), layer.mean[...], layer.var[...]
 
-  y, mean, var = run(gbn_jax.nnx.GBatchNorm(
-      3, measure=measure, axis_name="batch", momentum=MOMENTUM,
-      rngs=nnx.Rngs(0)))
+  y, mean, var = run(
+      gbn_jax.nnx.GBatchNorm(
+          3,
+          measure=measure,
+          axis_name="batch",
+          momentum=MOMENTUM,
+          rngs=nnx.Rngs(0),
+      )
+  )
   s, d = _ref_stats(measure, np.asarray(x), (0,))
   _close(y, ref.normalize(x, s, d, (0,), params["scale"], params["bias"]))
   _close(mean, (1 - MOMENTUM) * s)
   _close(var, MOMENTUM + (1 - MOMENTUM) * d**2)
   if measure == "sd":
-    yf, meanf, varf = run(nnx.BatchNorm(3, axis_name="batch",
-                                        momentum=MOMENTUM, rngs=nnx.Rngs(0)))
+    yf, meanf, varf = run(
+        nnx.BatchNorm(3, axis_name="batch", momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    )
     _close(y, yf)
     _close(mean, meanf)
     _close(var, varf)
@@ -212,23 +245,37 @@ def test_vmap_axis_name_gradient(measure):
   # Per-example vmap and the batched call are the same function of x.
   x = _batch(8)
   w = jax.random.normal(jax.random.key(5), x.shape)
-  variables = {"params": _params(3),
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
-  vm = nn.vmap(GBatchNorm, in_axes=0, out_axes=0, axis_name="batch",
-               variable_axes={"params": None, "batch_stats": None},
-               split_rngs={"params": False})(
-                   use_running_average=False, axis_name="batch",
-                   measure=measure)
+  variables = {
+      "params": _params(3),
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
+  vm = nn.vmap(
+      GBatchNorm,
+      in_axes=0,
+      out_axes=0,
+      axis_name="batch",
+      variable_axes={"params": None, "batch_stats": None},
+      split_rngs={"params": False},
+  )(use_running_average=False, axis_name="batch", measure=measure)
   batched = GBatchNorm(use_running_average=False, measure=measure)
   grad = lambda m: jax.grad(
-      lambda p, v: jnp.sum(jnp.sin(m.apply({**variables, "params": p}, v,
-                                           mutable=["batch_stats"])[0]) * w),
-      argnums=(0, 1))(variables["params"], x)
+      lambda p, v: jnp.sum(
+          jnp.sin(
+              m.apply({**variables, "params": p}, v, mutable=["batch_stats"])[0]
+          )
+          * w
+      ),
+      argnums=(0, 1),
+  )(variables["params"], x)
   # float32 sums in another order; some gradients cancel to 1e-3 of the
   # largest, hence an absolute tolerance relative to the largest.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max())), grad(vm),
-      grad(batched))
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(
+          a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max())
+      ),
+      grad(vm),
+      grad(batched),
+  )
 
 
 # ----------------------------------------------------------------- complex
@@ -242,19 +289,28 @@ def _complex(shape=(4, 3, 2), seed=0):
 @pytest.mark.parametrize("masked", [False, True])
 def test_linen_complex_sd_equals_flax(fast, masked):
   x = _complex()
-  mask = (jax.random.bernoulli(jax.random.key(1), 0.7, (4, 3, 1))
-          if masked else None)
-  kw = dict(use_running_average=False, momentum=MOMENTUM,
-            dtype=jnp.complex64, use_fast_variance=fast)
+  mask = (
+      jax.random.bernoulli(jax.random.key(1), 0.7, (4, 3, 1))
+      if masked
+      else None
+  )
+  kw = dict(
+      use_running_average=False,
+      momentum=MOMENTUM,
+      dtype=jnp.complex64,
+      use_fast_variance=fast,
+  )
   y, v = GBatchNorm(**kw).init_with_output(jax.random.key(0), x, mask=mask)
   yf, vf = nn.BatchNorm(**kw).init_with_output(jax.random.key(0), x, mask=mask)
   assert y.dtype == jnp.complex64
   _close(y, yf)
   variables = {**vf, "params": _params(2)}
-  y, upd = GBatchNorm(**kw).apply(variables, x, mask=mask,
-                                  mutable=["batch_stats"])
-  yf, updf = nn.BatchNorm(**kw).apply(variables, x, mask=mask,
-                                      mutable=["batch_stats"])
+  y, upd = GBatchNorm(**kw).apply(
+      variables, x, mask=mask, mutable=["batch_stats"]
+  )
+  yf, updf = nn.BatchNorm(**kw).apply(
+      variables, x, mask=mask, mutable=["batch_stats"]
+  )
   _close(y, yf)
   assert upd["batch_stats"]["mean"].dtype == updf["batch_stats"]["mean"].dtype
   assert upd["batch_stats"]["var"].dtype == jnp.float32
@@ -267,22 +323,28 @@ def test_linen_complex_sd_equals_flax(fast, masked):
   # Gradients of a real loss, for the parameters and the input.
   def grads(cls):
     def loss(p, v):
-      out = cls(**kw).apply({**variables, "params": p}, v, mask=mask,
-                            mutable=["batch_stats"])[0]
+      out = cls(**kw).apply(
+          {**variables, "params": p}, v, mask=mask, mutable=["batch_stats"]
+      )[0]
       return jnp.sum(jnp.abs(out) ** 2 * jnp.arange(1.0, 3.0))
+
     return jax.grad(loss, argnums=(0, 1))(variables["params"], x)
 
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4,
-                                 atol=1e-5), grads(GBatchNorm),
-               grads(nn.BatchNorm))
+  jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5),
+      grads(GBatchNorm),
+      grads(nn.BatchNorm),
+  )
 
 
 @pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")
 @pytest.mark.filterwarnings("ignore:Casting complex values to real")
 def test_nnx_complex_sd_equals_flax():
   x = _complex()
-  layers = [cls(2, dtype=jnp.complex64, momentum=MOMENTUM, rngs=nnx.Rngs(0))
-            for cls in (gbn_jax.nnx.GBatchNorm, nnx.BatchNorm)]
+  layers = [
+      cls(2, dtype=jnp.complex64, momentum=MOMENTUM, rngs=nnx.Rngs(0))
+      for cls in (gbn_jax.nnx.GBatchNorm, nnx.BatchNorm)
+  ]
   y, yf = (layer(x) for layer in layers)
   assert y.dtype == jnp.complex64
   _close(y, yf)
@@ -296,20 +358,34 @@ def test_nnx_complex_sd_equals_flax():
   _close(layers[0].mean[...], mean)
   _close(layers[1].mean[...], mean.real)
   layers[0].eval()
-  _close(layers[0](x),
-         nn.BatchNorm(use_running_average=True, dtype=jnp.complex64).apply(
-             {"params": {"scale": jnp.ones(2), "bias": jnp.zeros(2)},
-              "batch_stats": {"mean": layers[0].mean[...],
-                              "var": layers[0].var[...]}}, x))
+  _close(
+      layers[0](x),
+      nn.BatchNorm(use_running_average=True, dtype=jnp.complex64).apply(
+          {
+              "params": {"scale": jnp.ones(2), "bias": jnp.zeros(2)},
+              "batch_stats": {
+                  "mean": layers[0].mean[...],
+                  "var": layers[0].var[...],
+              },
+          },
+          x,
+      ),
+  )
 
 
 def test_complex_mad_from_definition():
   x = _complex((16, 3))
   params = _params(3)
-  module = GBatchNorm(use_running_average=False, measure="mad",
-                      dtype=jnp.complex64, momentum=MOMENTUM)
-  variables = {"params": params,
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  module = GBatchNorm(
+      use_running_average=False,
+      measure="mad",
+      dtype=jnp.complex64,
+      momentum=MOMENTUM,
+  )
+  variables = {
+      "params": params,
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
   y, upd = module.apply(variables, x, mutable=["batch_stats"])
   xn = np.asarray(x, np.complex128)
   s = xn.mean(0)
@@ -319,8 +395,9 @@ def test_complex_mad_from_definition():
   _close(upd["batch_stats"]["mean"], (1 - MOMENTUM) * s)
   assert upd["batch_stats"]["var"].dtype == jnp.float32
   _close(upd["batch_stats"]["var"], MOMENTUM + (1 - MOMENTUM) * d**2)
-  layer = gbn_jax.nnx.GBatchNorm(3, measure="mad", dtype=jnp.complex64,
-                                 momentum=MOMENTUM, rngs=nnx.Rngs(0))
+  layer = gbn_jax.nnx.GBatchNorm(
+      3, measure="mad", dtype=jnp.complex64, momentum=MOMENTUM, rngs=nnx.Rngs(0)
+  )
   layer.scale[...], layer.bias[...] = params["scale"], params["bias"]
   _close(layer(x), expected)
   _close(layer.mean[...], (1 - MOMENTUM) * s)
@@ -330,10 +407,13 @@ def test_complex_mad_from_definition():
 @pytest.mark.parametrize("measure", ORDERED)
 def test_complex_ordered_measures_raise(measure):
   x = _complex((8, 2))
-  with pytest.raises(TypeError, match=f"measure '{measure}' is not defined"
-                     " for complex input"):
+  with pytest.raises(
+      TypeError,
+      match=f"measure '{measure}' is not defined" " for complex input",
+  ):
     GBatchNorm(use_running_average=False, measure=measure).init_with_output(
-        jax.random.key(0), x)
+        jax.random.key(0), x
+    )
   layer = gbn_jax.nnx.GBatchNorm(2, measure=measure, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match=f"measure '{measure}' is not defined"):
     layer(x)
@@ -346,18 +426,21 @@ def test_complex_ordered_measures_raise(measure):
 def test_complex_calibrated_mad_and_renorm_raise():
   x = _complex((8, 2))
   with pytest.raises(ValueError, match="calibration='normal' of measure 'mad'"):
-    GBatchNorm(use_running_average=False, measure="mad",
-               calibration="normal").init_with_output(jax.random.key(0), x)
+    GBatchNorm(
+        use_running_average=False, measure="mad", calibration="normal"
+    ).init_with_output(jax.random.key(0), x)
   # sd's constant is 1: calibration changes nothing, complex or not.
-  y, _ = GBatchNorm(use_running_average=False, calibration="normal",
-                    dtype=jnp.complex64).init_with_output(jax.random.key(0), x)
-  yf, _ = nn.BatchNorm(use_running_average=False,
-                       dtype=jnp.complex64).init_with_output(
-                           jax.random.key(0), x)
+  y, _ = GBatchNorm(
+      use_running_average=False, calibration="normal", dtype=jnp.complex64
+  ).init_with_output(jax.random.key(0), x)
+  yf, _ = nn.BatchNorm(
+      use_running_average=False, dtype=jnp.complex64
+  ).init_with_output(jax.random.key(0), x)
   _close(y, yf)
   with pytest.raises(TypeError, match="renorm=True is not defined for complex"):
     GBatchNorm(use_running_average=False, renorm=True).init_with_output(
-        jax.random.key(0), x)
+        jax.random.key(0), x
+    )
 
 
 def test_complex_custom_measure_must_return_real_deviation():
@@ -365,10 +448,12 @@ def test_complex_custom_measure_must_return_real_deviation():
   bad = lambda v, axis: (v.mean(axis), v.std(axis) * (1 + 1j))
   with pytest.raises(TypeError, match="complex deviation"):
     GBatchNorm(use_running_average=False, measure=bad).init_with_output(
-        jax.random.key(0), x)
+        jax.random.key(0), x
+    )
   good = lambda v, axis: (v.mean(axis), jnp.abs(v - v.mean(axis)).max(axis))
-  y, _ = GBatchNorm(use_running_average=False, measure=good,
-                    dtype=jnp.complex64).init_with_output(jax.random.key(0), x)
+  y, _ = GBatchNorm(
+      use_running_average=False, measure=good, dtype=jnp.complex64
+  ).init_with_output(jax.random.key(0), x)
   xn = np.asarray(x, np.complex128)
   s = xn.mean(0)
   d = np.abs(xn - s).max(0)
@@ -380,31 +465,38 @@ def test_complex_custom_measure_must_return_real_deviation():
 
 def _net(layer):
   class Net(nn.Module):
+
     @nn.compact
     def __call__(self, x):
       return layer()(nn.Dense(3)(x))
+
   return Net()
 
 
 def test_auto_names():
   x = jnp.ones((2, 3))
   flax_vars = _net(lambda: nn.BatchNorm(use_running_average=True)).init(
-      jax.random.key(0), x)
+      jax.random.key(0), x
+  )
   assert set(flax_vars["params"]) == {"Dense_0", "BatchNorm_0"}
   # GBatchNorm is named after its own class, like any flax subclass.
   gbn_vars = _net(lambda: GBatchNorm(use_running_average=True)).init(
-      jax.random.key(0), x)
+      jax.random.key(0), x
+  )
   assert set(gbn_vars["params"]) == {"Dense_0", "GBatchNorm_0"}
   # Both ways to keep flax's names load flax's variables unchanged.
-  for layer in (lambda: GBatchNorm(use_running_average=True,
-                                   name="BatchNorm_0"),
-                lambda: gbn_jax.linen.BatchNorm(use_running_average=True)):
+  for layer in (
+      lambda: GBatchNorm(use_running_average=True, name="BatchNorm_0"),
+      lambda: gbn_jax.linen.BatchNorm(use_running_average=True),
+  ):
     net = _net(layer)
     own = net.init(jax.random.key(0), x)
     assert jax.tree.structure(own) == jax.tree.structure(flax_vars)
     np.testing.assert_array_equal(
         net.apply(flax_vars, x),
         _net(lambda: nn.BatchNorm(use_running_average=True)).apply(
-            flax_vars, x))
+            flax_vars, x
+        ),
+    )
   assert issubclass(gbn_jax.linen.BatchNorm, GBatchNorm)
   assert gbn_jax.linen.BatchNorm.__name__ == "BatchNorm"

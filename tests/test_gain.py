@@ -15,11 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from test_train import TINY, run_quiet, write_tiny_mnist
 from train import checkpointing
 from train import gain
 from train import input_pipeline
 from train import train
+
+from test_train import TINY
+from test_train import run_quiet
+from test_train import write_tiny_mnist
 
 
 def _conv_outputs(config, variables, data_dir):
@@ -27,14 +30,21 @@ def _conv_outputs(config, variables, data_dir):
   config = train.resolve(config)
   ds = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
   x = input_pipeline.normalize_images(
-      ds.train_images[:config.batch_size], config.dataset)
+      ds.train_images[: config.batch_size], config.dataset
+  )
   model = train.create_model(config, ds.num_classes)
-  _, state = model.apply(variables, x, train=True,
-                         mutable=["batch_stats", "intermediates"],
-                         capture_intermediates=True)
+  _, state = model.apply(
+      variables,
+      x,
+      train=True,
+      mutable=["batch_stats", "intermediates"],
+      capture_intermediates=True,
+  )
   inter = state["intermediates"]
-  return {f"norm{i}": np.asarray(inter[f"conv{i}"]["__call__"][0], np.float64)
-          for i in (1, 2)}
+  return {
+      f"norm{i}": np.asarray(inter[f"conv{i}"]["__call__"][0], np.float64)
+      for i in (1, 2)
+  }
 
 
 def _median_gain(x: np.ndarray, deviation) -> float:
@@ -66,19 +76,27 @@ def test_gains_equal_numpy_at_init_and_after_training(trained_run):
   assert result["norm"] == "mad" and result["images"] == config.batch_size
 
   model = train.create_model(train.resolve(config), 10)
-  state = train.create_train_state(train.init_key(config.seed), model,
-                                   (28, 28, 1), train.create_optimizer(config))
+  state = train.create_train_state(
+      train.init_key(config.seed),
+      model,
+      (28, 28, 1),
+      train.create_optimizer(config),
+  )
   state = jax.tree.map(np.asarray, state)
   init_inputs = _conv_outputs(
-      config, {"params": state.params, "batch_stats": state.batch_stats},
-      data_dir)
+      config,
+      {"params": state.params, "batch_stats": state.batch_stats},
+      data_dir,
+  )
   checkpointer = checkpointing.Checkpointer(workdir)
   restored, _ = checkpointer.restore(1, train.state_dict(state))
   checkpointer.close()
   final_state = flax.serialization.from_state_dict(state, restored)
   final_inputs = _conv_outputs(
-      config, {"params": final_state.params,
-               "batch_stats": final_state.batch_stats}, data_dir)
+      config,
+      {"params": final_state.params, "batch_stats": final_state.batch_stats},
+      data_dir,
+  )
   # Training moved the parameters, so the two stages are different checks.
   assert not np.allclose(init_inputs["norm2"], final_inputs["norm2"])
 
@@ -87,39 +105,50 @@ def test_gains_equal_numpy_at_init_and_after_training(trained_run):
     layers = result[stage]["layers"]
     assert list(layers) == ["norm1", "norm2"]
     for name, x in inputs.items():
-      np.testing.assert_allclose(layers[name]["median"], _median_gain(x, _mad),
-                                 rtol=1e-4)
-      assert layers[name]["q25"] <= layers[name]["median"] <= layers[name]["q75"]
+      np.testing.assert_allclose(
+          layers[name]["median"], _median_gain(x, _mad), rtol=1e-4
+      )
+      assert (
+          layers[name]["q25"] <= layers[name]["median"] <= layers[name]["q75"]
+      )
       assert layers[name]["n"] == x.size // x.shape[-1]
       # mad's Gaussian gain: sigma / E|Z| = sqrt(pi / 2).
-      np.testing.assert_allclose(layers[name]["gaussian"], math.sqrt(math.pi / 2),
-                                 rtol=1e-6)
+      np.testing.assert_allclose(
+          layers[name]["gaussian"], math.sqrt(math.pi / 2), rtol=1e-6
+      )
     raw = result[stage]["measures"]
     np.testing.assert_allclose(raw["sd"], 1.0, rtol=1e-5)
     np.testing.assert_allclose(
-        raw["rsd"], np.median([_median_gain(x, _rsd) for x in inputs.values()]),
-        rtol=1e-4)
+        raw["rsd"],
+        np.median([_median_gain(x, _rsd) for x in inputs.values()]),
+        rtol=1e-4,
+    )
     np.testing.assert_allclose(
         result[stage]["overall"],
-        np.median([layers[n]["median"] for n in layers]), rtol=1e-12)
+        np.median([layers[n]["median"] for n in layers]),
+        rtol=1e-12,
+    )
 
 
 def test_calibrated_gain_is_raw_gain_times_constant(tmp_path, trained_run):
   config, workdir, data_dir = trained_run
   calibrated = tmp_path / "calibrated"
   checkpointing.write_config(
-      calibrated, train.resolve(config.replace(calibration="normal")))
+      calibrated, train.resolve(config.replace(calibration="normal"))
+  )
   result = gain.run_gains(calibrated, data_dir=data_dir)
   raw = gain.run_gains(workdir, data_dir=data_dir)["init"]["layers"]
   for name, entry in result["init"]["layers"].items():
     # D / sqrt(2/pi) divides the gain by sqrt(pi/2), Gaussian or not.
-    np.testing.assert_allclose(entry["median"] * math.sqrt(math.pi / 2),
-                               raw[name]["median"], rtol=1e-5)
+    np.testing.assert_allclose(
+        entry["median"] * math.sqrt(math.pi / 2), raw[name]["median"], rtol=1e-5
+    )
     assert entry["gaussian"] == 1.0
 
 
-def test_without_checkpoint_only_init_and_cli_writes_file(tmp_path, capsys,
-                                                          trained_run):
+def test_without_checkpoint_only_init_and_cli_writes_file(
+    tmp_path, capsys, trained_run
+):
   config, _, data_dir = trained_run
   fresh = tmp_path / "fresh"
   checkpointing.write_config(fresh, train.resolve(config.replace(norm="bn")))

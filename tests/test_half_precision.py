@@ -27,8 +27,9 @@ SHAPE = (4096, 4)
 
 @pytest.fixture(scope="module")
 def x():
-  return jnp.asarray(100 + np.random.default_rng(0).standard_normal(SHAPE),
-                     jnp.bfloat16)
+  return jnp.asarray(
+      100 + np.random.default_rng(0).standard_normal(SHAPE), jnp.bfloat16
+  )
 
 
 def _reference(x, measure: str) -> tuple[np.ndarray, np.ndarray]:
@@ -49,21 +50,33 @@ def _apply(module, x):
   variables = module.init(jax.random.key(0), x)
   y, state = module.apply(variables, x, mutable=["batch_stats"])
   stats = state["batch_stats"]  # momentum 0: this batch's S and D^2
-  return (np.asarray(y.astype(jnp.float32), np.float64), y.dtype,
-          np.asarray(stats["mean"], np.float64),
-          np.sqrt(np.asarray(stats["var"], np.float64)))
+  return (
+      np.asarray(y.astype(jnp.float32), np.float64),
+      y.dtype,
+      np.asarray(stats["mean"], np.float64),
+      np.sqrt(np.asarray(stats["var"], np.float64)),
+  )
 
 
 def _gbn(measure, f32, fast=False, **kw):
-  return gbn_jax.GBatchNorm(measure=measure, use_running_average=False,
-                            momentum=0.0, force_float32_reductions=f32,
-                            use_fast_variance=fast, **kw)
+  return gbn_jax.GBatchNorm(
+      measure=measure,
+      use_running_average=False,
+      momentum=0.0,
+      force_float32_reductions=f32,
+      use_fast_variance=fast,
+      **kw,
+  )
 
 
 def _flax(f32, fast, **kw):
-  return nn.BatchNorm(use_running_average=False, momentum=0.0,
-                      force_float32_reductions=f32, use_fast_variance=fast,
-                      **kw)
+  return nn.BatchNorm(
+      use_running_average=False,
+      momentum=0.0,
+      force_float32_reductions=f32,
+      use_fast_variance=fast,
+      **kw,
+  )
 
 
 @pytest.mark.parametrize("measure", ["sd", "mad", "sqd2"])
@@ -96,8 +109,9 @@ def test_fast_variance_cancellation_is_flax_own(x):
   assert np.abs(y16).mean() > 10 * y_ref.mean()  # the collapse, flax's
 
 
-@pytest.mark.parametrize("measure, d_rtol", [("sd", 5e-3), ("mad", 1e-2),
-                                             ("sqd2", 5e-2)])
+@pytest.mark.parametrize(
+    "measure, d_rtol", [("sd", 5e-3), ("mad", 1e-2), ("sqd2", 5e-2)]
+)
 def test_bf16_reductions_stay_close(x, measure, d_rtol):
   _, _, s, d = _apply(_gbn(measure, False), x)
   s_ref, d_ref = _reference(x, measure)
@@ -120,27 +134,43 @@ def test_output_dtype_is_flax_batchnorm_s(x, dtype):
 
 def _figures() -> None:
   """Prints the README's figures: ``python tests/test_half_precision.py``."""
-  x = jnp.asarray(100 + np.random.default_rng(0).standard_normal(SHAPE),
-                  jnp.bfloat16)
-  y_ref = np.abs(np.asarray(x, np.float64) - _reference(x, "sd")[0]).mean(
-      0) / _reference(x, "sd")[1]
-  print(f"bf16, mean 100, std 1, {SHAPE}; float64 mean |y| of sd: "
-        f"{y_ref.mean():.3f}")
+  x = jnp.asarray(
+      100 + np.random.default_rng(0).standard_normal(SHAPE), jnp.bfloat16
+  )
+  y_ref = (
+      np.abs(np.asarray(x, np.float64) - _reference(x, "sd")[0]).mean(0)
+      / _reference(x, "sd")[1]
+  )
+  print(
+      f"bf16, mean 100, std 1, {SHAPE}; float64 mean |y| of sd: "
+      f"{y_ref.mean():.3f}"
+  )
   for f32 in (True, False):
     print(f"force_float32_reductions={f32}:")
     for fast in (True, False):
       y, _, _, _ = _apply(_flax(f32, fast), x)
-      print(f"  flax BatchNorm, use_fast_variance={fast}: mean |y| "
-            f"{np.abs(y).mean():.3f}")
-    for measure, fast in (("sd", True), ("sd", False), ("mad", False),
-                          ("sqd2", False), ("bpoe", False)):
+      print(
+          f"  flax BatchNorm, use_fast_variance={fast}: mean |y| "
+          f"{np.abs(y).mean():.3f}"
+      )
+    for measure, fast in (
+        ("sd", True),
+        ("sd", False),
+        ("mad", False),
+        ("sqd2", False),
+        ("bpoe", False),
+    ):
       y, _, _, d = _apply(_gbn(measure, f32, fast), x)
-      text = (f"  {measure}" + (f", use_fast_variance={fast}"
-                                if measure == "sd" else "")
-              + f": mean |y| {np.abs(y).mean():.3f}")
+      text = (
+          f"  {measure}"
+          + (f", use_fast_variance={fast}" if measure == "sd" else "")
+          + f": mean |y| {np.abs(y).mean():.3f}"
+      )
       if measure != "bpoe":
-        text += (f", max |D / D_float64 - 1| "
-                 f"{np.abs(d / _reference(x, measure)[1] - 1).max():.2g}")
+        text += (
+            f", max |D / D_float64 - 1| "
+            f"{np.abs(d / _reference(x, measure)[1] - 1).max():.2g}"
+        )
       print(text)
 
 

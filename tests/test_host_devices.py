@@ -26,8 +26,14 @@ def _devices_seen(env_extra, batch):
   )
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(env_extra, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                       text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+  out = subprocess.run(
+      [sys.executable, "-c", code],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=True,
+      cwd=os.path.dirname(os.path.dirname(__file__)),
+  )
   return tuple(int(v) for v in out.stdout.split())
 
 
@@ -37,5 +43,9 @@ def test_configure_splits_the_cpu_and_the_loop_uses_a_divisor():
   assert _devices_seen({"GBN_HOST_DEVICES": "1"}, batch=10) == (1, 1)
   # an explicit XLA_FLAGS setting wins
   assert _devices_seen(
-      {"GBN_HOST_DEVICES": "3", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, batch=8
+      {
+          "GBN_HOST_DEVICES": "3",
+          "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+      },
+      batch=8,
   ) == (2, 2)

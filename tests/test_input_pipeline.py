@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import gzip
 import os
+from pathlib import Path
 import pickle
 import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import data_helpers as dh
 from train import datasets
 from train import input_pipeline as ip
+
+import data_helpers as dh
 
 IDX_SHAPE = (28, 28, 1)
 # One compilation per shape instead of one per operation.
@@ -44,8 +45,10 @@ def places(tmp_path, monkeypatch):
 
 
 def _idx_splits(seed, num_train=7, num_test=3):
-  return (dh.random_split(seed, num_train, IDX_SHAPE, 10),
-          dh.random_split(seed + 1000, num_test, IDX_SHAPE, 10))
+  return (
+      dh.random_split(seed, num_train, IDX_SHAPE, 10),
+      dh.random_split(seed + 1000, num_test, IDX_SHAPE, 10),
+  )
 
 
 def _assert_split(ds, split, images, labels):
@@ -60,8 +63,10 @@ def _assert_same_examples(got_images, got_labels, images, labels):
   """Equal as multisets of (image, label): tfds shuffles the records."""
   assert got_images.shape == images.shape
   assert got_labels.dtype == np.int32
+
   def key(pairs):
     return sorted(im.tobytes() + bytes([lab]) for im, lab in zip(*pairs))
+
   assert key((got_images, got_labels)) == key((images, labels))
 
 
@@ -71,9 +76,12 @@ def _assert_same_examples(got_images, got_labels, images, labels):
 
 @pytest.mark.parametrize(
     "name, subdir, gz",
-    [("mnist", "", True), ("mnist", "MNIST/raw", False),
-     ("fashion_mnist", "fashion-mnist", True),
-     ("fashion_mnist", "fashion_mnist", False)],
+    [
+        ("mnist", "", True),
+        ("mnist", "MNIST/raw", False),
+        ("fashion_mnist", "fashion-mnist", True),
+        ("fashion_mnist", "fashion_mnist", False),
+    ],
 )
 def test_idx_round_trip(places, name, subdir, gz):
   train, test = _idx_splits(1)
@@ -145,8 +153,12 @@ def test_svhn_round_trip_maps_10_to_0(places):
 def test_dataset_arrays_are_read_only(places):
   dh.write_idx_dataset(places["data"], *_idx_splits(1))
   ds = datasets.load_dataset("mnist", places["data"], use_tfds=False)
-  for array in (ds.train_images, ds.train_labels, ds.test_images,
-                ds.test_labels):
+  for array in (
+      ds.train_images,
+      ds.train_labels,
+      ds.test_images,
+      ds.test_labels,
+  ):
     with pytest.raises(ValueError, match="read-only"):
       array[0] = 0
   # The caller's own arrays stay writable.
@@ -157,9 +169,15 @@ def test_dataset_arrays_are_read_only(places):
 
 def test_dataset_rejects_inconsistent_arrays():
   images, labels = dh.random_split(0, 4, IDX_SHAPE, 10)
-  good = dict(name="mnist", train_images=images, train_labels=labels,
-              test_images=images.copy(), test_labels=labels.copy(),
-              num_classes=10, source="test")
+  good = dict(
+      name="mnist",
+      train_images=images,
+      train_labels=labels,
+      test_images=images.copy(),
+      test_labels=labels.copy(),
+      num_classes=10,
+      source="test",
+  )
   datasets.Dataset(**good)
   bad = [
       dict(train_images=images.astype(np.float32)),
@@ -243,8 +261,11 @@ def test_shared_locations_need_the_dataset_subfolder(places):
 def test_search_locations_lists_env_folders_in_order(places, monkeypatch):
   monkeypatch.setenv(datasets.ENV_DATA_DIR, os.pathsep.join(["/a", "", "/b"]))
   assert datasets.search_locations("/x") == [
-      (Path("/x"), True), (Path("/a"), False), (Path("/b"), False),
-      (places["user"], False), (places["system"], False),
+      (Path("/x"), True),
+      (Path("/a"), False),
+      (Path("/b"), False),
+      (places["user"], False),
+      (places["system"], False),
   ]
 
 
@@ -351,21 +372,38 @@ def _write_mnist_with(folder, name, data, gz=False):
     "name, data, match",
     [
         # Type code 0x0D (float) instead of 0x08 (unsigned byte).
-        ("train-images-idx3-ubyte",
-         b"\0\0\x0d\x03" + dh.idx_bytes(np.zeros((2, 28, 28), np.uint8))[4:],
-         "magic"),
+        (
+            "train-images-idx3-ubyte",
+            b"\0\0\x0d\x03" + dh.idx_bytes(np.zeros((2, 28, 28), np.uint8))[4:],
+            "magic",
+        ),
         # A labels header on the images file.
-        ("train-images-idx3-ubyte", dh.idx_bytes(np.zeros(7, np.uint8)),
-         "magic"),
-        ("train-images-idx3-ubyte",
-         dh.idx_bytes(np.zeros((7, 28, 28), np.uint8))[:-1], "truncated"),
-        ("train-images-idx3-ubyte",
-         dh.idx_bytes(np.zeros((7, 27, 28), np.uint8)), "28x28"),
+        (
+            "train-images-idx3-ubyte",
+            dh.idx_bytes(np.zeros(7, np.uint8)),
+            "magic",
+        ),
+        (
+            "train-images-idx3-ubyte",
+            dh.idx_bytes(np.zeros((7, 28, 28), np.uint8))[:-1],
+            "truncated",
+        ),
+        (
+            "train-images-idx3-ubyte",
+            dh.idx_bytes(np.zeros((7, 27, 28), np.uint8)),
+            "28x28",
+        ),
         ("train-images-idx3-ubyte", b"\0\0\x08", "too short"),
-        ("train-labels-idx1-ubyte", dh.idx_bytes(np.zeros(6, np.uint8)),
-         "7 images but 6 labels"),
-        ("t10k-labels-idx1-ubyte", dh.idx_bytes(np.array([1, 10, 2], np.uint8)),
-         "label 10"),
+        (
+            "train-labels-idx1-ubyte",
+            dh.idx_bytes(np.zeros(6, np.uint8)),
+            "7 images but 6 labels",
+        ),
+        (
+            "t10k-labels-idx1-ubyte",
+            dh.idx_bytes(np.array([1, 10, 2], np.uint8)),
+            "label 10",
+        ),
     ],
 )
 def test_malformed_idx(places, name, data, match):
@@ -410,23 +448,45 @@ def test_malformed_cifar100_labels(places, coarse, fine):
 @pytest.mark.parametrize(
     "arrays, match",
     [
-        ({"X": np.zeros((28, 28, 3, 2), np.uint8),
-          "y": np.ones((2, 1), np.uint8)}, "X must be"),
-        ({"X": np.zeros((32, 32, 3, 2), np.float64),
-          "y": np.ones((2, 1), np.uint8)}, "X must be"),
-        ({"X": np.zeros((32, 32, 3, 2), np.uint8),
-          "y": np.ones((3, 1), np.uint8)}, "y must be"),
-        ({"X": np.zeros((32, 32, 3, 2), np.uint8),
-          "y": np.array([[1], [0]], np.uint8)}, "1..10"),
+        (
+            {
+                "X": np.zeros((28, 28, 3, 2), np.uint8),
+                "y": np.ones((2, 1), np.uint8),
+            },
+            "X must be",
+        ),
+        (
+            {
+                "X": np.zeros((32, 32, 3, 2), np.float64),
+                "y": np.ones((2, 1), np.uint8),
+            },
+            "X must be",
+        ),
+        (
+            {
+                "X": np.zeros((32, 32, 3, 2), np.uint8),
+                "y": np.ones((3, 1), np.uint8),
+            },
+            "y must be",
+        ),
+        (
+            {
+                "X": np.zeros((32, 32, 3, 2), np.uint8),
+                "y": np.array([[1], [0]], np.uint8),
+            },
+            "1..10",
+        ),
         ({"X": np.zeros((32, 32, 3, 2), np.uint8)}, "expected variables"),
     ],
 )
 def test_malformed_svhn(places, arrays, match):
   import scipy.io
 
-  folder = dh.write_svhn(places["data"],
-                         dh.random_split(1, 2, RGB_SHAPE, 10),
-                         dh.random_split(2, 2, RGB_SHAPE, 10))
+  folder = dh.write_svhn(
+      places["data"],
+      dh.random_split(1, 2, RGB_SHAPE, 10),
+      dh.random_split(2, 2, RGB_SHAPE, 10),
+  )
   scipy.io.savemat(folder / "test_32x32.mat", arrays)
   with pytest.raises(datasets.MalformedDataError, match=match):
     datasets.load_dataset("svhn", places["data"], use_tfds=False)
@@ -448,11 +508,14 @@ class _Trap:
 @pytest.mark.parametrize("place", ["data", "env"])
 @pytest.mark.parametrize(
     "name, folder, member",
-    [("cifar10", "cifar-10-batches-py", "data_batch_1"),
-     ("cifar100", "cifar-100-python", "train")],
+    [
+        ("cifar10", "cifar-10-batches-py", "data_batch_1"),
+        ("cifar100", "cifar-100-python", "train"),
+    ],
 )
-def test_pickled_python_version_is_refused(places, tmp_path, place, name,
-                                           folder, member):
+def test_pickled_python_version_is_refused(
+    places, tmp_path, place, name, folder, member
+):
   trap = tmp_path / "unpickled"
   (places[place] / folder).mkdir()
   (places[place] / folder / member).write_bytes(pickle.dumps(_Trap(trap)))
@@ -465,10 +528,13 @@ def test_pickled_python_version_is_refused(places, tmp_path, place, name,
 
 
 def test_unknown_dataset():
-  for call in (lambda: datasets.load_dataset("imagenet"),
-               lambda: datasets.dataset_info("imagenet"),
-               lambda: ip.normalize_images(jnp.zeros((1, 2, 2, 1), jnp.uint8),
-                                           "imagenet")):
+  for call in (
+      lambda: datasets.load_dataset("imagenet"),
+      lambda: datasets.dataset_info("imagenet"),
+      lambda: ip.normalize_images(
+          jnp.zeros((1, 2, 2, 1), jnp.uint8), "imagenet"
+      ),
+  ):
     with pytest.raises(ValueError, match="unknown dataset"):
       call()
 
@@ -499,7 +565,10 @@ def test_normalize_images_rejects_bad_input():
 
 def test_augment_by_default():
   assert {n for n in ip.DATASETS if ip.dataset_info(n).augment_by_default} == {
-      "cifar10", "cifar100", "svhn"}
+      "cifar10",
+      "cifar100",
+      "svhn",
+  }
 
 
 # ---------------------------------------------------------------------------

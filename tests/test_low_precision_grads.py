@@ -18,14 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import gbn_jax
 import gbn_jax.nnx as gnnx
+
 import reference as ref
 
 # The sqd family at several levels: every measure built on a quantile.
@@ -138,7 +139,10 @@ def _reference_measure(
 
 
 def _reference_grads(
-    name: str, x: jax.Array, mask: jax.Array | None, w: jax.Array,
+    name: str,
+    x: jax.Array,
+    mask: jax.Array | None,
+    w: jax.Array,
     params: dict[str, jax.Array],
 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """Gradients of ``vdot(w, layer(x))`` in float32, at ``x`` as rounded."""
@@ -157,13 +161,16 @@ def _linen_layer(
 ) -> gbn_jax.GBatchNorm:
   measure, alpha = _parse(name)
   return gbn_jax.GBatchNorm(
-      use_running_average=False, measure=measure, alpha=alpha,
+      use_running_average=False,
+      measure=measure,
+      alpha=alpha,
       force_float32_reductions=force_float32_reductions,
   )
 
 
 def _assert_grads(
-    grads: tuple[dict[str, jax.Array], jax.Array], x: jax.Array,
+    grads: tuple[dict[str, jax.Array], jax.Array],
+    x: jax.Array,
     params: dict[str, jax.Array],
 ) -> None:
   """Finite, input gradient of ``x``'s dtype, parameter gradients of theirs."""
@@ -224,7 +231,10 @@ def test_nnx_gradients(name, layer_dtype):
   dtype = jnp.bfloat16
   x, mask, w = _inputs(dtype, masked=True)
   layer = gnnx.GBatchNorm(
-      SHAPE[-1], measure=measure, alpha=alpha, dtype=layer_dtype,
+      SHAPE[-1],
+      measure=measure,
+      alpha=alpha,
+      dtype=layer_dtype,
       rngs=nnx.Rngs(0),
   )
   params = _params()
@@ -244,8 +254,12 @@ def test_nnx_gradients(name, layer_dtype):
 
 @pytest.mark.parametrize(
     "name,dtype,masked",
-    [(name, dtype, masked) for name in QUANTILE_MEASURES for dtype in DTYPES
-     for masked in (False, True)]
+    [
+        (name, dtype, masked)
+        for name in QUANTILE_MEASURES
+        for dtype in DTYPES
+        for masked in (False, True)
+    ]
     # max/min share the custom JVP; their selection keeps the input's dtype.
     + [(name, jnp.bfloat16, True) for name in EXTREME_MEASURES],
     ids=lambda v: getattr(v, "__name__", None) or str(v),
@@ -263,7 +277,8 @@ def test_measure_jvp_and_vjp(name, dtype, masked):
   for p, t in zip(primals, tangents):
     assert t.dtype == p.dtype
   want_primals, want_tangents = jax.jvp(
-      _reference_measure(name, x, mask), (x.astype(jnp.float32),),
+      _reference_measure(name, x, mask),
+      (x.astype(jnp.float32),),
       (tangent.astype(jnp.float32),),
   )
   for a, b in zip(tangents, want_tangents):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
-import gbn_jax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +12,21 @@ import pytest
 import scipy.integrate
 import scipy.stats
 
+import gbn_jax
 from train import models
 
-GBN_NORMS = ("sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe",
-             "sqd:0.9")
+GBN_NORMS = (
+    "sd",
+    "mad",
+    "rsd",
+    "sqd1",
+    "sqd2",
+    "sqd3",
+    "rbd",
+    "wcd",
+    "bpoe",
+    "sqd:0.9",
+)
 ALL_NORMS = ("bn",) + GBN_NORMS
 
 
@@ -52,8 +62,9 @@ def _dense(n_in, n_out):
   return n_in * n_out + n_out
 
 
-def resnet_cifar_params(n: int, channels, in_channels: int,
-                        num_classes: int) -> int:
+def resnet_cifar_params(
+    n: int, channels, in_channels: int, num_classes: int
+) -> int:
   """He et al.'s CIFAR ResNet (6n+2 layers) with parameter-free shortcuts."""
   total = _conv(3, in_channels, channels[0]) + _norm(channels[0])
   c_in = channels[0]
@@ -64,14 +75,21 @@ def resnet_cifar_params(n: int, channels, in_channels: int,
   return total + _dense(channels[-1], num_classes)
 
 
-def lenet_params(height: int, width: int, channels: int,
-                 num_classes: int) -> int:
+def lenet_params(
+    height: int, width: int, channels: int, num_classes: int
+) -> int:
   """Caffe LeNet: VALID 5x5 convs, 2x2 pools, dense 500."""
   h, w = height, width
   for _ in range(2):
     h, w = (h - 4) // 2, (w - 4) // 2
-  return (_conv(5, channels, 20) + _norm(20) + _conv(5, 20, 50) + _norm(50) +
-          _dense(h * w * 50, 500) + _dense(500, num_classes))
+  return (
+      _conv(5, channels, 20)
+      + _norm(20)
+      + _conv(5, 20, 50)
+      + _norm(50)
+      + _dense(h * w * 50, 500)
+      + _dense(500, num_classes)
+  )
 
 
 def test_resnet20_parameter_count_matches_he_et_al():
@@ -85,16 +103,18 @@ def test_resnet20_parameter_count_matches_he_et_al():
 
 @pytest.mark.parametrize("classes", [10, 100])
 def test_resnet20_parameter_count_other_heads(classes):
-  model = models.create_model("resnet20", num_classes=classes,
-                              norm=models.make_norm("mad"))
+  model = models.create_model(
+      "resnet20", num_classes=classes, norm=models.make_norm("mad")
+  )
   params = _abstract_init(model, (1, 32, 32, 3))["params"]
   assert _count(params) == resnet_cifar_params(3, (16, 32, 64), 3, classes)
 
 
 @pytest.mark.parametrize("shape", [(28, 28, 1), (32, 32, 3)])
 def test_lenet_parameter_count(shape):
-  model = models.create_model("lenet", num_classes=10,
-                              norm=models.make_norm("bn"))
+  model = models.create_model(
+      "lenet", num_classes=10, norm=models.make_norm("bn")
+  )
   params = _abstract_init(model, (1, *shape))["params"]
   assert _count(params) == lenet_params(*shape, 10)
   # Caffe's MNIST LeNet: 4x4x50 = 800 inputs to the 500-unit layer.
@@ -102,20 +122,30 @@ def test_lenet_parameter_count(shape):
     assert params["fc1"]["kernel"].shape == (800, 500)
 
 
-@pytest.mark.parametrize("name,shape,classes", [
-    ("lenet", (28, 28, 1), 10), ("lenet", (32, 32, 3), 100),
-    ("resnet20", (32, 32, 3), 10), ("resnet20", (28, 28, 1), 10)])
+@pytest.mark.parametrize(
+    "name,shape,classes",
+    [
+        ("lenet", (28, 28, 1), 10),
+        ("lenet", (32, 32, 3), 100),
+        ("resnet20", (32, 32, 3), 10),
+        ("resnet20", (28, 28, 1), 10),
+    ],
+)
 def test_output_shapes(name, shape, classes):
-  model = models.create_model(name, num_classes=classes,
-                              norm=models.make_norm("rbd"))
+  model = models.create_model(
+      name, num_classes=classes, norm=models.make_norm("rbd")
+  )
   variables = _abstract_init(model, (3, *shape))
   x = jax.ShapeDtypeStruct((5, *shape), jnp.float32)
   logits, _ = jax.eval_shape(
       lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]),
-      variables, x)
+      variables,
+      x,
+  )
   assert logits.shape == (5, classes)
-  logits = jax.eval_shape(lambda v, x: model.apply(v, x, train=False),
-                          variables, x)
+  logits = jax.eval_shape(
+      lambda v, x: model.apply(v, x, train=False), variables, x
+  )
   assert logits.shape == (5, classes)
 
 
@@ -123,9 +153,16 @@ def test_resnet_feature_map_sizes():
   """Stages of 16/32/64 channels at 32/16/8 pixels, as in He et al."""
   model = models.ResNet20(num_classes=10, norm=models.make_norm("bn"))
   variables = _abstract_init(model, (1, 32, 32, 3))
-  _, state = jax.eval_shape(lambda v: model.apply(
-      v, jnp.ones((2, 32, 32, 3)), train=False, capture_intermediates=True,
-      mutable=["intermediates"]), variables)
+  _, state = jax.eval_shape(
+      lambda v: model.apply(
+          v,
+          jnp.ones((2, 32, 32, 3)),
+          train=False,
+          capture_intermediates=True,
+          mutable=["intermediates"],
+      ),
+      variables,
+  )
   inter = state["intermediates"]
   for stage, (hw, c) in enumerate([(32, 16), (16, 32), (8, 64)], start=1):
     for block in (1, 2, 3):
@@ -140,7 +177,8 @@ def test_option_a_shortcut_matches_numpy():
   expected[..., :16] = x[:, 0::2, 0::2, :]
   np.testing.assert_array_equal(got, expected)
   np.testing.assert_array_equal(
-      np.asarray(models._option_a_shortcut(jnp.asarray(x), 16, 1)), x)
+      np.asarray(models._option_a_shortcut(jnp.asarray(x), 16, 1)), x
+  )
 
 
 # --- the norm factory ----------------------------------------------------------
@@ -153,8 +191,14 @@ def _norm_layers(model, variables, x):
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
     if context.method_name == "__call__" and isinstance(module, nn.BatchNorm):
-      seen.append((module.path, type(module), getattr(module, "measure", None),
-                   getattr(module, "alpha", None)))
+      seen.append(
+          (
+              module.path,
+              type(module),
+              getattr(module, "measure", None),
+              getattr(module, "alpha", None),
+          )
+      )
     return next_fun(*args, **kwargs)
 
   def apply(variables, x):
@@ -169,18 +213,23 @@ def _norm_layers(model, variables, x):
 def test_norm_swap_changes_only_norm_layers(name):
   shape = (32, 32, 3)
   x = jax.ShapeDtypeStruct((4, *shape), jnp.float32)
-  ref_model = models.create_model(name, num_classes=10,
-                                  norm=models.make_norm("bn"))
+  ref_model = models.create_model(
+      name, num_classes=10, norm=models.make_norm("bn")
+  )
   ref = _abstract_init(ref_model, (1, *shape))
   ref_layers = _norm_layers(ref_model, ref, x)
   assert ref_layers and all(cls is nn.BatchNorm for _, cls, _, _ in ref_layers)
   # A norm after every conv: as many norms as convolution kernels.
-  kernels = [path for path, _ in jax.tree_util.tree_flatten_with_path(
-      ref["params"])[0] if "conv" in jax.tree_util.keystr(path)]
+  kernels = [
+      path
+      for path, _ in jax.tree_util.tree_flatten_with_path(ref["params"])[0]
+      if "conv" in jax.tree_util.keystr(path)
+  ]
   assert len(ref_layers) == len(kernels)
   for norm in GBN_NORMS:
-    model = models.create_model(name, num_classes=10,
-                                norm=models.make_norm(norm))
+    model = models.create_model(
+        name, num_classes=10, norm=models.make_norm(norm)
+    )
     variables = _abstract_init(model, (1, *shape))
     # Same parameter and batch_stats trees.
     assert _shapes(variables) == _shapes(ref)
@@ -194,10 +243,17 @@ def test_norm_swap_changes_only_norm_layers(name):
 
 def test_norm_swap_keeps_initial_values():
   """The norm doesn't change what the other layers draw from the key."""
-  inits = [jax.jit(lambda key, norm=norm: _init(
-      models.create_model("lenet", num_classes=10,
-                          norm=models.make_norm(norm)), (1, 28, 28, 1)))(
-                              jax.random.key(5)) for norm in ("bn", "sqd:0.9")]
+  inits = [
+      jax.jit(
+          lambda key, norm=norm: _init(
+              models.create_model(
+                  "lenet", num_classes=10, norm=models.make_norm(norm)
+              ),
+              (1, 28, 28, 1),
+          )
+      )(jax.random.key(5))
+      for norm in ("bn", "sqd:0.9")
+  ]
   jax.tree.map(np.testing.assert_array_equal, *inits)
 
 
@@ -207,15 +263,20 @@ def test_sd_norm_equals_flax_batchnorm(name):
   x = jax.random.normal(jax.random.key(3), (8, 32, 32, 3))
   outs = []
   for norm in ("bn", "sd"):
-    model = models.create_model(name, num_classes=10,
-                                norm=models.make_norm(norm, momentum=0.5))
+    model = models.create_model(
+        name, num_classes=10, norm=models.make_norm(norm, momentum=0.5)
+    )
     variables = _init(model, (1, 32, 32, 3))
-    logits, updates = model.apply(variables, x, train=True,
-                                  mutable=["batch_stats"])
+    logits, updates = model.apply(
+        variables, x, train=True, mutable=["batch_stats"]
+    )
     eval_logits = model.apply({**variables, **updates}, x, train=False)
     outs.append((logits, updates, eval_logits))
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4,
-                                 atol=2e-5), outs[0], outs[1])
+  jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
+      outs[0],
+      outs[1],
+  )
 
 
 def test_norms_differ_in_training_mode():
@@ -223,11 +284,14 @@ def test_norms_differ_in_training_mode():
   x = jax.random.normal(jax.random.key(4), (8, 28, 28, 1))
   logits = {}
   for norm in ("bn", "rbd", "sqd1"):
-    model = models.create_model("lenet", num_classes=10,
-                                norm=models.make_norm(norm))
-    logits[norm], _ = jax.jit(lambda x: model.apply(
-        _init(model, (1, 28, 28, 1)), x, train=True,
-        mutable=["batch_stats"]))(x)
+    model = models.create_model(
+        "lenet", num_classes=10, norm=models.make_norm(norm)
+    )
+    logits[norm], _ = jax.jit(
+        lambda x: model.apply(
+            _init(model, (1, 28, 28, 1)), x, train=True, mutable=["batch_stats"]
+        )
+    )(x)
   assert not np.allclose(logits["bn"], logits["rbd"], atol=1e-3)
   assert not np.allclose(logits["bn"], logits["sqd1"], atol=1e-3)
 
@@ -242,20 +306,37 @@ def test_make_norm_passes_settings():
   assert sqd.keywords["momentum"] == 0.7
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("bn", models.NormSpec(None)), ("mad", models.NormSpec("mad")),
-    ("sqd2", models.NormSpec("sqd2")), ("sqd:0.9", models.NormSpec("sqd", 0.9)),
-    ("sqd:1e-3", models.NormSpec("sqd", 0.001)), (" wcd ", models.NormSpec("wcd"))])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("bn", models.NormSpec(None)),
+        ("mad", models.NormSpec("mad")),
+        ("sqd2", models.NormSpec("sqd2")),
+        ("sqd:0.9", models.NormSpec("sqd", 0.9)),
+        ("sqd:1e-3", models.NormSpec("sqd", 0.001)),
+        (" wcd ", models.NormSpec("wcd")),
+    ],
+)
 def test_parse_norm(spec, expected):
   assert models.parse_norm(spec) == expected
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("batchnorm", "unknown norm"), ("", "unknown norm"), ("sqd", "needs a quantile"),
-    ("sqd:0", "strictly between 0 and 1"), ("sqd:1", "strictly between 0 and 1"),
-    ("sqd:1.5", "strictly between"), ("sqd:-0.1", "strictly between"),
-    ("sqd:nan", "strictly between"), ("sqd:x", "not a number"),
-    ("mad:0.5", "takes no alpha"), ("bn:0.5", "unknown norm")])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("batchnorm", "unknown norm"),
+        ("", "unknown norm"),
+        ("sqd", "needs a quantile"),
+        ("sqd:0", "strictly between 0 and 1"),
+        ("sqd:1", "strictly between 0 and 1"),
+        ("sqd:1.5", "strictly between"),
+        ("sqd:-0.1", "strictly between"),
+        ("sqd:nan", "strictly between"),
+        ("sqd:x", "not a number"),
+        ("mad:0.5", "takes no alpha"),
+        ("bn:0.5", "unknown norm"),
+    ],
+)
 def test_parse_norm_errors(spec, message):
   with pytest.raises(ValueError, match=message):
     models.parse_norm(spec)
@@ -282,10 +363,12 @@ def _numpy_pool_and_grad(x: np.ndarray, g: np.ndarray):
   y = np.zeros((n, h // 2, w // 2, c))
   dx = np.zeros_like(x)
   for b, i, j, f in np.ndindex(*y.shape):
-    window = x[b, 2 * i:2 * i + 2, 2 * j:2 * j + 2, f]
+    window = x[b, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2, f]
     y[b, i, j, f] = window.max()
     hit = window == window.max()
-    dx[b, 2 * i:2 * i + 2, 2 * j:2 * j + 2, f] += hit * g[b, i, j, f] / hit.sum()
+    dx[b, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2, f] += (
+        hit * g[b, i, j, f] / hit.sum()
+    )
   return y, dx
 
 
@@ -298,32 +381,38 @@ def test_max_pool_2x2_matches_flax_and_numpy(shape):
   g = g.astype(np.float32)
   y, vjp = jax.vjp(models.max_pool_2x2, jnp.asarray(x))
   np.testing.assert_array_equal(
-      y, nn.max_pool(jnp.asarray(x), (2, 2), strides=(2, 2)))
+      y, nn.max_pool(jnp.asarray(x), (2, 2), strides=(2, 2))
+  )
   want_y, want_dx = _numpy_pool_and_grad(x, g)
   np.testing.assert_array_equal(y, want_y)
   np.testing.assert_allclose(vjp(jnp.asarray(g))[0], want_dx, rtol=1e-6)
   # Where every window's maximum is unique, flax's own gradient agrees.
   x[0, :2, :2, 0] = [[1.5, 0.1], [0.2, 0.3]]
-  flax_vjp = jax.vjp(lambda v: nn.max_pool(v, (2, 2), strides=(2, 2)),
-                     jnp.asarray(x))[1]
-  np.testing.assert_array_equal(jax.vjp(models.max_pool_2x2, jnp.asarray(x))[1](
-      jnp.asarray(g))[0], flax_vjp(jnp.asarray(g))[0])
+  flax_vjp = jax.vjp(
+      lambda v: nn.max_pool(v, (2, 2), strides=(2, 2)), jnp.asarray(x)
+  )[1]
+  np.testing.assert_array_equal(
+      jax.vjp(models.max_pool_2x2, jnp.asarray(x))[1](jnp.asarray(g))[0],
+      flax_vjp(jnp.asarray(g))[0],
+  )
 
 
 # --- LeNet's convolutions as matmuls -----------------------------------------------
 
 
-@pytest.mark.parametrize("shape,features", [((2, 12, 12, 1), 20),
-                                            ((3, 9, 11, 7), 5),
-                                            ((1, 5, 5, 2), 3)])
+@pytest.mark.parametrize(
+    "shape,features",
+    [((2, 12, 12, 1), 20), ((3, 9, 11, 7), 5), ((1, 5, 5, 2), 3)],
+)
 def test_patch_conv_equals_flax_conv(shape, features):
   x = jax.random.normal(jax.random.key(0), shape)
   conv = nn.Conv(features, (5, 5), padding="VALID", use_bias=False)
   patch = models.PatchConv(features, (5, 5))
   params = conv.init(jax.random.key(1), x)
   # Same parameter tree and, from the same key, the same initial values.
-  jax.tree.map(np.testing.assert_array_equal, params,
-               patch.init(jax.random.key(1), x))
+  jax.tree.map(
+      np.testing.assert_array_equal, params, patch.init(jax.random.key(1), x)
+  )
   out_shape = (shape[0], shape[1] - 4, shape[2] - 4, features)
   g = jax.random.normal(jax.random.key(2), out_shape)
   want, want_vjp = jax.vjp(conv.apply, params, x)
@@ -341,8 +430,11 @@ def test_lenet_conv_as_matmul_is_the_same_model(norm):
   flax_ops = models.LeNet(conv_as_matmul=False, **kwargs)
   matmul = models.LeNet(conv_as_matmul=True, **kwargs)
   variables = flax_ops.init(jax.random.key(1), x, train=False)
-  jax.tree.map(np.testing.assert_array_equal, variables,
-               matmul.init(jax.random.key(1), x, train=False))
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      variables,
+      matmul.init(jax.random.key(1), x, train=False),
+  )
   for model in (flax_ops, matmul):
     logits, _ = model.apply(variables, x, train=True, mutable=["batch_stats"])
     if model is flax_ops:
@@ -352,19 +444,40 @@ def test_lenet_conv_as_matmul_is_the_same_model(norm):
   assert models.LeNet(**kwargs).conv_as_matmul is None
   default = models.LeNet(**kwargs).apply(variables, x, train=False)
   np.testing.assert_array_equal(
-      default, (matmul if jax.default_backend() == "cpu" else flax_ops).apply(
-          variables, x, train=False))
+      default,
+      (matmul if jax.default_backend() == "cpu" else flax_ops).apply(
+          variables, x, train=False
+      ),
+  )
 
 
-@pytest.mark.parametrize("target,constant", [
-    ("sqd1", lambda n: scipy.stats.norm.pdf(scipy.stats.norm.ppf(0.25)) / 0.75),
-    ("rsd", lambda n: 1 / np.sqrt(2 * np.pi)),
-    # E[range of n standard normals], by scipy's quadrature of n x phi Phi^(n-1).
-    ("rbd", lambda n: 2 * scipy.integrate.quad(
-        lambda t: t * n * scipy.stats.norm.pdf(t) * scipy.stats.norm.cdf(t) ** (n - 1),
-        -12, 12, limit=200)[0]),
-])
-def test_bn_gain_is_batchnorm_with_another_measures_gaussian_d(target, constant):
+@pytest.mark.parametrize(
+    "target,constant",
+    [
+        (
+            "sqd1",
+            lambda n: scipy.stats.norm.pdf(scipy.stats.norm.ppf(0.25)) / 0.75,
+        ),
+        ("rsd", lambda n: 1 / np.sqrt(2 * np.pi)),
+        # E[range of n standard normals], by scipy's quadrature of n x phi Phi^(n-1).
+        (
+            "rbd",
+            lambda n: 2
+            * scipy.integrate.quad(
+                lambda t: t
+                * n
+                * scipy.stats.norm.pdf(t)
+                * scipy.stats.norm.cdf(t) ** (n - 1),
+                -12,
+                12,
+                limit=200,
+            )[0],
+        ),
+    ],
+)
+def test_bn_gain_is_batchnorm_with_another_measures_gaussian_d(
+    target, constant
+):
   x = np.random.default_rng(4).normal(2.0, 3.0, (8, 4, 4, 3)).astype(np.float32)
   norm = models.make_norm(f"bn_gain:{target}", momentum=0.0)
   layer = norm(use_running_average=False)
@@ -373,7 +486,9 @@ def test_bn_gain_is_batchnorm_with_another_measures_gaussian_d(target, constant)
   x64 = x.astype(np.float64)
   mean, sigma = x64.mean(axis=(0, 1, 2)), x64.std(axis=(0, 1, 2))
   d = sigma * constant(8 * 4 * 4)
-  np.testing.assert_allclose(y, (x64 - mean) / np.sqrt(d**2 + 1e-5), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(
+      y, (x64 - mean) / np.sqrt(d**2 + 1e-5), rtol=2e-5, atol=2e-5
+  )
   np.testing.assert_allclose(updates["batch_stats"]["var"], d**2, rtol=1e-5)
   with pytest.raises(ValueError, match="neither a mask"):
     layer.apply(variables, x, mask=x > 0, mutable=["batch_stats"])

@@ -18,9 +18,20 @@ def test_multidevice_suite():
   ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       str(HERE / "multidevice")],
-      env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=1500,
+      [
+          sys.executable,
+          "-m",
+          "pytest",
+          "-q",
+          "-p",
+          "no:cacheprovider",
+          str(HERE / "multidevice"),
+      ],
+      env=env,
+      cwd=HERE.parent,
+      capture_output=True,
+      text=True,
+      timeout=1500,
   )
   print(proc.stdout[-20000:])
   print(proc.stderr[-5000:])

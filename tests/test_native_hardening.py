@@ -27,10 +27,14 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax._selection import common, dispatch, native
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import native
 
 TINY = np.finfo(np.float32).tiny
-needs_native = pytest.mark.skipif(not native.available(), reason="C++ kernel not built")
+needs_native = pytest.mark.skipif(
+    not native.available(), reason="C++ kernel not built"
+)
 
 
 # --------------------------------------------------------------------------
@@ -57,7 +61,9 @@ def ulps(got, want) -> np.ndarray:
   """|got - want| in units of float32's spacing at ``want``."""
   got = np.asarray(got, np.float64)
   want = np.asarray(want, np.float64)
-  return np.abs(got - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+  return np.abs(got - want) / np.spacing(
+      np.abs(want).astype(np.float32)
+  ).astype(np.float64)
 
 
 def daz(x):
@@ -76,11 +82,15 @@ def _close_values(kind: str, rows: int, seed: int = 0) -> np.ndarray:
     return (1000 + rng.standard_normal((rows, 16))).astype(np.float32)
   # values a few ulp apart near 0.73
   base = np.float32(0.73)
-  return (base + rng.integers(0, 6, (rows, 16)) * np.spacing(base)).astype(np.float32)
+  return (base + rng.integers(0, 6, (rows, 16)) * np.spacing(base)).astype(
+      np.float32
+  )
 
 
 @pytest.mark.parametrize("alpha", [1e-4, 1e-3, 0.25])
-@pytest.mark.parametrize("rows", [10000, 50000])  # whole-column and sampled-bracket paths
+@pytest.mark.parametrize(
+    "rows", [10000, 50000]
+)  # whole-column and sampled-bracket paths
 @pytest.mark.parametrize("kind", ["offset", "few_ulps"])
 def test_superquantile_within_two_ulp_at_small_alpha(kind, rows, alpha):
   # A small alpha opened the kernel's bracket down to key 0, its excess was
@@ -90,7 +100,9 @@ def test_superquantile_within_two_ulp_at_small_alpha(kind, rows, alpha):
   assert ulps(got, reference_superquantile(x, alpha)).max() <= 2.0
   # E[(x - q)^+] >= 0, so qbar >= q (an excess once came out negative)
   q = np.asarray(gbn_jax.quantile(x, alpha, axis=0))
-  np.testing.assert_array_equal(q, reference_quantile(x, alpha).astype(np.float32))
+  np.testing.assert_array_equal(
+      q, reference_quantile(x, alpha).astype(np.float32)
+  )
   assert np.all(got >= q)
 
 
@@ -104,7 +116,9 @@ def test_kernel_excess_is_never_negative(rows):
   x[rng.integers(0, rows, 9), np.arange(9)] += np.arange(9) * np.spacing(base)
   for k in (1, 2, rows // 1000, rows // 2, rows):
     value, _, _, excess, _ = native.kth_smallest_with_sums(x, k, (0,))
-    want = np.maximum(x.astype(np.float64) - np.asarray(value, np.float64), 0).mean(axis=0)
+    want = np.maximum(
+        x.astype(np.float64) - np.asarray(value, np.float64), 0
+    ).mean(axis=0)
     assert np.all(np.asarray(excess) >= 0)
     np.testing.assert_allclose(excess, want, rtol=1e-6, atol=0)
 
@@ -135,10 +149,14 @@ def test_superquantile_tangent_counts_nan_as_above():
   q = np.sort(x[~np.isnan(x)])[6]  # the 10th smallest key: after the 3 -nan
   tangent = np.zeros_like(x)
   tangent[np.flatnonzero(x[:, 0] == q), 0] = 1.0
-  _, got = jax.jvp(lambda v: gbn_jax.superquantile(v, alpha, axis=0), (x,), (tangent,))
+  _, got = jax.jvp(
+      lambda v: gbn_jax.superquantile(v, alpha, axis=0), (x,), (tangent,)
+  )
   above = n - int((x <= q).sum())
   assert above == 19993
-  np.testing.assert_allclose(got, 1 - above / (n * (1 - alpha)), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(
+      got, 1 - above / (n * (1 - alpha)), rtol=0, atol=1e-6
+  )
 
 
 # --------------------------------------------------------------------------
@@ -151,7 +169,10 @@ def test_superquantile_tangent_counts_nan_as_above():
         (lambda x: gbn_jax.quantile(x, 0.5, axis=0), (2**31 + 5, 1)),
         (lambda x: gbn_jax.superquantile(x, 0.5, axis=0), (2**31 + 5, 1)),
         (lambda x: gbn_jax.get_measure("sqd1")(x, 0), (2**31 + 5, 3)),
-        (lambda x: gbn_jax.quantile(x, 0.5, axis=(0, 1)), (2**16, 2**15 + 1, 2)),
+        (
+            lambda x: gbn_jax.quantile(x, 0.5, axis=(0, 1)),
+            (2**16, 2**15 + 1, 2),
+        ),
     ],
     ids=["quantile", "superquantile", "sqd1", "two_axes"],
 )
@@ -164,7 +185,9 @@ def test_more_than_int32_rows_is_a_clear_error(fn, shape):
 
 def test_int32_row_limit_itself_traces():
   at_limit = jax.ShapeDtypeStruct((2**31 - 1, 1), jnp.float32)
-  out = jax.eval_shape(lambda x: gbn_jax.superquantile(x, 0.5, axis=0), at_limit)
+  out = jax.eval_shape(
+      lambda x: gbn_jax.superquantile(x, 0.5, axis=0), at_limit
+  )
   assert out.shape == (1,)
   common.check_element_count(2**31 - 1)
   with pytest.raises(ValueError, match="at most"):
@@ -178,7 +201,9 @@ def test_int32_row_limit_itself_traces():
 def _huge(rows: int, seed: int = 6) -> np.ndarray:
   rng = np.random.default_rng(seed)
   sign = rng.choice(np.float32([-1, 1]), (rows, 8))
-  return (sign * rng.uniform(0.5, 1.0, (rows, 8)) * np.float32(1e38)).astype(np.float32)
+  return (sign * rng.uniform(0.5, 1.0, (rows, 8)) * np.float32(1e38)).astype(
+      np.float32
+  )
 
 
 @pytest.mark.parametrize("alpha", [1e-6, 0.5])
@@ -188,14 +213,23 @@ def test_sqd_keeps_the_quantile_of_values_near_float_max(rows, alpha):
   # excess came out NaN and took the quantile S with it.
   x = _huge(rows)
   s, d = gbn_jax.get_measure("sqd", alpha=alpha)(x, 0)
-  np.testing.assert_array_equal(s, reference_quantile(x, alpha).astype(np.float32))
+  np.testing.assert_array_equal(
+      s, reference_quantile(x, alpha).astype(np.float32)
+  )
   if not native.available():
     return  # the sort path keeps S; only its D may overflow
   x64 = x.astype(np.float64)
   scale = 1e38
   want_qbar = reference_superquantile(x, alpha)
-  np.testing.assert_allclose(gbn_jax.superquantile(x, alpha, axis=0), want_qbar, rtol=0, atol=1e-6 * scale)
-  np.testing.assert_allclose(d, want_qbar - x64.mean(axis=0), rtol=0, atol=1e-5 * scale)
+  np.testing.assert_allclose(
+      gbn_jax.superquantile(x, alpha, axis=0),
+      want_qbar,
+      rtol=0,
+      atol=1e-6 * scale,
+  )
+  np.testing.assert_allclose(
+      d, want_qbar - x64.mean(axis=0), rtol=0, atol=1e-5 * scale
+  )
 
 
 @needs_native
@@ -203,15 +237,25 @@ def test_kernel_sums_do_not_overflow_where_the_result_is_finite():
   # Means and excesses of values near float's max, summed in float64 where a
   # float32 block sum overflows; both sweeps (8 and 11 columns), both paths.
   for rows in (10000, 50000):
-    x = np.concatenate([_huge(rows), _huge(rows, seed=7)[:, :3]], axis=1) * np.float32(3.0)
+    x = np.concatenate(
+        [_huge(rows), _huge(rows, seed=7)[:, :3]], axis=1
+    ) * np.float32(3.0)
     for k in (1, rows // 2, rows):
       value, _, mean, excess, _ = native.kth_smallest_with_sums(x, k, (0,))
       x64 = x.astype(np.float64)
-      want_excess = np.maximum(x64 - np.asarray(value, np.float64), 0).mean(axis=0)
-      np.testing.assert_allclose(mean, x64.mean(axis=0), rtol=1e-5, atol=1e-7 * 3e38)
+      want_excess = np.maximum(x64 - np.asarray(value, np.float64), 0).mean(
+          axis=0
+      )
+      np.testing.assert_allclose(
+          mean, x64.mean(axis=0), rtol=1e-5, atol=1e-7 * 3e38
+      )
       with np.errstate(over="ignore"):
-        want_excess = want_excess.astype(np.float32)  # +inf beyond float's range
-      np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-7 * 3e38)
+        want_excess = want_excess.astype(
+            np.float32
+        )  # +inf beyond float's range
+      np.testing.assert_allclose(
+          excess, want_excess, rtol=1e-5, atol=1e-7 * 3e38
+      )
 
 
 # --------------------------------------------------------------------------
@@ -223,10 +267,14 @@ def test_kernel_sums_do_not_overflow_where_the_result_is_finite():
 def test_kernel_rejects_bad_bracket_sigmas(sigmas):
   # selection_config refuses most of these; the kernel must still refuse all
   # of them from a direct call (it overflowed int64_t(floor(...)) before).
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((20000, 3)), jnp.float32)
+  x = jnp.asarray(
+      np.random.default_rng(0).standard_normal((20000, 3)), jnp.float32
+  )
   for call in (native.kth_smallest_keys, native.kth_smallest_sums):
     with pytest.raises(Exception, match="bracket_sigmas"):
-      jax.block_until_ready(call(x, jnp.full((3,), 7, jnp.int32), bracket_sigmas=sigmas))
+      jax.block_until_ready(
+          call(x, jnp.full((3,), 7, jnp.int32), bracket_sigmas=sigmas)
+      )
 
 
 @pytest.mark.parametrize("sigmas", [np.inf, np.nan, -1.0])
@@ -242,7 +290,9 @@ def test_selection_config_rejects_bad_bracket_sigmas(sigmas):
 
 def numpy_kth(x, k):
   """k-th smallest per column (bitwise; -0.0 as +0.0), from np.sort."""
-  out = np.sort(np.asarray(x, np.float32), axis=0)[np.asarray(k) - 1, np.arange(x.shape[1])]
+  out = np.sort(np.asarray(x, np.float32), axis=0)[
+      np.asarray(k) - 1, np.arange(x.shape[1])
+  ]
   return np.where(out == 0, np.float32(0), out)
 
 
@@ -250,8 +300,12 @@ def check_kernel(x, k, paths=None):
   """Value, ties, mean, excess and above count of both entry points vs numpy."""
   k = np.broadcast_to(np.asarray(k, np.int32), (x.shape[1],))
   want = numpy_kth(x, k)
-  value, ties = dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="native", return_ties=True)
-  np.testing.assert_array_equal(np.asarray(value).view(np.int32), want.view(np.int32))
+  value, ties = dispatch.kth_smallest(
+      x, jnp.asarray(k), (0,), method="native", return_ties=True
+  )
+  np.testing.assert_array_equal(
+      np.asarray(value).view(np.int32), want.view(np.int32)
+  )
   want_ties = (daz(x) == daz(want)[None]).sum(axis=0)
   np.testing.assert_array_equal(ties, want_ties)
   got = native.kth_smallest_sums(jnp.asarray(x), jnp.asarray(k))
@@ -260,12 +314,18 @@ def check_kernel(x, k, paths=None):
   x64 = x.astype(np.float64)
   finite = np.abs(x64[np.isfinite(x64)])
   scale = max(float(finite.mean()) if finite.size else 1.0, 1e-30)
-  np.testing.assert_allclose(got[3], x64.mean(axis=0), rtol=1e-6, atol=1e-7 * scale)
+  np.testing.assert_allclose(
+      got[3], x64.mean(axis=0), rtol=1e-6, atol=1e-7 * scale
+  )
   q = want.astype(np.float64)[None]
-  with np.errstate(invalid="ignore"):  # inf - inf where x == q == inf: not taken
+  with np.errstate(
+      invalid="ignore"
+  ):  # inf - inf where x == q == inf: not taken
     excess = np.where(x64 > q, x64 - q, 0.0).mean(axis=0)
   np.testing.assert_allclose(got[4], excess, rtol=1e-6, atol=1e-7 * scale)
-  np.testing.assert_array_equal(got[5], (~(daz(x) <= daz(want)[None])).sum(axis=0))
+  np.testing.assert_array_equal(
+      got[5], (~(daz(x) <= daz(want)[None])).sum(axis=0)
+  )
   if paths is not None:
     got_paths = {native.PATHS[p] for p in np.asarray(got[2])}
     assert got_paths <= set(paths), got_paths
@@ -273,7 +333,9 @@ def check_kernel(x, k, paths=None):
 
 
 @needs_native
-@pytest.mark.parametrize("columns", [1, 3, 9, 19])  # scalar sweep, and AVX2 groups
+@pytest.mark.parametrize(
+    "columns", [1, 3, 9, 19]
+)  # scalar sweep, and AVX2 groups
 def test_kernel_bracket_over_two_atoms_uses_histogram_passes(columns):
   # Two values half and half: a bracket around the middle spans both, more
   # keys than the sweep may gather (an eighth of the column). It used to
@@ -294,10 +356,13 @@ def test_kernel_histogram_pass_resolves_a_bin_too_large_to_gather():
   # a second histogram pass over the column, not a gather.
   rng = np.random.default_rng(12)
   one = np.float32(1.0)
-  x = np.concatenate([
-      rng.uniform(0.9, 1.0, 50_000).astype(np.float32),
-      np.full(1_200_000, one), np.full(1_200_000, np.nextafter(one, np.float32(2))),
-  ])
+  x = np.concatenate(
+      [
+          rng.uniform(0.9, 1.0, 50_000).astype(np.float32),
+          np.full(1_200_000, one),
+          np.full(1_200_000, np.nextafter(one, np.float32(2))),
+      ]
+  )
   x = rng.permutation(x)[:, None]
   got = check_kernel(x, [50_010])
   assert native.PATHS[int(got[2][0])] == "histogram"
@@ -313,7 +378,9 @@ def test_kernel_atom_at_an_extreme_rank_is_a_single_key(columns):
   x = np.full((rows, columns), 3.25, np.float32)
   for k in (1, 2, 5, rows - 3, rows):
     check_kernel(x, k, paths={"single_key"})
-  relu = np.maximum(np.random.default_rng(1).standard_normal((rows, columns)), 0).astype(np.float32)
+  relu = np.maximum(
+      np.random.default_rng(1).standard_normal((rows, columns)), 0
+  ).astype(np.float32)
   check_kernel(relu, 3, paths={"single_key"})
   # A few values below the atom that the sample missed: the bracket misses
   # and the column is selected whole, still exactly.
@@ -340,8 +407,7 @@ def test_kernel_missed_brackets_by_histogram_and_gather(columns, monkeypatch):
 # --------------------------------------------------------------------------
 # 2. Peak memory on atoms at an extreme rank (subprocess: ru_maxrss).
 
-MEMORY_SCRIPT = textwrap.dedent(
-    """
+MEMORY_SCRIPT = textwrap.dedent("""
     import resource, sys
     import numpy as np, jax, jax.numpy as jnp, gbn_jax
     rows, kind, fn, alpha = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
@@ -358,15 +424,17 @@ MEMORY_SCRIPT = textwrap.dedent(
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert abs(got - want) <= 1e-6, (got, want)
     print("GROWTH", (after - before) * 1024 / (4 * rows))
-    """
-)
+    """)
 
 
 @needs_native
 @pytest.mark.parametrize(
     "kind,fn,alpha",
-    [("constant", "quantile", 1e-7), ("constant", "superquantile", 0.9999999),
-     ("two_valued", "superquantile", 0.5)],
+    [
+        ("constant", "quantile", 1e-7),
+        ("constant", "superquantile", 0.9999999),
+        ("two_valued", "superquantile", 0.5),
+    ],
 )
 def test_subprocess_peak_memory_on_atoms(kind, fn, alpha):
   # A constant 50M x 1 column at alpha = 1e-7 grew peak RSS by 5.1x its size:
@@ -375,7 +443,10 @@ def test_subprocess_peak_memory_on_atoms(kind, fn, alpha):
   rows = 20_000_000  # 80 MB
   proc = subprocess.run(
       [sys.executable, "-c", MEMORY_SCRIPT, str(rows), kind, fn, repr(alpha)],
-      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   growth = float(proc.stdout.split("GROWTH")[-1])
@@ -385,8 +456,7 @@ def test_subprocess_peak_memory_on_atoms(kind, fn, alpha):
 # --------------------------------------------------------------------------
 # 3. An allocation failure is a Python exception (subprocess: RLIMIT_AS).
 
-ALLOCATION_SCRIPT = textwrap.dedent(
-    """
+ALLOCATION_SCRIPT = textwrap.dedent("""
     import gc, resource, sys
     import numpy as np, jax, gbn_jax
     rows, columns, kind, sigmas = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
@@ -427,8 +497,7 @@ ALLOCATION_SCRIPT = textwrap.dedent(
     if limited is not None:
       assert np.array_equal(limited, free), (limited, free)
     print("ALIVE", free[:2], flush=True)
-    """
-)
+    """)
 
 
 @needs_native
@@ -445,10 +514,23 @@ ALLOCATION_SCRIPT = textwrap.dedent(
     ],
     ids=["two_valued", "missed_brackets"],
 )
-def test_subprocess_allocation_failure_raises(rows, columns, kind, sigmas, must_raise):
+def test_subprocess_allocation_failure_raises(
+    rows, columns, kind, sigmas, must_raise
+):
   proc = subprocess.run(
-      [sys.executable, "-c", ALLOCATION_SCRIPT, str(rows), str(columns), kind, repr(sigmas)],
-      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300,
+      [
+          sys.executable,
+          "-c",
+          ALLOCATION_SCRIPT,
+          str(rows),
+          str(columns),
+          kind,
+          repr(sigmas),
+      ],
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   output = proc.stdout + proc.stderr[-3000:]
   assert proc.returncode == 0, f"died with {proc.returncode}: {output}"
@@ -466,9 +548,23 @@ def test_kernel_portable_code():
   # GBN_KTH_SCALAR=1 makes the kernel run its portable (non-AVX2) code.
   env = dict(os.environ, GBN_KTH_SCALAR="1")
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-       "-k", "kernel and not portable and not subprocess"],
-      env=env, capture_output=True, text=True, timeout=900,
+      [
+          sys.executable,
+          "-m",
+          "pytest",
+          "-q",
+          "-p",
+          "no:cacheprovider",
+          __file__,
+          "-k",
+          "kernel and not portable and not subprocess",
+      ],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
   )
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[
+      -2000:
+  ]

@@ -28,8 +28,13 @@ SOURCE = ROOT / "gbn_jax" / "csrc" / "kth_smallest_cpu.cc"
 INCLUDE = ROOT / "gbn_jax" / "csrc" / "third_party"
 # Seconds of fuzzing per run (after the fixed cases), AVX2 and portable code.
 FUZZ_SECONDS = {"avx2": 35.0, "portable": 15.0}
-SANITIZER_REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer",
-                     "UndefinedBehaviorSanitizer", "AddressSanitizer:DEADLYSIGNAL")
+SANITIZER_REPORTS = (
+    "ERROR: AddressSanitizer",
+    "runtime error:",
+    "ERROR: LeakSanitizer",
+    "UndefinedBehaviorSanitizer",
+    "AddressSanitizer:DEADLYSIGNAL",
+)
 
 
 def _compiler() -> str | None:
@@ -43,11 +48,18 @@ def _runtime_library(cxx: str, name: str) -> str | None:
   """The compiler's copy of a runtime library (libasan.so, libstdc++.so)."""
   try:
     path = subprocess.run(
-        [cxx, f"-print-file-name={name}"], capture_output=True, text=True, timeout=60
+        [cxx, f"-print-file-name={name}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return None
-  return os.path.realpath(path) if os.path.isabs(path) and os.path.exists(path) else None
+  return (
+      os.path.realpath(path)
+      if os.path.isabs(path) and os.path.exists(path)
+      else None
+  )
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +80,33 @@ def sanitized_build(tmp_path_factory):
   # -fno-builtin: at -O1 GCC turns int64_t(floor(x)) into lfloor, whose
   # overflow float-cast-overflow then misses.
   command = [
-      cxx, "-std=c++17", "-O1", "-fno-builtin", "-g", "-fno-omit-frame-pointer", "-fPIC",
-      "-shared", "-pthread",
-      "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all",
-      f"-I{INCLUDE}", str(SOURCE), "-o", str(library),
+      cxx,
+      "-std=c++17",
+      "-O1",
+      "-fno-builtin",
+      "-g",
+      "-fno-omit-frame-pointer",
+      "-fPIC",
+      "-shared",
+      "-pthread",
+      "-fsanitize=address,undefined,float-cast-overflow",
+      "-fno-sanitize-recover=all",
+      f"-I{INCLUDE}",
+      str(SOURCE),
+      "-o",
+      str(library),
   ]
   proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
   if proc.returncode != 0:
     if "sanitize" in proc.stderr or "asan" in proc.stderr:
-      pytest.skip(f"the compiler cannot build with sanitizers: {proc.stderr[-500:]}")
+      pytest.skip(
+          f"the compiler cannot build with sanitizers: {proc.stderr[-500:]}"
+      )
     pytest.fail(f"sanitizer build failed:\n{proc.stderr[-3000:]}")
   return str(library), preload
 
 
-FUZZ_SCRIPT = textwrap.dedent(
-    r"""
+FUZZ_SCRIPT = textwrap.dedent(r"""
     import os, sys, time
     import numpy as np
     import jax, jax.numpy as jnp
@@ -227,8 +251,7 @@ FUZZ_SCRIPT = textwrap.dedent(
     # Every path was taken (the fixed cases see to it).
     assert set(seen) == set(native.PATHS), seen
     print("FUZZ OK", cases, "cases; columns per path:", seen, flush=True)
-    """
-)
+    """)
 
 
 @pytest.mark.parametrize("code", ["avx2", "portable"])
@@ -250,7 +273,11 @@ def test_kernel_fuzz_under_sanitizers(sanitized_build, code):
   seed = 0 if code == "avx2" else 1
   proc = subprocess.run(
       [sys.executable, "-c", FUZZ_SCRIPT, str(seed), str(FUZZ_SECONDS[code])],
-      env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      cwd=ROOT,
   )
   output = proc.stdout[-3000:] + proc.stderr[-8000:]
   reports = [r for r in SANITIZER_REPORTS if r in proc.stderr]

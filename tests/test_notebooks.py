@@ -44,7 +44,8 @@ NOTEBOOK_DIR = REPO / "notebooks"
 def _load_execute():
   """``notebooks/execute.py`` as a module (``notebooks`` is no package)."""
   spec = importlib.util.spec_from_file_location(
-      "gbn_notebooks_execute", NOTEBOOK_DIR / "execute.py")
+      "gbn_notebooks_execute", NOTEBOOK_DIR / "execute.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -83,8 +84,11 @@ def _has_png(outputs) -> bool:
 
 
 def _errors(outputs) -> list[str]:
-  return [f"{o.get('ename')}: {o.get('evalue')}" for o in outputs
-          if o.get("output_type") == "error"]
+  return [
+      f"{o.get('ename')}: {o.get('evalue')}"
+      for o in outputs
+      if o.get("output_type") == "error"
+  ]
 
 
 def _committed(name: str) -> nbformat.NotebookNode:
@@ -102,9 +106,11 @@ def test_pairing_is_configured():
 
   path = find_jupytext_configuration_file(str(NOTEBOOK_DIR))
   assert path is not None and pathlib.Path(path).parent == NOTEBOOK_DIR
-  formats = ",".join(
-      load_jupytext_configuration_file(path).formats
-  ).replace(" ", "").split(",")
+  formats = (
+      ",".join(load_jupytext_configuration_file(path).formats)
+      .replace(" ", "")
+      .split(",")
+  )
   assert "ipynb" in formats and "py:percent" in formats, formats
 
 
@@ -120,9 +126,11 @@ def test_ipynb_matches_py(name):
   nbformat.validate(ipynb)
   expected, actual = _cells(py_nb), _cells(ipynb)
   if expected != actual:
-    diff = "".join(difflib.unified_diff(
-        _render(expected), _render(actual), f"{name}.py", f"{name}.ipynb"
-    ))
+    diff = "".join(
+        difflib.unified_diff(
+            _render(expected), _render(actual), f"{name}.py", f"{name}.ipynb"
+        )
+    )
     pytest.fail(
         f"notebooks/{name}.ipynb is out of sync with notebooks/{name}.py; run"
         f" `{REGENERATE.format(name=name)}` (or, after a markdown-only"
@@ -139,26 +147,33 @@ def test_ipynb_committed_executed(name):
   counts = [cell.execution_count for cell in code]
   assert counts == list(range(1, len(code) + 1)), (
       f"notebooks/{name}.ipynb is not executed top to bottom in one kernel"
-      f" (execution counts {counts}){fix}")
+      f" (execution counts {counts}){fix}"
+  )
   errors = {i: _errors(cell.outputs) for i, cell in enumerate(code)}
   assert not any(errors.values()), (errors, fix)
   stamp = ipynb.metadata.get("gbn_jax", {}).get("code_sha256")
   assert stamp == execute.code_sha256(ipynb), (
       f"the outputs of notebooks/{name}.ipynb come from other code than its"
-      f" cells hold now{fix}")
-  assert any(_has_png(cell.outputs) for cell in code), (
-      f"notebooks/{name}.ipynb has no figure{fix}"
-      + (" where results/ holds runs" if name in DEPENDS_ON_RESULTS else ""))
+      f" cells hold now{fix}"
+  )
+  assert any(
+      _has_png(cell.outputs) for cell in code
+  ), f"notebooks/{name}.ipynb has no figure{fix}" + (
+      " where results/ holds runs" if name in DEPENDS_ON_RESULTS else ""
+  )
   for cell in code:
     if _SHOWS.search(cell.source):
-      assert _has_png(cell.outputs), (
-          f"no figure in the committed cell{fix}:\n{cell.source[:300]}")
-  assert "widgets" not in ipynb.metadata, (
-      f"notebooks/{name}.ipynb stores widget state{fix}")
+      assert _has_png(
+          cell.outputs
+      ), f"no figure in the committed cell{fix}:\n{cell.source[:300]}"
+  assert (
+      "widgets" not in ipynb.metadata
+  ), f"notebooks/{name}.ipynb stores widget state{fix}"
   size = (NOTEBOOK_DIR / f"{name}.ipynb").stat().st_size
   assert size <= MAX_IPYNB_BYTES, (
       f"notebooks/{name}.ipynb has {size / 2**20:.1f} MiB; make its figures"
-      " smaller")
+      " smaller"
+  )
 
 
 def _widget_notebook() -> nbformat.NotebookNode:
@@ -166,19 +181,38 @@ def _widget_notebook() -> nbformat.NotebookNode:
   nb = nbformat.v4.new_notebook()
   cell = nbformat.v4.new_code_cell("display(slider)")
   cell.outputs = [
-      nbformat.v4.new_output("display_data", data={
-          execute.WIDGET_VIEW: {"model_id": "dd353ed5e9ea4897889d093f1f39f8aa",
-                                "version_major": 2, "version_minor": 0},
-          "text/plain": "IntSlider(value=3)"}),
-      nbformat.v4.new_output("display_data", data={
-          execute.WIDGET_VIEW: {"model_id": "0123", "version_major": 2,
-                                "version_minor": 0}}),
-      nbformat.v4.new_output("stream", text="3\n")]
+      nbformat.v4.new_output(
+          "display_data",
+          data={
+              execute.WIDGET_VIEW: {
+                  "model_id": "dd353ed5e9ea4897889d093f1f39f8aa",
+                  "version_major": 2,
+                  "version_minor": 0,
+              },
+              "text/plain": "IntSlider(value=3)",
+          },
+      ),
+      nbformat.v4.new_output(
+          "display_data",
+          data={
+              execute.WIDGET_VIEW: {
+                  "model_id": "0123",
+                  "version_major": 2,
+                  "version_minor": 0,
+              }
+          },
+      ),
+      nbformat.v4.new_output("stream", text="3\n"),
+  ]
   nb.cells = [nbformat.v4.new_markdown_cell("# x", id="cell-a"), cell]
   cell.id = "cell-b"  # random by default; write() derives them from content
-  nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
-      "state": {"dd353ed5e9ea4897889d093f1f39f8aa": {"model_name": "x"}},
-      "version_major": 2, "version_minor": 0}}
+  nb.metadata["widgets"] = {
+      "application/vnd.jupyter.widget-state+json": {
+          "state": {"dd353ed5e9ea4897889d093f1f39f8aa": {"model_name": "x"}},
+          "version_major": 2,
+          "version_minor": 0,
+      }
+  }
   return nb
 
 
@@ -196,7 +230,8 @@ def test_drop_widget_state_removes_every_model_id_idempotently():
   other = _widget_notebook()
   other.cells[1].outputs[0].data[execute.WIDGET_VIEW]["model_id"] = "f" * 32
   other.metadata.widgets["application/vnd.jupyter.widget-state+json"][
-      "state"] = {"f" * 32: {"model_name": "x"}}
+      "state"
+  ] = {"f" * 32: {"model_name": "x"}}
   assert nbformat.writes(execute.drop_widget_state(other)) == text
 
 
@@ -206,7 +241,8 @@ def test_committed_ipynb_holds_no_widget_ids(name):
   path = NOTEBOOK_DIR / f"{name}.ipynb"
   assert "model_id" not in path.read_text(), (
       f"notebooks/{name}.ipynb holds a widget model_id; run "
-      f"`{REGENERATE.format(name=name)}`")
+      f"`{REGENERATE.format(name=name)}`"
+  )
   committed = _committed(name)
   before = nbformat.writes(committed)
   assert nbformat.writes(execute.drop_widget_state(committed)) == before
@@ -231,10 +267,16 @@ def _execute(name: str, kernel_name: str) -> nbformat.NotebookNode:
 
 def _widget_outputs(nb) -> list[list[dict]]:
   """The outputs held by each Output widget (interactive_output's)."""
-  state = nb.metadata.get("widgets", {}).get(
-      "application/vnd.jupyter.widget-state+json", {}).get("state", {})
-  return [model["state"].get("outputs", []) for model in state.values()
-          if model.get("model_name") == "OutputModel"]
+  state = (
+      nb.metadata.get("widgets", {})
+      .get("application/vnd.jupyter.widget-state+json", {})
+      .get("state", {})
+  )
+  return [
+      model["state"].get("outputs", [])
+      for model in state.values()
+      if model.get("model_name") == "OutputModel"
+  ]
 
 
 @pytest.mark.slow
@@ -247,16 +289,19 @@ def test_notebook_executes(name, kernel_name):
 
   for cell, old in zip(code, committed):
     if _SHOWS.search(cell.source):
-      assert _has_png(cell.outputs), (
-          f"no figure rendered by the cell:\n{cell.source[:300]}")
+      assert _has_png(
+          cell.outputs
+      ), f"no figure rendered by the cell:\n{cell.source[:300]}"
     # Whatever the code shows now, the committed notebook shows too.
     assert old.outputs or not cell.outputs, (
         f"the committed cell has no output; run"
-        f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}")
+        f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}"
+    )
     if name not in DEPENDS_ON_RESULTS and _has_png(cell.outputs):
       assert _has_png(old.outputs), (
           f"the committed cell has no figure; run"
-          f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}")
+          f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}"
+      )
 
   # interactive_output ran its function once, with the widgets' defaults,
   # into its Output widget (an exception there fails no cell).
@@ -264,17 +309,28 @@ def test_notebook_executes(name, kernel_name):
   for outputs in widget_outputs:
     assert not _errors(outputs), outputs
   if any("interactive_output(" in cell.source for cell in code):
-    assert any(_has_png(outputs) for outputs in widget_outputs), (
-        "the interactive panel rendered no figure for its default values")
+    assert any(
+        _has_png(outputs) for outputs in widget_outputs
+    ), "the interactive panel rendered no figure for its default values"
 
 
 # --- the results notebook on made-up results -------------------------------
 
-_CONFIG = {"dataset": "fashion_mnist", "model": "lenet", "norm": "bn",
-           "epochs": 3, "batch_size": 1000, "learning_rate": 0.01,
-           "momentum": 0.0, "weight_decay": 0.0005, "augment": False,
-           "seed": 0, "eval_every": 1, "norm_momentum": 0.9,
-           "norm_epsilon": 1e-05}
+_CONFIG = {
+    "dataset": "fashion_mnist",
+    "model": "lenet",
+    "norm": "bn",
+    "epochs": 3,
+    "batch_size": 1000,
+    "learning_rate": 0.01,
+    "momentum": 0.0,
+    "weight_decay": 0.0005,
+    "augment": False,
+    "seed": 0,
+    "eval_every": 1,
+    "norm_momentum": 0.9,
+    "norm_epsilon": 1e-05,
+}
 
 
 def _run(folder: pathlib.Path, errors: list[float], **config) -> pathlib.Path:
@@ -284,11 +340,18 @@ def _run(folder: pathlib.Path, errors: list[float], **config) -> pathlib.Path:
   rows, elapsed = [], 0.0
   for epoch, error in enumerate(errors, start=1):
     elapsed += 20.0 + epoch
-    rows.append({"epoch": epoch, "train_loss": 1.0 / epoch + error,
-                 "test_error": error, "seconds": 20.0 + epoch,
-                 "elapsed_seconds": elapsed})
+    rows.append(
+        {
+            "epoch": epoch,
+            "train_loss": 1.0 / epoch + error,
+            "test_error": error,
+            "seconds": 20.0 + epoch,
+            "elapsed_seconds": elapsed,
+        }
+    )
   (folder / "metrics.jsonl").write_text(
-      "".join(json.dumps(row) + "\n" for row in rows))
+      "".join(json.dumps(row) + "\n" for row in rows)
+  )
   return folder
 
 
@@ -296,11 +359,20 @@ def _activations(folder: pathlib.Path) -> None:
   percentiles = [10, 50, 90]
   with open(folder / "activations.jsonl", "w") as f:
     for step in range(0, 30, 10):
-      f.write(json.dumps({
-          "step": step, "epoch": 1 + step // 20, "layer": "norm1",
-          "feature": 0, "percentiles": percentiles,
-          "before": [-1.0 - step / 30, 0.1, 1.0 + step / 30],
-          "after": [-1.2, 0.0, 1.2]}) + "\n")
+      f.write(
+          json.dumps(
+              {
+                  "step": step,
+                  "epoch": 1 + step // 20,
+                  "layer": "norm1",
+                  "feature": 0,
+                  "percentiles": percentiles,
+                  "before": [-1.0 - step / 30, 0.1, 1.0 + step / 30],
+                  "after": [-1.2, 0.0, 1.2],
+              }
+          )
+          + "\n"
+      )
 
 
 @pytest.fixture
@@ -309,22 +381,37 @@ def made_up_results(tmp_path) -> pathlib.Path:
   sweep = tmp_path / "results" / "sweeps" / "fmnist"
   for lr, worse in ((0.01, 0.0), (0.1, 0.05)):
     for seed in (0, 1):
-      _run(sweep / f"bn-lr{lr}-seed{seed}",
-           [0.3, 0.25, 0.2 + seed / 100 + worse], learning_rate=lr, seed=seed)
-      _run(sweep / f"sqd1-lr{lr}-seed{seed}",
-           [0.28, 0.22, 0.19 - seed / 100 + worse], norm="sqd1",
-           learning_rate=lr, seed=seed)
+      _run(
+          sweep / f"bn-lr{lr}-seed{seed}",
+          [0.3, 0.25, 0.2 + seed / 100 + worse],
+          learning_rate=lr,
+          seed=seed,
+      )
+      _run(
+          sweep / f"sqd1-lr{lr}-seed{seed}",
+          [0.28, 0.22, 0.19 - seed / 100 + worse],
+          norm="sqd1",
+          learning_rate=lr,
+          seed=seed,
+      )
   _run(sweep / "rsd-lr0.01-seed0", [0.3], norm="rsd")  # unfinished
   failed = _run(sweep / "rsd-lr0.01-seed1", [0.5], norm="rsd", seed=1)
   (failed / "sweep_status.json").write_text(
-      json.dumps({"status": "failed", "error": "training loss became nan"}))
+      json.dumps({"status": "failed", "error": "training loss became nan"})
+  )
   _run(sweep / "mad-lr0.01-seed0", [], norm="mad")  # started: no epoch yet
   half = _run(sweep / "mad-lr0.01-seed1", [0.3], norm="mad", seed=1)
   with open(half / "metrics.jsonl", "a") as f:  # a line being written
     f.write('{"epoch": 2, "train_lo')
   for norm in ("bn", "sqd1"):
-    _activations(_run(tmp_path / "results" / "activations" / norm, [0.3],
-                      norm=norm, epochs=1))
+    _activations(
+        _run(
+            tmp_path / "results" / "activations" / norm,
+            [0.3],
+            norm=norm,
+            epochs=1,
+        )
+    )
   return tmp_path / "results"
 
 
@@ -340,13 +427,17 @@ def _text(nb) -> str:
 
 
 @pytest.mark.slow
-def test_results_notebook_on_partial_results(made_up_results, kernel_name,
-                                             monkeypatch):
+def test_results_notebook_on_partial_results(
+    made_up_results, kernel_name, monkeypatch
+):
   monkeypatch.setenv("GBN_RESULTS_DIR", str(made_up_results))
   nb = _execute("results", kernel_name)
   text = _text(nb)
-  pngs = sum(output.get("data", {}).keys() >= {"image/png"}
-             for cell in _code(nb) for output in cell.outputs)
+  pngs = sum(
+      output.get("data", {}).keys() >= {"image/png"}
+      for cell in _code(nb)
+      for output in cell.outputs
+  )
   assert pngs == 3  # curves of the two settings, one activations figure
   assert "| setting | bn | mad | rsd | sqd1 |" in text
   assert "1 unfinished (1/3 epochs); 1 failed (1/3 epochs)" in text  # rsd

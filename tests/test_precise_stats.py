@@ -17,14 +17,18 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax import GBatchNorm, precise_batch_stats
-import reference as ref
-from test_train import TINY, small_dataset, write_tiny_mnist
+from gbn_jax import GBatchNorm
+from gbn_jax import precise_batch_stats
 from train import checkpointing
 from train import configs
 from train import input_pipeline
 from train import main as train_main
 from train import train
+
+import reference as ref
+from test_train import TINY
+from test_train import small_dataset
+from test_train import write_tiny_mnist
 
 BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 
@@ -37,8 +41,9 @@ class Net(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    norm = lambda cls, **kw: cls(use_running_average=False,
-                                 momentum=self.momentum, **kw)
+    norm = lambda cls, **kw: cls(
+        use_running_average=False, momentum=self.momentum, **kw
+    )
     x = nn.Conv(3, (2, 2), name="conv1")(x)
     x = nn.relu(norm(GBatchNorm, measure=self.measure, name="gbn1")(x))
     x = nn.Conv(4, (2, 2), name="conv2")(x)
@@ -49,14 +54,20 @@ class Net(nn.Module):
 
 def _batches(count=3, shape=(6, 4, 4, 2), seed=0):
   x = jax.random.normal(jax.random.key(seed), (count, *shape)) * 1.5 + 0.3
-  return jnp.round(x * 64) / 64 + 1e-3 * jax.random.uniform(jax.random.key(1), x.shape)
+  return jnp.round(x * 64) / 64 + 1e-3 * jax.random.uniform(
+      jax.random.key(1), x.shape
+  )
 
 
 def _variables(model, batch):
   variables = model.init(jax.random.key(2), batch)
   # Running statistics far from any batch's: they must not leak in.
-  return {**variables, "batch_stats": jax.tree.map(
-      lambda a: a * 3 + 7, variables["batch_stats"])}
+  return {
+      **variables,
+      "batch_stats": jax.tree.map(
+          lambda a: a * 3 + 7, variables["batch_stats"]
+      ),
+  }
 
 
 def _norm_inputs(model, variables, batch):
@@ -64,8 +75,10 @@ def _norm_inputs(model, variables, batch):
   captured = {}
 
   def capture(next_fun, args, kwargs, context):
-    if (isinstance(context.module, nn.BatchNorm)
-        and context.method_name == "__call__"):
+    if (
+        isinstance(context.module, nn.BatchNorm)
+        and context.method_name == "__call__"
+    ):
       captured[context.module.name] = np.asarray(args[0], np.float64)
     return next_fun(*args, **kwargs)
 
@@ -80,12 +93,16 @@ def _reference(model, variables, batches, measures):
   for batch in batches:
     for name, x in _norm_inputs(model, variables, batch).items():
       axes = tuple(range(x.ndim - 1))
-      s, d = ref.per_feature(lambda v: ref.measure_1d(measures[name], v), x, axes)
+      s, d = ref.per_feature(
+          lambda v: ref.measure_1d(measures[name], v), x, axes
+      )
       total = sums.setdefault(name, {"mean": 0.0, "var": 0.0})
       total["mean"] = total["mean"] + s
       total["var"] = total["var"] + d**2
-  return {name: {k: v / len(batches) for k, v in total.items()}
-          for name, total in sums.items()}
+  return {
+      name: {k: v / len(batches) for k, v in total.items()}
+      for name, total in sums.items()
+  }
 
 
 def _apply(model):
@@ -94,8 +111,11 @@ def _apply(model):
 
 def _close(got, want, rtol=1e-4, atol=1e-6):
   assert jax.tree.structure(got) == jax.tree.structure(want)
-  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=atol),
-               got, want)
+  jax.tree.map(
+      lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=atol),
+      got,
+      want,
+  )
 
 
 # --- against numpy ---------------------------------------------------------------
@@ -108,14 +128,16 @@ def test_equals_numpy_average_of_batch_statistics(momentum):
   variables = _variables(model, batches[0])
   before = jax.tree.map(np.array, variables)
   got = precise_batch_stats(_apply(model), variables, list(batches))
-  want = _reference(model, variables, batches,
-                    {"gbn1": "sqd1", "bn": "sd", "gbn2": "rbd"})
+  want = _reference(
+      model, variables, batches, {"gbn1": "sqd1", "bn": "sd", "gbn2": "rbd"}
+  )
   _close(got, want)
   # Nothing given is changed, and the parameters were frozen.
   jax.tree.map(np.testing.assert_array_equal, variables, before)
   # Stacked batches (one lax.scan) and a jitted call agree.
   stacked = jax.jit(lambda v, b: precise_batch_stats(_apply(model), v, b))(
-      variables, batches)
+      variables, batches
+  )
   _close(stacked, got, rtol=1e-6, atol=1e-7)
 
 
@@ -125,8 +147,9 @@ def test_every_measure(measure):
   batches = _batches(count=2, seed=3)
   variables = _variables(model, batches[0])
   got = precise_batch_stats(_apply(model), variables, iter(batches))
-  want = _reference(model, variables, batches,
-                    {"gbn1": measure, "bn": "sd", "gbn2": "rbd"})
+  want = _reference(
+      model, variables, batches, {"gbn1": measure, "bn": "sd", "gbn2": "rbd"}
+  )
   _close(got, want)
 
 
@@ -166,7 +189,7 @@ def test_momentum_that_is_no_short_decimal():
   for batch in batches:
     got = precise_batch_stats(_apply(model), variables, [batch])
     want = _apply(Net(0.0, "mad"))(variables, batch)[1]["batch_stats"]
-    _close(got, want, rtol=2 ** -25 * 300 + 2 ** -22, atol=0)
+    _close(got, want, rtol=2**-25 * 300 + 2**-22, atol=0)
 
 
 # --- the pytree contract ----------------------------------------------------------
@@ -177,7 +200,9 @@ class _Counting(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    count = self.variable("batch_stats", "count", lambda: jnp.zeros((), jnp.int32))
+    count = self.variable(
+        "batch_stats", "count", lambda: jnp.zeros((), jnp.int32)
+    )
     if not self.is_initializing():
       count.value += 1
     return nn.BatchNorm(use_running_average=False, momentum=0.9)(x)
@@ -190,8 +215,12 @@ def test_other_leaves_and_structure_are_kept():
   got = precise_batch_stats(_apply(_Counting()), variables, x)
   assert jax.tree.structure(got) == jax.tree.structure(variables["batch_stats"])
   assert int(got["count"]) == 5
-  np.testing.assert_allclose(got["BatchNorm_0"]["mean"], x.mean(1).mean(0), rtol=1e-5)
-  np.testing.assert_allclose(got["BatchNorm_0"]["var"], x.var(1).mean(0), rtol=1e-5)
+  np.testing.assert_allclose(
+      got["BatchNorm_0"]["mean"], x.mean(1).mean(0), rtol=1e-5
+  )
+  np.testing.assert_allclose(
+      got["BatchNorm_0"]["var"], x.var(1).mean(0), rtol=1e-5
+  )
 
 
 def test_errors():
@@ -201,7 +230,9 @@ def test_errors():
   with pytest.raises(ValueError, match="at least one batch"):
     precise_batch_stats(_apply(model), variables, [])
   with pytest.raises(ValueError, match="no 'mean'/'var' leaves"):
-    precise_batch_stats(_apply(model), {**variables, "batch_stats": {}}, batches)
+    precise_batch_stats(
+        _apply(model), {**variables, "batch_stats": {}}, batches
+    )
   forgetful = lambda v, b: (_apply(model)(v, b)[0], {"batch_stats": {}})
   with pytest.raises(ValueError, match="did not update(.|\n)*training mode"):
     precise_batch_stats(forgetful, variables, batches)
@@ -209,8 +240,11 @@ def test_errors():
 
 def test_renorm_models_are_refused():
   # Their training-mode output reads the running statistics.
-  model = GBatchNorm(use_running_average=False, renorm=True,
-                     renorm_clipping={"rmax": 3, "dmax": 5})
+  model = GBatchNorm(
+      use_running_average=False,
+      renorm=True,
+      renorm_clipping={"rmax": 3, "dmax": 5},
+  )
   x = _batches(count=2, shape=(8, 3))
   variables = model.init(jax.random.key(0), x[0])
   apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
@@ -230,16 +264,21 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
   mesh = train.make_mesh()
   train_data = train.place_train(ds, mesh)
   test_data = train.place_test(ds, mesh, config.batch_size)
-  program, _ = train.compile_program(config, mesh, train_data, test_data,
-                                     ds.num_classes, precise_stats=2)
+  program, _ = train.compile_program(
+      config, mesh, train_data, test_data, ds.num_classes, precise_stats=2
+  )
   state = program.init(jax.random.key(0))
-  images, labels = program.prepare(train_data.images, train_data.labels,
-                                   train.epoch_key(config.seed, 1))
+  images, labels = program.prepare(
+      train_data.images, train_data.labels, train.epoch_key(config.seed, 1)
+  )
   for step in range(program.steps):
     state, _ = program.step(state, images, labels, np.int32(step))
   ema = jax.tree.map(np.array, state.batch_stats)
-  got = jax.device_get(program.precise(state, images, test_data.images,
-                                       test_data.labels, test_data.mask))
+  got = jax.device_get(
+      program.precise(
+          state, images, test_data.images, test_data.labels, test_data.mask
+      )
+  )
   jax.tree.map(np.testing.assert_array_equal, state.batch_stats, ema)
 
   model = train.create_model(config, ds.num_classes)
@@ -263,26 +302,53 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
       total["mean"] = total["mean"] + mean / 2
       total["var"] = total["var"] + mad**2 / 2
   stats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), sums)
-  want = jax.device_get(jax.jit(lambda s: train.eval_model(
-      s, test_data.images, test_data.labels, test_data.mask,
-      dataset=config.dataset))(state.replace(batch_stats=stats)))
+  want = jax.device_get(
+      jax.jit(
+          lambda s: train.eval_model(
+              s,
+              test_data.images,
+              test_data.labels,
+              test_data.mask,
+              dataset=config.dataset,
+          )
+      )(state.replace(batch_stats=stats))
+  )
   np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-4)
   assert abs(int(got["errors"]) - int(want["errors"])) <= 1  # argmax near-ties
   assert int(got["count"]) == 37
   # The EMA statistics give a different evaluation.
-  ema_eval = jax.device_get(program.evaluate(state, test_data.images,
-                                             test_data.labels, test_data.mask))
-  assert float(ema_eval["loss_sum"]) != pytest.approx(float(got["loss_sum"]), rel=1e-3)
+  ema_eval = jax.device_get(
+      program.evaluate(
+          state, test_data.images, test_data.labels, test_data.mask
+      )
+  )
+  assert float(ema_eval["loss_sum"]) != pytest.approx(
+      float(got["loss_sum"]), rel=1e-3
+  )
 
 
 def test_cli_flag_end_to_end(tmp_path, capsys):
   data = write_tiny_mnist(tmp_path / "data")
-  common = ["--data-dir", str(data), "--batch-size", "16", "--lr", "0.05",
-            "--epochs", "2", "--norm", "mad", "--no-progress"]
-  run = lambda *flags: train_main.run([*common, *flags], configs.MNIST,
-                                      prog="train.mnist")
+  common = [
+      "--data-dir",
+      str(data),
+      "--batch-size",
+      "16",
+      "--lr",
+      "0.05",
+      "--epochs",
+      "2",
+      "--norm",
+      "mad",
+      "--no-progress",
+  ]
+  run = lambda *flags: train_main.run(
+      [*common, *flags], configs.MNIST, prog="train.mnist"
+  )
   assert run("--workdir", str(tmp_path / "plain")) == 0
-  assert run("--workdir", str(tmp_path / "precise"), "--precise-stats", "3") == 0
+  assert (
+      run("--workdir", str(tmp_path / "precise"), "--precise-stats", "3") == 0
+  )
   out = capsys.readouterr()
   assert "precise stats" in out.err
   plain = checkpointing.read_metrics(tmp_path / "plain")
@@ -290,17 +356,28 @@ def test_cli_flag_end_to_end(tmp_path, capsys):
   assert [r["epoch"] for r in precise] == [1, 2]
   for a, b in zip(plain, precise, strict=True):
     assert "test_error_precise" not in a
-    for key in ("train_loss", "train_error", "test_loss", "test_error",
-                "best_test_error"):
+    for key in (
+        "train_loss",
+        "train_error",
+        "test_loss",
+        "test_error",
+        "best_test_error",
+    ):
       assert a[key] == b[key], key
     assert 0 <= b["test_error_precise"] <= 1 and b["test_loss_precise"] > 0
     assert b["precise_seconds"] > 0
-  rows = [json.loads(line) for line in
-          (tmp_path / "precise" / "metrics.jsonl").read_text().splitlines()]
+  rows = [
+      json.loads(line)
+      for line in (
+          (tmp_path / "precise" / "metrics.jsonl").read_text().splitlines()
+      )
+  ]
   assert rows[-1]["test_error_precise"] == precise[-1]["test_error_precise"]
   # 64 training images make 4 batches of 16.
   assert run("--workdir", str(tmp_path / "x"), "--precise-stats", "5") == 1
-  assert "--precise-stats 5 is more than the 4 batches" in capsys.readouterr().err
+  assert (
+      "--precise-stats 5 is more than the 4 batches" in capsys.readouterr().err
+  )
   with pytest.raises(SystemExit):
     run("--precise-stats", "-1")
   assert "must be >= 0" in capsys.readouterr().err
@@ -309,11 +386,22 @@ def test_cli_flag_end_to_end(tmp_path, capsys):
 def test_precise_stats_rows_on_eval_epochs_only(tmp_path):
   ds = small_dataset()
   history = train.train_and_evaluate(
-      TINY.replace(epochs=3, eval_every=2), tmp_path, dataset=ds,
-      progress=False, log=lambda line: None, precise_stats=1)
-  assert [r["test_error_precise"] is None for r in history] == [True, False, False]
-  assert all(r["test_loss_precise"] is None or r["test_loss_precise"] > 0
-             for r in history)
+      TINY.replace(epochs=3, eval_every=2),
+      tmp_path,
+      dataset=ds,
+      progress=False,
+      log=lambda line: None,
+      precise_stats=1,
+  )
+  assert [r["test_error_precise"] is None for r in history] == [
+      True,
+      False,
+      False,
+  ]
+  assert all(
+      r["test_loss_precise"] is None or r["test_loss_precise"] > 0
+      for r in history
+  )
 
 
 def test_api_exported():

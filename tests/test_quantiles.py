@@ -10,7 +10,10 @@ import pytest
 
 import gbn_jax
 from gbn_jax import quantiles
-from gbn_jax._selection import common, fused, native
+from gbn_jax._selection import common
+from gbn_jax._selection import fused
+from gbn_jax._selection import native
+
 import reference as ref
 
 ALPHAS = [1e-6, 0.01, 0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.9, 0.999999]
@@ -26,8 +29,8 @@ def _inputs(kind, shape, seed=0):
     return ref.coarse(rng, shape)
   if kind == "inf":
     x = rng.standard_normal(shape).astype(np.float32)
-    x.reshape(-1)[:: 7] = np.inf
-    x.reshape(-1)[3:: 11] = -np.inf
+    x.reshape(-1)[::7] = np.inf
+    x.reshape(-1)[3::11] = -np.inf
     return x
   raise ValueError(kind)
 
@@ -46,12 +49,16 @@ def test_quantile_matches_definition(kind, alpha):
 def test_superquantile_matches_integral_definition(kind, alpha):
   x = _inputs(kind, (37, 5))
   got = np.asarray(gbn_jax.superquantile(x, alpha, axis=0))
-  (want,) = ref.per_feature(lambda r: (ref.superquantile_1d(r, alpha),), x, (0,))
+  (want,) = ref.per_feature(
+      lambda r: (ref.superquantile_1d(r, alpha),), x, (0,)
+  )
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 10, 20])
-@pytest.mark.parametrize("alpha", [0.1, 0.2, 0.25, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9])
+@pytest.mark.parametrize(
+    "alpha", [0.1, 0.2, 0.25, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9]
+)
 def test_whole_alpha_n_selects_that_rank(n, alpha):
   # alpha*N whole (or nearly, in binary) must select exactly the alpha*N-th value.
   x = np.arange(n, dtype=np.float32)[::-1].copy()
@@ -121,7 +128,9 @@ def test_half_precision_is_selected_in_float32_and_keeps_dtype():
     np.testing.assert_array_equal(np.asarray(q, np.float32), want)
 
 
-@pytest.mark.parametrize("alpha", [0, 1, -0.1, 1.5, float("nan"), "half", None, True])
+@pytest.mark.parametrize(
+    "alpha", [0, 1, -0.1, 1.5, float("nan"), "half", None, True]
+)
 def test_bad_alpha(alpha):
   with pytest.raises(ValueError, match="alpha"):
     gbn_jax.quantile(jnp.ones(3), alpha, axis=0)
@@ -160,7 +169,9 @@ def test_gradient_matches_finite_differences(fn, alpha):
   rng = np.random.default_rng(0)
   for _ in range(4):
     d = rng.standard_normal(x.shape)
-    np.testing.assert_allclose(g @ d, _central_fd(f, x, d), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(
+        g @ d, _central_fd(f, x, d), rtol=2e-3, atol=2e-3
+    )
   assert abs(g.sum() - 1) < 1e-5  # translation equivariance
 
 
@@ -184,7 +195,9 @@ def test_tie_rule_splits_equally_and_matches_tie_preserving_fd(alpha):
       d = np.zeros_like(x, np.float64)
       for idx in groups.values():
         d[idx] = rng.standard_normal()
-      np.testing.assert_allclose(g @ d, _central_fd(f, x, d, eps=1e-2), rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(
+          g @ d, _central_fd(f, x, d, eps=1e-2), rtol=1e-4, atol=1e-4
+      )
 
 
 def test_superquantile_gradient_formula():
@@ -193,8 +206,12 @@ def test_superquantile_gradient_formula():
   alpha = 0.6
   q = float(gbn_jax.quantile(x, alpha, axis=0))
   n = len(x)
-  want = (x > q) / (n * (1 - alpha)) + (1 - (x > q).mean() / (1 - alpha)) * (x == q)
-  got = np.asarray(jax.grad(lambda v: gbn_jax.superquantile(v, alpha, axis=0))(x))
+  want = (x > q) / (n * (1 - alpha)) + (1 - (x > q).mean() / (1 - alpha)) * (
+      x == q
+  )
+  got = np.asarray(
+      jax.grad(lambda v: gbn_jax.superquantile(v, alpha, axis=0))(x)
+  )
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
@@ -209,25 +226,35 @@ def test_composes_with_jit_vmap_grad():
   np.testing.assert_allclose(gv, g1, rtol=1e-6)
   # second pass through jit/grad of the masked, traced-rank path
   mask = x[0] > 0.1
-  gm = jax.jit(jax.grad(lambda v: gbn_jax.quantile(v, 0.5, 0, where=mask).sum()))(x[0])
-  assert np.isfinite(np.asarray(gm)).all() and np.allclose(np.asarray(gm).sum(0), 1)
+  gm = jax.jit(
+      jax.grad(lambda v: gbn_jax.quantile(v, 0.5, 0, where=mask).sum())
+  )(x[0])
+  assert np.isfinite(np.asarray(gm)).all() and np.allclose(
+      np.asarray(gm).sum(0), 1
+  )
 
 
 @pytest.mark.parametrize("known", [[4, 0, 7], [4, -1, 7]])
-def test_unknown_kernel_counts_are_counted_where_the_mode_is_unreadable(known, monkeypatch):
+def test_unknown_kernel_counts_are_counted_where_the_mode_is_unreadable(
+    known, monkeypatch
+):
   # Off x86 the kernel cannot read the denormal mode and says -1 for a zero
   # or denormal answer; the count then comes from the flags, behind a cond.
   monkeypatch.setattr(native, "counts_always_known", lambda: False)
   x = jnp.asarray(_inputs("relu", (50, 3), seed=2))
   flags = lambda: x == 0
-  got = jax.jit(lambda k: fused.known_or_counted(k, flags, (0,)))(jnp.asarray(known))
+  got = jax.jit(lambda k: fused.known_or_counted(k, flags, (0,)))(
+      jnp.asarray(known)
+  )
   # One unknown count sends every position to the counting branch.
   want = known if min(known) >= 0 else (np.asarray(x) == 0).sum(axis=0)
   np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("trusted", [True, False])
-def test_sqd_gradient_formula_with_and_without_the_fallback_count(trusted, monkeypatch):
+def test_sqd_gradient_formula_with_and_without_the_fallback_count(
+    trusted, monkeypatch
+):
   # The kernel's counts used outright (x86) or behind the cond kept for CPUs
   # whose denormal mode it cannot read: the gradient of D = qbar - mean must
   # follow the definition either way. ReLU zeros put q_0.25 on a heavy tie.
@@ -241,5 +268,7 @@ def test_sqd_gradient_formula_with_and_without_the_fallback_count(trusted, monke
   q = np.sort(x, axis=0)[math.ceil(alpha * n) - 1]
   tied, above = x == q, x > q
   dq = tied / tied.sum(axis=0)
-  dqbar = above / (n * (1 - alpha)) + (1 - above.mean(axis=0) / (1 - alpha)) * dq
+  dqbar = (
+      above / (n * (1 - alpha)) + (1 - above.mean(axis=0) / (1 - alpha)) * dq
+  )
   np.testing.assert_allclose(g, w * (dqbar - 1 / n), rtol=1e-4, atol=1e-8)

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax._selection import dispatch, radix
-from selection_helpers import (
-    ExactnessSuite,
-    assert_bitwise,
-    columns,
-    data,
-    numpy_kth,
-)
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import radix
+
+from selection_helpers import ExactnessSuite
+from selection_helpers import assert_bitwise
+from selection_helpers import columns
+from selection_helpers import data
+from selection_helpers import numpy_kth
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "digit_bits", "histogram"))
@@ -34,7 +34,9 @@ def select(x, k, axis, where=None, digit_bits=8, histogram="scatter"):
 
 @functools.partial(jax.jit, static_argnames=("axis",))
 def select_local_ties(x, k, axis, where=None):
-  return radix.kth_smallest_accelerator(x, k, axis, where=where, return_ties=True)
+  return radix.kth_smallest_accelerator(
+      x, k, axis, where=where, return_ties=True
+  )
 
 
 def check(x, k, axis, where=None, **kw):
@@ -51,14 +53,26 @@ def check(x, k, axis, where=None, **kw):
 
 class TestExactness(ExactnessSuite):
   check = staticmethod(check)
-  value = staticmethod(lambda x, k, axis, where=None: select(x, k, axis, where)[0])
+  value = staticmethod(
+      lambda x, k, axis, where=None: select(x, k, axis, where)[0]
+  )
 
 
-@pytest.mark.parametrize("histogram,digit_bits", [("scatter", 4), ("scatter", 16), ("scatter", 2),
-                                                   ("compare", 8), ("compare", 4)])
+@pytest.mark.parametrize(
+    "histogram,digit_bits",
+    [
+        ("scatter", 4),
+        ("scatter", 16),
+        ("scatter", 2),
+        ("compare", 8),
+        ("compare", 4),
+    ],
+)
 def test_histogram_kernels_and_digit_widths(histogram, digit_bits):
   rng = np.random.default_rng(7)
-  x = np.concatenate([data("relu", (150, 3), 7), data("denormal", (150, 3), 8)], axis=1)
+  x = np.concatenate(
+      [data("relu", (150, 3), 7), data("denormal", (150, 3), 8)], axis=1
+  )
   x[:, 1] = data("inf", (150,), 9)
   where = rng.random(x.shape) < 0.8
   n = where.sum(axis=0)
@@ -96,7 +110,9 @@ def test_sums_for_the_superquantile(kind):
       want_mean = x64.sum(axis=0) / n
       want_excess = np.where(where & (x > q), x64 - q, 0.0).sum(axis=0) / n
     np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6 * scale)
-    np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-6 * scale)
+    np.testing.assert_allclose(
+        excess, want_excess, rtol=1e-5, atol=1e-6 * scale
+    )
 
 
 def test_no_while_loop_and_fixed_pass_count():
@@ -105,8 +121,12 @@ def test_no_while_loop_and_fixed_pass_count():
   where = jnp.asarray(np.random.default_rng(0).random(x.shape) < 0.5)
   k = jnp.full((7,), 300, jnp.int32)
   fns = [
-      lambda v, m: radix.kth_smallest_accelerator(v, k, (0,), where=m, return_ties=True),
-      lambda v, m: radix.kth_smallest_with_sums_accelerator(v, k, (0,), where=m),
+      lambda v, m: radix.kth_smallest_accelerator(
+          v, k, (0,), where=m, return_ties=True
+      ),
+      lambda v, m: radix.kth_smallest_with_sums_accelerator(
+          v, k, (0,), where=m
+      ),
   ]
   for fn in fns:
     jaxpr = str(jax.make_jaxpr(fn)(x, where))
@@ -117,41 +137,56 @@ def test_no_while_loop_and_fixed_pass_count():
   jaxpr = str(jax.make_jaxpr(fns[0])(x, where))
   assert jaxpr.count("scatter-add") == 4
   # Pooled over a named (vmapped) axis: one psum per pass, still no loop.
-  pooled = jax.make_jaxpr(jax.vmap(
-      lambda v: radix.kth_smallest_accelerator(v, 100, (0,), axis_name="b"), axis_name="b"
-  ))(x.reshape(4, 500, 7))
+  pooled = jax.make_jaxpr(
+      jax.vmap(
+          lambda v: radix.kth_smallest_accelerator(v, 100, (0,), axis_name="b"),
+          axis_name="b",
+      )
+  )(x.reshape(4, 500, 7))
   assert "while" not in str(pooled)
 
 
 def test_vmap_and_vmap_axis_name_pooling():
   x = data("relu", (4, 600, 3), seed=6)
-  got = jax.jit(jax.vmap(lambda v: radix.kth_smallest_accelerator(v, 300, (0,))))(x)
+  got = jax.jit(
+      jax.vmap(lambda v: radix.kth_smallest_accelerator(v, 300, (0,)))
+  )(x)
   assert_bitwise(got, np.stack([numpy_kth(v, 300, (0,))[0] for v in x]))
   # A named vmapped axis pools its members, as devices along axis_name do.
   where = np.random.default_rng(6).random(x.shape) < 0.7
   k = jnp.asarray([1, 800, 1680], jnp.int32)
-  pooled = jax.jit(jax.vmap(
-      lambda v, m: radix.kth_smallest_accelerator(
-          v, k, (0,), where=m, axis_name="b", return_ties=True),
-      axis_name="b",
-  ))(x, where)
-  want_value, want_ties, _ = numpy_kth(x.reshape(-1, 3), k, (0,), where.reshape(-1, 3))
+  pooled = jax.jit(
+      jax.vmap(
+          lambda v, m: radix.kth_smallest_accelerator(
+              v, k, (0,), where=m, axis_name="b", return_ties=True
+          ),
+          axis_name="b",
+      )
+  )(x, where)
+  want_value, want_ties, _ = numpy_kth(
+      x.reshape(-1, 3), k, (0,), where.reshape(-1, 3)
+  )
   for d in range(4):
     assert_bitwise(pooled[0][d], want_value)
   local_ties = np.asarray(pooled[1])  # each member's own rows
   np.testing.assert_array_equal(local_ties.sum(axis=0), want_ties)
   for d in range(4):
     np.testing.assert_array_equal(
-        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0))
+        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0)
+    )
 
 
 def test_half_precision_and_gradient():
   x16 = jnp.asarray(data("normal", (4, 8, 8, 5), seed=9), jnp.bfloat16)
   want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))[0]
-  got = jax.jit(lambda v: radix.kth_smallest_accelerator(v, 100, (0, 1, 2)))(x16)
+  got = jax.jit(lambda v: radix.kth_smallest_accelerator(v, 100, (0, 1, 2)))(
+      x16
+  )
   assert_bitwise(got, want)
   x = jnp.asarray(data("normal", (300, 2), seed=7))
-  g = jax.jit(jax.grad(lambda v: jnp.sum(radix.kth_smallest_accelerator(v, 70, (0,)))))(x)
+  g = jax.jit(
+      jax.grad(lambda v: jnp.sum(radix.kth_smallest_accelerator(v, 70, (0,))))
+  )(x)
   assert g.shape == x.shape and not np.any(np.asarray(g))
 
 
@@ -171,13 +206,15 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers():
   """method="accelerator" reaches the radix select; the measures' values and
   gradients equal those of the sort reference."""
   import gbn_jax  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(7)
   x = rng.standard_normal((300, 5)).astype(np.float32)
   x[::3, 1] = 0.0  # ties at the target
   got = dispatch.kth_smallest(jnp.asarray(x), 90, (0,), method="accelerator")
   np.testing.assert_array_equal(np.asarray(got), np.sort(x, axis=0)[89])
-  value, ties = dispatch.kth_smallest(jnp.asarray(x), 90, (0,),
-                                     method="accelerator", return_ties=True)
+  value, ties = dispatch.kth_smallest(
+      jnp.asarray(x), 90, (0,), method="accelerator", return_ties=True
+  )
   assert ties is None  # XLA:CPU flushes denormals in compares: caller counts
 
   def measures(x):
@@ -188,14 +225,16 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers():
   for method in ("sort", "accelerator"):
     with gbn_jax.selection_config(method=method):
       (_, stats), grad = jax.value_and_grad(measures, has_aux=True)(
-          jnp.asarray(x))
+          jnp.asarray(x)
+      )
     results[method] = (stats, grad)
   # atol: "accelerator" takes the fused sums (one pass, counts from the
   # radix), "sort" separate means; at q the gradient is O(1) terms that
   # cancel, so the two round apart by ulps of the largest term. A GPU sums
   # in another order than a CPU (this failed there with atol=1e-6, commit
   # b329b70), so the bound scales with the largest entry.
-  for a, b in zip(jax.tree.leaves(results["sort"]),
-                  jax.tree.leaves(results["accelerator"])):
+  for a, b in zip(
+      jax.tree.leaves(results["sort"]), jax.tree.leaves(results["accelerator"])
+  ):
     a, b = np.asarray(a), np.asarray(b)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())

@@ -10,15 +10,16 @@ the numpy forward with ``r`` and ``d`` frozen at the base point.
 
 import functools
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from gbn_jax import GBatchNorm
 import gbn_jax.nnx as gnnx
+
 import reference as ref
 
 BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
@@ -42,10 +43,14 @@ def _state(features, seed=1):
   rng = np.random.default_rng(seed)
   f32 = lambda a: np.asarray(a, np.float32)
   return {
-      "params": {"scale": f32(1 + 0.3 * rng.standard_normal(features)),
-                 "bias": f32(0.3 * rng.standard_normal(features))},
-      "batch_stats": {"mean": f32(0.4 * rng.standard_normal(features)),
-                      "var": f32(rng.uniform(0.05, 3.0, features))},
+      "params": {
+          "scale": f32(1 + 0.3 * rng.standard_normal(features)),
+          "bias": f32(0.3 * rng.standard_normal(features)),
+      },
+      "batch_stats": {
+          "mean": f32(0.4 * rng.standard_normal(features)),
+          "var": f32(rng.uniform(0.05, 3.0, features)),
+      },
   }
 
 
@@ -55,7 +60,7 @@ def _state_for(x, measure, axes, seed=1):
   state = _state(x.shape[-1], seed)
   s, dev = ref.per_feature(lambda v: ref.measure_1d(measure, v), x, axes)
   var_ratio = np.resize([0.2, 1.1, 4.0], s.shape)  # r = 2.2, 0.95, 0.5
-  shift = np.resize([0.1, -1.0, 0.3], s.shape)     # d = -0.2, 1.0, -0.15
+  shift = np.resize([0.1, -1.0, 0.3], s.shape)  # d = -0.2, 1.0, -0.15
   state["batch_stats"] = {
       "mean": np.float32(s + shift * dev),
       "var": np.float32(var_ratio * dev**2),
@@ -114,26 +119,39 @@ def _reference_dx(x, measure, state, r, d, w, axes, h=1e-6):
 
 def _linen_step(measure, clipping, state, x, w, renorm=True):
   """Output, updated running stats and gradients (params, x) of sum(w y)."""
-  layer = GBatchNorm(measure=measure, momentum=MOMENTUM, epsilon=EPS,
-                     renorm=renorm,
-                     renorm_clipping=clipping if renorm else None)
+  layer = GBatchNorm(
+      measure=measure,
+      momentum=MOMENTUM,
+      epsilon=EPS,
+      renorm=renorm,
+      renorm_clipping=clipping if renorm else None,
+  )
 
   def loss(params, inp):
-    y, updates = layer.apply({"params": params,
-                              "batch_stats": state["batch_stats"]},
-                             inp, False, mutable=["batch_stats"])
+    y, updates = layer.apply(
+        {"params": params, "batch_stats": state["batch_stats"]},
+        inp,
+        False,
+        mutable=["batch_stats"],
+    )
     return jnp.sum(y * w), (y, updates["batch_stats"])
 
   (_, (y, stats)), grads = jax.value_and_grad(
-      loss, argnums=(0, 1), has_aux=True)(state["params"], jnp.asarray(x))
+      loss, argnums=(0, 1), has_aux=True
+  )(state["params"], jnp.asarray(x))
   return y, stats, grads
 
 
 def _nnx_layer(measure, clipping, state, features, renorm=True):
-  layer = gnnx.GBatchNorm(features, measure=measure, momentum=MOMENTUM,
-                          epsilon=EPS, renorm=renorm,
-                          renorm_clipping=clipping if renorm else None,
-                          rngs=nnx.Rngs(0))
+  layer = gnnx.GBatchNorm(
+      features,
+      measure=measure,
+      momentum=MOMENTUM,
+      epsilon=EPS,
+      renorm=renorm,
+      renorm_clipping=clipping if renorm else None,
+      rngs=nnx.Rngs(0),
+  )
   for name in ("scale", "bias"):
     getattr(layer, name)[...] = jnp.asarray(state["params"][name])
   for name in ("mean", "var"):
@@ -149,7 +167,8 @@ def _nnx_step(measure, clipping, state, x, w, renorm=True):
     return jnp.sum(y * w), y
 
   (_, y), (g_model, g_x) = nnx.value_and_grad(
-      loss, argnums=(0, 1), has_aux=True)(layer, jnp.asarray(x))
+      loss, argnums=(0, 1), has_aux=True
+  )(layer, jnp.asarray(x))
   stats = {name: getattr(layer, name)[...] for name in ("mean", "var")}
   grads = {name: g_model[name][...] for name in ("scale", "bias")}
   return y, stats, (grads, g_x)
@@ -168,43 +187,67 @@ def test_values_and_gradients_match_numpy(measure, api):
   axes = (0, 1)
   state = _state_for(x, measure, axes)
   w = np.random.default_rng(5).standard_normal(x.shape)
-  y, stats, (g_params, g_x) = STEPS[api](measure, CLIP, state, x,
-                                         jnp.asarray(w, jnp.float32))
+  y, stats, (g_params, g_x) = STEPS[api](
+      measure, CLIP, state, x, jnp.asarray(w, jnp.float32)
+  )
   want, r, d, xhat, s, dev = _reference(x, measure, state, CLIP, axes)
   # The case is meant to clip some features and leave others free.
   rmin, rmax, dmax = _limits(CLIP)
-  raw_r = np.sqrt(dev**2 + EPS) / np.sqrt(np.float64(state["batch_stats"]["var"]) + EPS)
+  raw_r = np.sqrt(dev**2 + EPS) / np.sqrt(
+      np.float64(state["batch_stats"]["var"]) + EPS
+  )
   assert (raw_r > rmax).any() and (raw_r < rmin).any()
   assert ((raw_r > rmin) & (raw_r < rmax)).any()
   assert (np.abs(d) == dmax).any() and (np.abs(d) < dmax).any()
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
   # Running statistics: updated exactly as without renorm.
   old = state["batch_stats"]
-  np.testing.assert_allclose(stats["mean"], MOMENTUM * old["mean"] + (1 - MOMENTUM) * s,
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(stats["var"], MOMENTUM * old["var"] + (1 - MOMENTUM) * dev**2,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      stats["mean"],
+      MOMENTUM * old["mean"] + (1 - MOMENTUM) * s,
+      rtol=1e-5,
+      atol=1e-6,
+  )
+  np.testing.assert_allclose(
+      stats["var"],
+      MOMENTUM * old["var"] + (1 - MOMENTUM) * dev**2,
+      rtol=1e-5,
+      atol=1e-6,
+  )
   sum_axes = tuple(range(x.ndim - 1))
-  np.testing.assert_allclose(g_params["bias"], w.sum(sum_axes), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      g_params["bias"], w.sum(sum_axes), rtol=1e-5, atol=1e-5
+  )
   e = lambda v: np.expand_dims(v, axes)
-  np.testing.assert_allclose(g_params["scale"],
-                             np.sum(w * (xhat * e(r) + e(d)), sum_axes),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      g_params["scale"],
+      np.sum(w * (xhat * e(r) + e(d)), sum_axes),
+      rtol=1e-5,
+      atol=1e-5,
+  )
   want_dx = _reference_dx(x, measure, state, r, d, w, axes)
-  np.testing.assert_allclose(g_x, want_dx, rtol=1e-3,
-                             atol=1e-4 * np.abs(want_dx).max())
+  np.testing.assert_allclose(
+      g_x, want_dx, rtol=1e-3, atol=1e-4 * np.abs(want_dx).max()
+  )
 
 
 def test_dx_is_plain_gbn_with_scale_times_r():
   # With r, d constant, renorm's input gradient is GBN's with scale * r.
   x = _generic_x((10, 4), seed=3)
   state = _state(4, seed=4)
-  w = jnp.asarray(np.random.default_rng(6).standard_normal(x.shape), jnp.float32)
+  w = jnp.asarray(
+      np.random.default_rng(6).standard_normal(x.shape), jnp.float32
+  )
   for measure in ("sqd2", "wcd"):
     _, _, (_, g_x) = _linen_step(measure, CLIP, state, x, w)
     _, r, _, _, _, _ = _reference(x, measure, state, CLIP, (0,))
-    scaled = {**state, "params": {**state["params"],
-                                  "scale": np.float32(state["params"]["scale"] * r)}}
+    scaled = {
+        **state,
+        "params": {
+            **state["params"],
+            "scale": np.float32(state["params"]["scale"] * r),
+        },
+    }
     _, _, (_, g_plain) = _linen_step(measure, None, scaled, x, w, renorm=False)
     np.testing.assert_allclose(g_x, g_plain, rtol=1e-4, atol=1e-5)
 
@@ -228,8 +271,13 @@ def test_rmax_1_dmax_0_is_plain_gbn(measure, api):
   np.testing.assert_array_equal(y, y0)  # the forward, bit for bit
   jax.tree.map(np.testing.assert_array_equal, stats, stats0)
   # Autodiff through the measure vs the fused backward: float32 rounding.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()) + 1e-6), grads, grads0)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(
+          a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()) + 1e-6
+      ),
+      grads,
+      grads0,
+  )
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
@@ -262,8 +310,12 @@ def test_default_rmin_is_one_over_rmax():
   x = _generic_x((16, 3), seed=5)
   state = _state(3, seed=12)
   w = jnp.ones(x.shape)
-  for clipping in ({"rmax": 2.0}, {"rmax": 2.0, "rmin": 0.5}, {"dmax": 0.1},
-                   {"rmin": 0.9}):
+  for clipping in (
+      {"rmax": 2.0},
+      {"rmax": 2.0, "rmin": 0.5},
+      {"dmax": 0.1},
+      {"rmin": 0.9},
+  ):
     y = _linen_step("mad", clipping, state, x, w)[0]
     want = _reference(x, "mad", state, clipping, (0,))[0]
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
@@ -298,14 +350,17 @@ def test_mask():
   x = _generic_x((12, 3), seed=8)
   mask = np.random.default_rng(14).random(x.shape) < 0.7
   state = _state(3, seed=15)
-  layer = GBatchNorm(measure="sqd2", epsilon=EPS, renorm=True, renorm_clipping=CLIP)
+  layer = GBatchNorm(
+      measure="sqd2", epsilon=EPS, renorm=True, renorm_clipping=CLIP
+  )
   y, _ = layer.apply(state, x, False, mask=mask, mutable=["batch_stats"])
   s, dev = ref.per_feature(lambda v: ref.measure_1d("sqd2", v), x, (0,), mask)
   run_d = np.sqrt(np.float64(state["batch_stats"]["var"]) + EPS)
   r = np.clip(np.sqrt(dev**2 + EPS) / run_d, 1 / 1.5, 1.5)
   d = np.clip((s - state["batch_stats"]["mean"]) / run_d, -0.5, 0.5)
-  want = (((x - s) / np.sqrt(dev**2 + EPS)) * r + d) * state["params"]["scale"] \
-      + state["params"]["bias"]
+  want = (((x - s) / np.sqrt(dev**2 + EPS)) * r + d) * state["params"][
+      "scale"
+  ] + state["params"]["bias"]
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
@@ -327,33 +382,44 @@ def test_half_precision_and_no_params():
   for measure, kwargs in (
       ("sqd1", {"use_scale": False, "use_bias": False}),
       ("sqd1", {}),
-      ("mad", {"param_dtype": jnp.float16, "force_float32_reductions": False})):
-    layer = GBatchNorm(measure=measure, renorm=True, renorm_clipping=CLIP, **kwargs)
+      ("mad", {"param_dtype": jnp.float16, "force_float32_reductions": False}),
+  ):
+    layer = GBatchNorm(
+        measure=measure, renorm=True, renorm_clipping=CLIP, **kwargs
+    )
     variables = layer.init(jax.random.key(0), x, False)
     y, _ = layer.apply(variables, x, False, mutable=["batch_stats"])
     plain = GBatchNorm(measure=measure, **kwargs)
     y0, _ = plain.apply(variables, x, False, mutable=["batch_stats"])
     assert y.dtype == y0.dtype
-    g = jax.grad(lambda v: layer.apply(variables, v, False, mutable=["batch_stats"])[0]
-                 .astype(jnp.float32).sum())(x)
-    assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
+    g = jax.grad(
+        lambda v: layer.apply(variables, v, False, mutable=["batch_stats"])[0]
+        .astype(jnp.float32)
+        .sum()
+    )(x)
+    assert (
+        g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
+    )
 
 
 # --- construction ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("clipping,error,match", [
-    ({"rmax": 3, "dmax": 5, "r_max": 2}, ValueError, "unknown key"),
-    ({"rmax": 0.5}, ValueError, r"'rmax'\] must be >= 1"),
-    ({"rmax": float("nan")}, ValueError, "rmax"),
-    ({"dmax": -1}, ValueError, r"'dmax'\] must be >= 0"),
-    ({"rmin": 1.5}, ValueError, r"'rmin'\] must be in \(0, 1\]"),
-    ({"rmin": 0}, ValueError, "rmin"),
-    ({"rmin": -0.5, "rmax": 2}, ValueError, "rmin"),
-    ({"rmax": "3"}, TypeError, "real number"),
-    ({"dmax": True}, TypeError, "real number"),
-    ([("rmax", 3)], TypeError, "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "clipping,error,match",
+    [
+        ({"rmax": 3, "dmax": 5, "r_max": 2}, ValueError, "unknown key"),
+        ({"rmax": 0.5}, ValueError, r"'rmax'\] must be >= 1"),
+        ({"rmax": float("nan")}, ValueError, "rmax"),
+        ({"dmax": -1}, ValueError, r"'dmax'\] must be >= 0"),
+        ({"rmin": 1.5}, ValueError, r"'rmin'\] must be in \(0, 1\]"),
+        ({"rmin": 0}, ValueError, "rmin"),
+        ({"rmin": -0.5, "rmax": 2}, ValueError, "rmin"),
+        ({"rmax": "3"}, TypeError, "real number"),
+        ({"dmax": True}, TypeError, "real number"),
+        ([("rmax", 3)], TypeError, "must be a dict"),
+    ],
+)
 def test_bad_clipping_fails_at_construction(clipping, error, match):
   with pytest.raises(error, match=match):
     GBatchNorm(renorm=True, renorm_clipping=clipping)
@@ -374,16 +440,23 @@ def test_modules_stay_hashable_and_jittable():
   assert dict(layer.renorm_clipping) == {"rmax": 3.0, "dmax": 5.0}
   x = _relu_x((8, 4))
   variables = layer.init(jax.random.key(0), x, False)
-  apply = jax.jit(functools.partial(layer.apply, mutable=["batch_stats"]),
-                  static_argnums=2)
+  apply = jax.jit(
+      functools.partial(layer.apply, mutable=["batch_stats"]), static_argnums=2
+  )
   y, _ = apply(variables, x, False)
   assert y.shape == x.shape
 
   class Net(nnx.Module):
+
     def __init__(self, rngs):
       self.lin = nnx.Linear(4, 4, rngs=rngs)
-      self.norm = gnnx.GBatchNorm(4, measure="sqd2", renorm=True,
-                                  renorm_clipping={"rmax": 2, "dmax": 1}, rngs=rngs)
+      self.norm = gnnx.GBatchNorm(
+          4,
+          measure="sqd2",
+          renorm=True,
+          renorm_clipping={"rmax": 2, "dmax": 1},
+          rngs=rngs,
+      )
 
     def __call__(self, v):
       return nnx.relu(self.norm(self.lin(v))).sum()
@@ -405,16 +478,23 @@ def test_modules_stay_hashable_and_jittable():
 def test_flax_batchnorm_model_swap():
   # renorm layers drop into a model next to flax's BatchNorm.
   class Net(nn.Module):
+
     @nn.compact
     def __call__(self, v, train):
-      v = GBatchNorm(use_running_average=not train, renorm=True,
-                     renorm_clipping={"rmax": 3, "dmax": 5})(nn.Dense(4)(v))
+      v = GBatchNorm(
+          use_running_average=not train,
+          renorm=True,
+          renorm_clipping={"rmax": 3, "dmax": 5},
+      )(nn.Dense(4)(v))
       return nn.BatchNorm(use_running_average=not train)(v)
 
   x = _relu_x((8, 4))
   variables = Net().init(jax.random.key(0), x, train=False)
   y, updates = Net().apply(variables, x, train=True, mutable=["batch_stats"])
-  assert y.shape == x.shape and set(updates["batch_stats"]) == {"GBatchNorm_0", "BatchNorm_0"}
+  assert y.shape == x.shape and set(updates["batch_stats"]) == {
+      "GBatchNorm_0",
+      "BatchNorm_0",
+  }
 
 
 # --- the training suite's --renorm ----------------------------------------------
@@ -422,23 +502,35 @@ def test_flax_batchnorm_model_swap():
 
 def test_training_cli_renorm_trains_and_precise_stats_are_finite(tmp_path):
   import gbn_jax  # pylint: disable=g-import-not-at-top
-  from test_train import TINY, run_quiet, small_dataset  # pylint: disable=g-import-not-at-top
-  from train import configs, train  # pylint: disable=g-import-not-at-top
+  from train import configs  # pylint: disable=g-import-not-at-top
+  from train import train  # pylint: disable=g-import-not-at-top
+
+  from test_train import TINY  # pylint: disable=g-import-not-at-top
+  from test_train import run_quiet  # pylint: disable=g-import-not-at-top
+  from test_train import small_dataset  # pylint: disable=g-import-not-at-top
 
   config = train.resolve(TINY.replace(norm="bn", renorm=True, epochs=2))
   model = train.create_model(config, 10)
   norm = model.norm(use_running_average=False)
   assert isinstance(norm, gbn_jax.GBatchNorm) and norm.measure == "sd"
-  assert norm.renorm and dict(norm.renorm_clipping) == {"rmax": 3.0,
-                                                        "dmax": 5.0}
+  assert norm.renorm and dict(norm.renorm_clipping) == {
+      "rmax": 3.0,
+      "dmax": 5.0,
+  }
   history = train.train_and_evaluate(
-      config, tmp_path / "run", dataset=small_dataset(), progress=False,
-      log=lambda line: None, precise_stats=2)
+      config,
+      tmp_path / "run",
+      dataset=small_dataset(),
+      progress=False,
+      log=lambda line: None,
+      precise_stats=2,
+  )
   for row in history:
     assert np.isfinite(row["train_loss"])
     assert 0 <= row["test_error_precise"] <= 1
-  plain = run_quiet(config.replace(renorm=False), tmp_path / "plain",
-                    dataset=small_dataset())
+  plain = run_quiet(
+      config.replace(renorm=False), tmp_path / "plain", dataset=small_dataset()
+  )
   assert plain[-1]["train_loss"] != history[-1]["train_loss"]
   # config.json written before renorm existed still loads, as renorm off.
   data = config.to_json()

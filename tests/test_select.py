@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax._selection import common, config, dispatch, loop, native, radix, sort
+from gbn_jax._selection import common
+from gbn_jax._selection import config
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import loop
+from gbn_jax._selection import native
+from gbn_jax._selection import radix
+from gbn_jax._selection import sort
 
 METHODS = dispatch.METHODS
 TINY = np.finfo(np.float32).tiny
@@ -29,10 +35,14 @@ def numpy_kth(x, k, axis, where=None):
   x = np.asarray(x, np.float32)
   kept = [d for d in range(x.ndim) if d not in axis]
   kept_shape = [x.shape[d] for d in kept]
-  cols = np.transpose(x, list(axis) + kept).reshape(-1, int(np.prod(kept_shape)))
+  cols = np.transpose(x, list(axis) + kept).reshape(
+      -1, int(np.prod(kept_shape))
+  )
   mask = np.ones(cols.shape, bool)
   if where is not None:
-    mask = np.transpose(np.broadcast_to(where, x.shape), list(axis) + kept).reshape(cols.shape)
+    mask = np.transpose(
+        np.broadcast_to(where, x.shape), list(axis) + kept
+    ).reshape(cols.shape)
   ks = np.broadcast_to(np.asarray(k), kept_shape).reshape(-1)
   out = np.empty(cols.shape[1], np.float32)
   for f in range(cols.shape[1]):
@@ -62,7 +72,17 @@ def select_traced_k(x, k, axis, method, where=None):
 
 
 def ranks(n):
-  return sorted({1, 2, max(1, n // 4), max(1, n // 2), max(1, (3 * n) // 4), n - 1 or 1, n})
+  return sorted(
+      {
+          1,
+          2,
+          max(1, n // 4),
+          max(1, n // 2),
+          max(1, (3 * n) // 4),
+          n - 1 or 1,
+          n,
+      }
+  )
 
 
 def data(kind, shape, seed=0):
@@ -80,18 +100,32 @@ def data(kind, shape, seed=0):
     x[rng.random(shape) < 0.1] = np.inf
     x[rng.random(shape) < 0.1] = -np.inf
   elif kind == "signed_zero":
-    x = rng.choice(np.float32([-0.0, 0.0, -1.0, 1.0]), size=shape, p=[0.3, 0.3, 0.2, 0.2])
+    x = rng.choice(
+        np.float32([-0.0, 0.0, -1.0, 1.0]), size=shape, p=[0.3, 0.3, 0.2, 0.2]
+    )
   elif kind == "denormal":
     # Denormals of both signs among zeros and normals; XLA:CPU flushes them to
     # zero in float compares, which must not change the answer.
-    pool = np.float32([-3e-39, -1e-45, -0.0, 0.0, 1e-45, 2e-45, 5e-39, TINY, -TINY, 1.0])
+    pool = np.float32(
+        [-3e-39, -1e-45, -0.0, 0.0, 1e-45, 2e-45, 5e-39, TINY, -TINY, 1.0]
+    )
     x = rng.choice(pool, size=shape)
   elif kind == "wide":  # magnitudes over the whole float range
     x = (np.sign(x) * np.exp(rng.uniform(-80, 80, shape))).astype(np.float32)
   return x.astype(np.float32)
 
 
-KINDS = ["normal", "relu", "halves", "tiny_set", "constant", "inf", "signed_zero", "denormal", "wide"]
+KINDS = [
+    "normal",
+    "relu",
+    "halves",
+    "tiny_set",
+    "constant",
+    "inf",
+    "signed_zero",
+    "denormal",
+    "wide",
+]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -108,7 +142,9 @@ def test_nhwc_matches_numpy(method, kind):
 def test_per_feature_k_and_small_batch_shortcut(method):
   x = data("normal", (300, 7), seed=1)
   k = np.array([1, 300, 150, 2, 299, 77, 151], np.int32)
-  assert_bitwise(jit_select(x, jnp.asarray(k), (0,), method), numpy_kth(x, k, (0,)))
+  assert_bitwise(
+      jit_select(x, jnp.asarray(k), (0,), method), numpy_kth(x, k, (0,))
+  )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -140,7 +176,9 @@ def test_broadcast_mask_and_empty_feature_gives_nan(method):
   x = data("normal", (2000, 3), seed=4)
   where = np.ones((2000, 3), bool)
   where[:, 2] = False
-  got = np.asarray(dispatch.kth_smallest(x, 5, (0,), where=where[:, :], method=method))
+  got = np.asarray(
+      dispatch.kth_smallest(x, 5, (0,), where=where[:, :], method=method)
+  )
   assert_bitwise(got[:2], numpy_kth(x[:, :2], 5, (0,)))
   if method != "sort":  # the reference does not check k <= n
     assert np.isnan(got[2])
@@ -152,7 +190,12 @@ def test_broadcast_mask_and_empty_feature_gives_nan(method):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
     "shape,axis",
-    [((30, 4, 70), (0, 2)), ((5, 600), (1,)), ((3, 40, 50), (0, 1, 2)), ((512, 6), (0,))],
+    [
+        ((30, 4, 70), (0, 2)),
+        ((5, 600), (1,)),
+        ((3, 40, 50), (0, 1, 2)),
+        ((512, 6), (0,)),
+    ],
 )
 def test_axes(method, shape, axis):
   x = data("normal", shape, seed=5)
@@ -164,7 +207,9 @@ def test_axes(method, shape, axis):
 @pytest.mark.parametrize("method", METHODS)
 def test_vmap(method):
   x = data("relu", (3, 1200, 2), seed=6)
-  got = jax.vmap(lambda v: dispatch.kth_smallest(v, 600, (0,), method=method))(x)
+  got = jax.vmap(lambda v: dispatch.kth_smallest(v, 600, (0,), method=method))(
+      x
+  )
   want = np.stack([numpy_kth(v, 600, (0,)) for v in x])
   assert_bitwise(got, want)
 
@@ -172,7 +217,9 @@ def test_vmap(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_traceable_under_grad(method):
   x = jnp.asarray(data("normal", (1500, 2), seed=7))
-  g = jax.grad(lambda v: jnp.sum(dispatch.kth_smallest(v, 700, (0,), method=method)))(x)
+  g = jax.grad(
+      lambda v: jnp.sum(dispatch.kth_smallest(v, 700, (0,), method=method))
+  )(x)
   assert g.shape == x.shape and not np.any(np.asarray(g))
 
 
@@ -184,34 +231,50 @@ def test_forced_collisions_and_sort_fallback_stay_exact(monkeypatch):
   want = numpy_kth(x, k, (0,))
   monkeypatch.setattr(loop, "_FOLD_ELEMENTS", 8 * 13)
   monkeypatch.setattr(loop, "_CHUNK_ELEMENTS", 8 * 96)
-  assert_bitwise(dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want)
+  assert_bitwise(
+      dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want
+  )
   monkeypatch.setattr(loop, "_MAX_PASSES", 2)
-  assert_bitwise(dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want)
-  assert_bitwise(dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="bisect"), want)
+  assert_bitwise(
+      dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="adaptive"), want
+  )
+  assert_bitwise(
+      dispatch.kth_smallest(x, jnp.asarray(k), (0,), method="bisect"), want
+  )
 
 
 def test_default_method_and_reference_agree_with_numpy():
   x = data("normal", (4, 8, 8, 5), seed=9)
-  assert_bitwise(dispatch.kth_smallest(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2)))
-  assert_bitwise(sort.kth_smallest_reference(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2)))
+  assert_bitwise(
+      dispatch.kth_smallest(x, 100, (0, 1, 2)), numpy_kth(x, 100, (0, 1, 2))
+  )
+  assert_bitwise(
+      sort.kth_smallest_reference(x, 100, (0, 1, 2)),
+      numpy_kth(x, 100, (0, 1, 2)),
+  )
   x16 = jnp.asarray(x, jnp.bfloat16)
   want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))
   assert_bitwise(dispatch.kth_smallest(x16, 100, (0, 1, 2)), want)
 
 
-def test_accelerators_default_to_the_bracket_and_compare_histograms(monkeypatch):
+def test_accelerators_default_to_the_bracket_and_compare_histograms(
+    monkeypatch,
+):
   """The defaults measured fastest on an H100 (results/h100_*.json)."""
   monkeypatch.setattr(native, "applies", lambda axis_name: False)
-  for backend, large, small, histogram in (("gpu", "bracket", "sort", ("compare", 4)),
-                                           ("tpu", "bracket", "sort", ("compare", 4)),
-                                           ("cpu", "adaptive", "bisect", ("scatter", 8))):
+  for backend, large, small, histogram in (
+      ("gpu", "bracket", "sort", ("compare", 4)),
+      ("tpu", "bracket", "sort", ("compare", 4)),
+      ("cpu", "adaptive", "bisect", ("scatter", 8)),
+  ):
     monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
     assert dispatch.default_method(dispatch._ADAPTIVE_MIN_ROWS) == large
     assert dispatch.default_method(dispatch._ADAPTIVE_MIN_ROWS - 1) == small
     assert radix.default_histogram() == histogram
     assert radix._resolve_histogram(None, None) == histogram
     assert radix._resolve_histogram("scatter", None)[1] == (
-        8 if histogram[0] == "compare" else histogram[1])
+        8 if histogram[0] == "compare" else histogram[1]
+    )
     assert radix._resolve_histogram("compare", 2) == ("compare", 2)
 
 
@@ -224,7 +287,9 @@ def test_native_kernel_is_built_where_expected():
   assert dispatch.default_method(10**6) == "native"
 
 
-needs_native = pytest.mark.skipif(not native.available(), reason="C++ kernel not built")
+needs_native = pytest.mark.skipif(
+    not native.available(), reason="C++ kernel not built"
+)
 
 
 @needs_native
@@ -235,7 +300,9 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
   # sigmas=0 makes brackets miss often, exercising its whole-column fallback.
   # 19 features: two groups of eight take the AVX2 sweep, three the scalar one.
   with gbn_jax.selection_config(bracket_sigmas=sigmas):
-    select = jax.jit(lambda v, k: dispatch.kth_smallest(v, k, (0, 1, 2), method="native"))
+    select = jax.jit(
+        lambda v, k: dispatch.kth_smallest(v, k, (0, 1, 2), method="native")
+    )
     x = data(kind, (41, 25, 20, 19), seed=10 + KINDS.index(kind))
     fallbacks = 0
     for k in ranks(41 * 25 * 20):
@@ -245,7 +312,9 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
           jnp.asarray(x).reshape(-1, 19), jnp.full((19,), k, jnp.int32)
       )
       assert_bitwise(common.key_to_output(keys), want)
-      fallbacks += int(np.sum(np.asarray(path) == native.PATHS.index("missed_bracket")))
+      fallbacks += int(
+          np.sum(np.asarray(path) == native.PATHS.index("missed_bracket"))
+      )
     # The fallback must stay the exception (a bracket misses ~0.3% of the
     # time at 3 sigmas): a wrong count in the sweep would send columns there and
     # still answer right. At 0 sigmas brackets on continuous data must miss, or
@@ -274,21 +343,33 @@ def test_xla_cpu_reads_denormals_as_zero_in_comparisons():
 
 @needs_native
 @pytest.mark.parametrize("sigmas", [3.0, 0.0])
-@pytest.mark.parametrize("rows", [3000, 41000])  # whole-column and sampled-bracket paths
-@pytest.mark.parametrize("kind", ["halves", "relu", "inf", "denormal", "signed_zero", "tiny_set"])
+@pytest.mark.parametrize(
+    "rows", [3000, 41000]
+)  # whole-column and sampled-bracket paths
+@pytest.mark.parametrize(
+    "kind", ["halves", "relu", "inf", "denormal", "signed_zero", "tiny_set"]
+)
 def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
   # The kernel reports how many elements equal the answer as XLA:CPU's float
   # comparison counts them (zeros and denormals all equal); quantile
   # gradients divide by it. -1 only where it cannot read the denormal mode.
   with gbn_jax.selection_config(bracket_sigmas=sigmas):
-    select = jax.jit(lambda v, k: dispatch.kth_smallest(v, k, (0,), method="native", return_ties=True))
-    x = data(kind, (rows, 11), seed=rows + len(kind))  # two AVX2 groups, overlapping
+    select = jax.jit(
+        lambda v, k: dispatch.kth_smallest(
+            v, k, (0,), method="native", return_ties=True
+        )
+    )
+    x = data(
+        kind, (rows, 11), seed=rows + len(kind)
+    )  # two AVX2 groups, overlapping
     for frac in (0.0, 0.3, 0.5, 0.9, 1.0):
       k = max(1, int(np.ceil(frac * rows)))
       value, ties = select(x, jnp.full((11,), k, jnp.int32))
       want = numpy_kth(x, k, (0,))
       assert_bitwise(value, want)
-      want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
+      want_ties = (
+          as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]
+      ).sum(axis=0)
       if not native.counts_always_known():
         want_ties = np.where(np.abs(want) < TINY, -1, want_ties)
       np.testing.assert_array_equal(np.asarray(ties), want_ties)
@@ -304,7 +385,9 @@ def test_native_tie_count_of_inf_excludes_masked_out_elements():
   where = rng.random(x.shape) < 0.7
   n = where.sum(axis=0)
   value, ties = jax.jit(
-      lambda v, k, w: dispatch.kth_smallest(v, k, (0,), where=w, return_ties=True)
+      lambda v, k, w: dispatch.kth_smallest(
+          v, k, (0,), where=w, return_ties=True
+      )
   )(x, jnp.asarray(n, jnp.int32), where)
   assert np.all(np.isinf(value))
   np.testing.assert_array_equal(ties, (np.isinf(x) & where).sum(axis=0))
@@ -318,10 +401,17 @@ def test_native_large_batch_mask_per_feature_k_and_vmap():
   where[:, 3] = rng.random(30000) < 0.001  # 30-odd elements: k within them
   where[:, 8] = rng.random(30000) < 0.001  # the same in the scalar column
   n = where.sum(axis=0)
-  k = np.maximum(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]) * n // 9, 1).astype(np.int32)
-  assert_bitwise(jit_select(x, jnp.asarray(k), (0,), "native", where), numpy_kth(x, k, (0,), where))
+  k = np.maximum(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]) * n // 9, 1).astype(
+      np.int32
+  )
+  assert_bitwise(
+      jit_select(x, jnp.asarray(k), (0,), "native", where),
+      numpy_kth(x, k, (0,), where),
+  )
   xs = data("normal", (2, 20000, 3), seed=12)
-  got = jax.vmap(lambda v: dispatch.kth_smallest(v, 4321, (0,), method="native"))(xs)
+  got = jax.vmap(
+      lambda v: dispatch.kth_smallest(v, 4321, (0,), method="native")
+  )(xs)
   assert_bitwise(got, np.stack([numpy_kth(v, 4321, (0,)) for v in xs]))
 
 
@@ -345,7 +435,9 @@ def numpy_sums(x, q):
 
 @needs_native
 @pytest.mark.parametrize("sigmas", [3.0, 0.0])
-@pytest.mark.parametrize("rows", [3000, 41000])  # whole-column and sampled-bracket paths
+@pytest.mark.parametrize(
+    "rows", [3000, 41000]
+)  # whole-column and sampled-bracket paths
 @pytest.mark.parametrize("kind", KINDS + ["offset", "nan"])
 def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
   # The kernel's second entry point also returns E[x], E[(x - q)^+] and
@@ -355,10 +447,14 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
     select = jax.jit(lambda v, k: native.kth_smallest_with_sums(v, k, (0,)))
     if kind == "offset":  # cancellation: E[(x - q)^+] is small next to x
       x = (1000 + data("normal", (rows, 11), seed=rows)).astype(np.float32)
-    elif kind == "nan":  # NaNs of both signs (keys at both ends) in some columns
+    elif (
+        kind == "nan"
+    ):  # NaNs of both signs (keys at both ends) in some columns
       x = data("normal", (rows, 11), seed=rows)
       x[np.random.default_rng(rows).integers(0, rows, 3), [1, 8, 10]] = np.nan
-      x[np.random.default_rng(rows + 1).integers(0, rows, 3), [1, 2, 10]] = np.copysign(np.nan, -1)
+      x[np.random.default_rng(rows + 1).integers(0, rows, 3), [1, 2, 10]] = (
+          np.copysign(np.nan, -1)
+      )
       assert (np.isnan(x[:, 2]) & np.signbit(x[:, 2])).any()
     else:
       x = data(kind, (rows, 11), seed=rows + len(kind))
@@ -373,10 +469,14 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
       want_mean, want_excess, want_above = numpy_sums(x, value)
       # float32 sums in blocks of rows, float64 across blocks
       np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6 * scale)
-      np.testing.assert_allclose(excess, want_excess, rtol=1e-5, atol=1e-6 * scale)
+      np.testing.assert_allclose(
+          excess, want_excess, rtol=1e-5, atol=1e-6 * scale
+      )
       np.testing.assert_array_equal(above, want_above)
       if kind != "nan" and native.counts_always_known():
-        want_ties = (as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]).sum(axis=0)
+        want_ties = (
+            as_xla_cpu_compares(x) == as_xla_cpu_compares(want)[None]
+        ).sum(axis=0)
         np.testing.assert_array_equal(ties, want_ties)
 
 
@@ -386,31 +486,59 @@ def test_native_portable_code():
   # GBN_KTH_SCALAR=1 forces the portable code, for this machine's native tests.
   env = dict(os.environ, GBN_KTH_SCALAR="1")
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-       "-k", "native and not portable"],
-      env=env, capture_output=True, text=True, timeout=900,
+      [
+          sys.executable,
+          "-m",
+          "pytest",
+          "-q",
+          "-p",
+          "no:cacheprovider",
+          __file__,
+          "-k",
+          "native and not portable",
+      ],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
   )
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[
+      -2000:
+  ]
 
 
 @pytest.mark.parametrize("method", ["adaptive", "sort"])
-@pytest.mark.parametrize("kind", ["normal", "relu", "halves", "inf", "denormal"])
+@pytest.mark.parametrize(
+    "kind", ["normal", "relu", "halves", "inf", "denormal"]
+)
 def test_accelerator_code_paths_on_cpu(kind, method, monkeypatch):
   # GPU/TPU take other branches (8 thresholds per pass, one-kernel fold,
   # sort along the minor axis); force them here so CI checks them too.
   monkeypatch.setattr(common, "on_cpu", lambda: False)
-  select = jax.jit(lambda v, k, w: dispatch.kth_smallest(v, k, (0, 1), where=w, method=method))
+  select = jax.jit(
+      lambda v, k, w: dispatch.kth_smallest(
+          v, k, (0, 1), where=w, method=method
+      )
+  )
   x = data(kind, (300, 90, 3), seed=20 + len(kind))
   where = np.random.default_rng(1).random(x.shape) < 0.9
   n = where.sum(axis=(0, 1))
   for frac in (0.001, 0.25, 0.5, 0.99, 1.0):
     k = np.maximum(np.ceil(frac * n), 1).astype(np.int32)
-    assert_bitwise(select(x, jnp.asarray(k), where), numpy_kth(x, k, (0, 1), where))
+    assert_bitwise(
+        select(x, jnp.asarray(k), where), numpy_kth(x, k, (0, 1), where)
+    )
 
 
 @pytest.mark.parametrize(
-    "axis,err", [((), ValueError), ((1, 0), ValueError), ((0, 0), ValueError), ((3,), ValueError)]
+    "axis,err",
+    [
+        ((), ValueError),
+        ((1, 0), ValueError),
+        ((0, 0), ValueError),
+        ((3,), ValueError),
+    ],
 )
 def test_bad_axes(axis, err):
   with pytest.raises(err, match="axis"):
@@ -426,8 +554,7 @@ def test_bad_arguments():
     dispatch.kth_smallest(jnp.ones((4, 3)), 1, (0,), method="quick")
 
 
-MULTIDEVICE_SCRIPT = textwrap.dedent(
-    """
+MULTIDEVICE_SCRIPT = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
     from gbn_jax._selection import dispatch, sort
@@ -468,26 +595,34 @@ MULTIDEVICE_SCRIPT = textwrap.dedent(
     for d in range(4):
       check(got[d], want)
     print("MULTIDEVICE OK")
-    """
-)
+    """)
 
 
 def test_multidevice_equals_single_device_on_concatenated_batch():
   # Self-contained: the subprocess gets 4 forced host devices.
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env["XLA_FLAGS"] = (
+      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
-      [sys.executable, "-c", MULTIDEVICE_SCRIPT], env=env, capture_output=True, text=True,
+      [sys.executable, "-c", MULTIDEVICE_SCRIPT],
+      env=env,
+      capture_output=True,
+      text=True,
       timeout=600,
   )
-  assert proc.returncode == 0 and "MULTIDEVICE OK" in proc.stdout, proc.stdout + proc.stderr[-5000:]
+  assert proc.returncode == 0 and "MULTIDEVICE OK" in proc.stdout, (
+      proc.stdout + proc.stderr[-5000:]
+  )
 
 
 def test_float64_keeps_its_precision_under_x64():
   """float64 selects in int64 keys: the answer is an element, not its float32."""
   import gbn_jax  # pylint: disable=g-import-not-at-top
+
   import reference as ref  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(5)
   # Values float32 cannot tell apart, ties, -0.0/+0.0, +-inf, denormals.
   x = 1.0 + rng.integers(0, 40, (97, 3)) * 1e-12
@@ -498,17 +633,21 @@ def test_float64_keeps_its_precision_under_x64():
     for k in (1, 13, 49, 97):
       got = dispatch.kth_smallest(xj, k, (0,))
       assert got.dtype == jnp.float64
-      np.testing.assert_array_equal(np.asarray(got),
-                                    np.sort(x, axis=0)[k - 1] + 0.0)
+      np.testing.assert_array_equal(
+          np.asarray(got), np.sort(x, axis=0)[k - 1] + 0.0
+      )
     for alpha in (0.05, 0.5, 0.9):
       q = gbn_jax.quantile(xj[:, 1:], alpha, axis=0)
       qbar = gbn_jax.superquantile(xj[:, 1:], alpha, axis=0)
       assert q.dtype == qbar.dtype == jnp.float64
       np.testing.assert_array_equal(
-          np.asarray(q), [ref.quantile_1d(x[:, j], alpha) for j in (1, 2)])
+          np.asarray(q), [ref.quantile_1d(x[:, j], alpha) for j in (1, 2)]
+      )
       np.testing.assert_allclose(
-          np.asarray(qbar), [ref.superquantile_1d(x[:, j], alpha)
-                             for j in (1, 2)], rtol=1e-13)
+          np.asarray(qbar),
+          [ref.superquantile_1d(x[:, j], alpha) for j in (1, 2)],
+          rtol=1e-13,
+      )
 
 
 def test_selection_config_is_part_of_the_trace_context(monkeypatch):
@@ -536,8 +675,12 @@ def test_selection_config_is_part_of_the_trace_context(monkeypatch):
   with gbn_jax.selection_config(method="bisect"):
     assert_bitwise(f(x), want)
     assert_bitwise(f(x), want)  # cached within the setting
-    with gbn_jax.selection_config(bracket_sigmas=1.0):  # nested: keeps the method
-      assert config.current() == config.SelectionConfig(method="bisect", bracket_sigmas=1.0)
+    with gbn_jax.selection_config(
+        bracket_sigmas=1.0
+    ):  # nested: keeps the method
+      assert config.current() == config.SelectionConfig(
+          method="bisect", bracket_sigmas=1.0
+      )
     assert config.current().bracket_sigmas == 3.0
   assert (len(traces), len(loops)) == (2, 1)
   with gbn_jax.selection_config(method="sort"):
@@ -564,4 +707,7 @@ def test_bracket_sigmas_setting_reaches_a_jitted_kernel_call():
   with gbn_jax.selection_config(bracket_sigmas=0.0):  # same jit object
     narrow = np.asarray(f(x, k))
   # At 0 sigmas brackets on continuous data miss (see the sampled-path test).
-  assert np.sum(wide == missed) <= 1 and np.sum(narrow == missed) >= 9, (wide, narrow)
+  assert np.sum(wide == missed) <= 1 and np.sum(narrow == missed) >= 9, (
+      wide,
+      narrow,
+  )

@@ -10,48 +10,80 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from test_train import REPO, exact, write_tiny_mnist
 from train import checkpointing
 from train import configs
 from train import report
 from train import sweep
 
+from test_train import REPO
+from test_train import exact
+from test_train import write_tiny_mnist
+
 # --- grid expansion -------------------------------------------------------------
 
 
 def test_expand_cross_product_in_flag_order():
-  runs = sweep.expand(["--seed", "0,1", "--norm", "bn,sqd:0.3", "--lr",
-                       "0.1,0.01", "--epochs", "3", "--momentum=0.9"])
+  runs = sweep.expand(
+      [
+          "--seed",
+          "0,1",
+          "--norm",
+          "bn,sqd:0.3",
+          "--lr",
+          "0.1,0.01",
+          "--epochs",
+          "3",
+          "--momentum=0.9",
+      ]
+  )
   assert len(runs) == 8
   # The last list varies fastest; seed (first) slowest.
-  assert [(r.config.seed, r.config.norm, r.config.learning_rate)
-          for r in runs[:4]] == [(0, "bn", 0.1), (0, "bn", 0.01),
-                                 (0, "sqd:0.3", 0.1), (0, "sqd:0.3", 0.01)]
+  assert [
+      (r.config.seed, r.config.norm, r.config.learning_rate) for r in runs[:4]
+  ] == [
+      (0, "bn", 0.1),
+      (0, "bn", 0.01),
+      (0, "sqd:0.3", 0.1),
+      (0, "sqd:0.3", 0.01),
+  ]
   assert all(r.config.momentum == 0.9 and r.config.epochs == 3 for r in runs)
   assert runs[2].name == "cifar10-resnet20-sqd_0.3-b256-lr0.1-m0.9-seed0"
   assert len({r.name for r in runs}) == 8
   # A run's flags reproduce its config through the CLI's own parser.
   from train import main as train_main  # pylint: disable=g-import-not-at-top
+
   parser = train_main.build_parser(configs.CIFAR, "x")
   args = parser.parse_args(runs[5].argv)
-  assert train_main.config_from_args(args, configs.CIFAR).replace(
-      augment=True) == runs[5].config
+  assert (
+      train_main.config_from_args(args, configs.CIFAR).replace(augment=True)
+      == runs[5].config
+  )
 
 
 def test_expand_names_ignore_epochs_and_defaults():
   a = sweep.expand(["--dataset", "fashion_mnist", "--epochs", "3"], "mnist")
-  b = sweep.expand(["--dataset", "fashion_mnist", "--epochs", "5",
-                    "--weight-decay", "5e-4", "--no-augment"], "mnist")
+  b = sweep.expand(
+      [
+          "--dataset",
+          "fashion_mnist",
+          "--epochs",
+          "5",
+          "--weight-decay",
+          "5e-4",
+          "--no-augment",
+      ],
+      "mnist",
+  )
   assert a[0].name == b[0].name == "fashion_mnist-lenet-bn-b1000-lr0.01-seed0"
   c = sweep.expand(["--dataset", "fashion_mnist", "--augment"], "mnist")
   assert c[0].name == "fashion_mnist-lenet-bn-b1000-lr0.01-aug-seed0"
@@ -59,12 +91,15 @@ def test_expand_names_ignore_epochs_and_defaults():
   assert len(sweep.expand(["--norm", "bn,bn,mad"])) == 2
 
 
-@pytest.mark.parametrize("argv, implied", [
-    ([], "cifar"),
-    (["--dataset", "svhn,cifar100"], "cifar"),
-    (["--dataset", "fashion_mnist"], "mnist"),
-    (["--norm", "bn", "--dataset=mnist,fashion_mnist"], "mnist"),
-])
+@pytest.mark.parametrize(
+    "argv, implied",
+    [
+        ([], "cifar"),
+        (["--dataset", "svhn,cifar100"], "cifar"),
+        (["--dataset", "fashion_mnist"], "mnist"),
+        (["--norm", "bn", "--dataset=mnist,fashion_mnist"], "mnist"),
+    ],
+)
 def test_defaults_follow_the_dataset(argv, implied, tmp_path, capsys):
   assert sweep.implied_defaults(argv) == implied
   # Without --defaults, the runs are those of the implied CLI: Fashion-MNIST
@@ -76,23 +111,31 @@ def test_defaults_follow_the_dataset(argv, implied, tmp_path, capsys):
 
 
 def test_defaults_required_for_mixed_datasets(tmp_path, capsys):
-  argv = ["--sweep-dir", str(tmp_path), "--dry-run", "--dataset",
-          "cifar10,fashion_mnist"]
+  argv = [
+      "--sweep-dir",
+      str(tmp_path),
+      "--dry-run",
+      "--dataset",
+      "cifar10,fashion_mnist",
+  ]
   with pytest.raises(SystemExit):
     sweep.main(argv)
   assert "pass --defaults" in capsys.readouterr().err
   assert sweep.main([*argv, "--defaults", "cifar"]) == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--workdir", "x"], "set by the sweep"),
-    (["--overwrite"], "set by the sweep"),
-    (["--lr", "0.1,-1"], "--lr must be a positive number"),
-    (["--norm", "bn,,mad"], "empty item"),
-    (["--norm", "bn,foo"], "unknown norm 'foo'"),
-    (["--frobnicate", "1"], "unrecognized argument"),
-    (["--epochs"], "needs a value"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workdir", "x"], "set by the sweep"),
+        (["--overwrite"], "set by the sweep"),
+        (["--lr", "0.1,-1"], "--lr must be a positive number"),
+        (["--norm", "bn,,mad"], "empty item"),
+        (["--norm", "bn,foo"], "unknown norm 'foo'"),
+        (["--frobnicate", "1"], "unrecognized argument"),
+        (["--epochs"], "needs a value"),
+    ],
+)
 def test_expand_errors(argv, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     sweep.expand(argv)
@@ -112,9 +155,24 @@ def test_sweep_cli_errors(tmp_path, capsys):
 
 
 def _sweep_command(sweep_dir: Path, data: Path, *grid: str) -> list[str]:
-  return [sys.executable, "-m", "train.sweep", "--sweep-dir", str(sweep_dir),
-          "--defaults", "mnist", "--data-dir", str(data), "--batch-size", "16",
-          "--lr", "0.05", "--devices-per-run", "1", *grid]
+  return [
+      sys.executable,
+      "-m",
+      "train.sweep",
+      "--sweep-dir",
+      str(sweep_dir),
+      "--defaults",
+      "mnist",
+      "--data-dir",
+      str(data),
+      "--batch-size",
+      "16",
+      "--lr",
+      "0.05",
+      "--devices-per-run",
+      "1",
+      *grid,
+  ]
 
 
 def _processes_running(path_part: str) -> list[str]:
@@ -132,17 +190,26 @@ def _processes_running(path_part: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"),
-                    reason="the sweep's runs die with it through prctl")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="the sweep's runs die with it through prctl",
+)
 def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
   data = write_tiny_mnist(tmp_path / "data", n_train=96)
   sweep_dir = tmp_path / "sweep"
   grid = ["--norm", "mad,bn", "--epochs", "25"]
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  process = subprocess.Popen(_sweep_command(sweep_dir, data, *grid), cwd=REPO,
-                             env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+  env = {
+      **os.environ,
+      "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  process = subprocess.Popen(
+      _sweep_command(sweep_dir, data, *grid),
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+  )
   first = sweep_dir / "mnist-lenet-mad-b16-lr0.05-seed0"
   deadline = time.monotonic() + 240
   while time.monotonic() < deadline and process.poll() is None:
@@ -159,8 +226,14 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
     time.sleep(0.1)
   assert not _processes_running(str(first))
 
-  result = subprocess.run(_sweep_command(sweep_dir, data, *grid), cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+      _sweep_command(sweep_dir, data, *grid),
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert result.returncode == 0, result.stderr
   assert "runs 2/2, epochs 50/50" in result.stderr
   log = (first / sweep.LOG_FILE).read_text()
@@ -172,20 +245,45 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
   other = tmp_path / "other"
   result = subprocess.run(
       _sweep_command(other, data, "--norm", "mad", "--epochs", "25"),
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert result.returncode == 0, result.stderr
   assert exact(rows) == exact(checkpointing.read_metrics(other / first.name))
 
   # Finished runs are skipped: the rerun starts no process.
   before = log
-  result = subprocess.run(_sweep_command(sweep_dir, data, *grid), cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+      _sweep_command(sweep_dir, data, *grid),
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert result.returncode == 0 and "runs 2/2" in result.stderr
   assert (first / sweep.LOG_FILE).read_text() == before
   # Raising --epochs extends the same runs.
-  dry = sweep.main(["--sweep-dir", str(sweep_dir), "--defaults", "mnist",
-                    "--batch-size", "16", "--lr", "0.05", "--norm", "mad,bn",
-                    "--epochs", "30", "--dry-run"])
+  dry = sweep.main(
+      [
+          "--sweep-dir",
+          str(sweep_dir),
+          "--defaults",
+          "mnist",
+          "--batch-size",
+          "16",
+          "--lr",
+          "0.05",
+          "--norm",
+          "mad,bn",
+          "--epochs",
+          "30",
+          "--dry-run",
+      ]
+  )
   assert dry == 0
 
 
@@ -194,9 +292,14 @@ def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
   data = write_tiny_mnist(tmp_path / "data", n_train=96)
   sweep_dir = tmp_path / "sweep"
   result = subprocess.run(
-      _sweep_command(sweep_dir, data, "--norm", "bn", "--lr", "1e30,0.05",
-                     "--epochs", "2") , cwd=REPO, capture_output=True,
-      text=True, timeout=600)
+      _sweep_command(
+          sweep_dir, data, "--norm", "bn", "--lr", "1e30,0.05", "--epochs", "2"
+      ),
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert result.returncode == 1
   assert "failed" in result.stderr and "diverged" in result.stderr
   # --lr given twice: the grid's list wins over the helper's 0.05.
@@ -213,22 +316,43 @@ def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
 # --- report ----------------------------------------------------------------------
 
 
-def _write_run(folder: Path, norm: str, seed: int, lr: float, errors,
-               seconds, epochs: int | None = None, dataset="fashion_mnist",
-               precise_errors=None):
+def _write_run(
+    folder: Path,
+    norm: str,
+    seed: int,
+    lr: float,
+    errors,
+    seconds,
+    epochs: int | None = None,
+    dataset="fashion_mnist",
+    precise_errors=None,
+):
   folder.mkdir(parents=True)
-  config = configs.MNIST.replace(dataset=dataset, norm=norm, seed=seed,
-                                 learning_rate=lr, augment=False,
-                                 epochs=epochs or len(errors))
+  config = configs.MNIST.replace(
+      dataset=dataset,
+      norm=norm,
+      seed=seed,
+      learning_rate=lr,
+      augment=False,
+      epochs=epochs or len(errors),
+  )
   checkpointing.write_config(folder, config)
   rows, elapsed, best = [], 0.0, None
   for epoch, (error, sec) in enumerate(zip(errors, seconds), start=1):
     elapsed += sec
     best = error if best is None else min(best, error)
-    rows.append({"epoch": epoch, "train_loss": 2.0 / epoch + seed * 0.01,
-                 "train_error": error + 0.01, "test_loss": 1.0 / epoch,
-                 "test_error": error, "best_test_error": best,
-                 "seconds": sec, "elapsed_seconds": elapsed})
+    rows.append(
+        {
+            "epoch": epoch,
+            "train_loss": 2.0 / epoch + seed * 0.01,
+            "train_error": error + 0.01,
+            "test_loss": 1.0 / epoch,
+            "test_error": error,
+            "best_test_error": best,
+            "seconds": sec,
+            "elapsed_seconds": elapsed,
+        }
+    )
     if precise_errors is not None:
       rows[-1]["test_error_precise"] = precise_errors[epoch - 1]
   checkpointing.write_metrics(folder, rows)
@@ -248,20 +372,44 @@ def fake_sweep(tmp_path):
           errors[2] = errors[3] - 0.02
         seconds = rng.uniform(20, 40, 4)
         name = f"{norm}-lr{lr}-seed{seed}"
-        _write_run(tmp_path / "sweep" / name, norm, seed, lr, errors.tolist(),
-                   seconds.tolist())
+        _write_run(
+            tmp_path / "sweep" / name,
+            norm,
+            seed,
+            lr,
+            errors.tolist(),
+            seconds.tolist(),
+        )
         data[(lr, norm, seed)] = (errors, seconds)
   # An unfinished run (2 of 4 epochs) and a failed one: shown, not averaged.
-  _write_run(tmp_path / "sweep" / "sqd1-lr0.01-seed3", "sqd1", 3, 0.01,
-             [0.05, 0.04], [30, 30], epochs=4)
-  failed = _write_run(tmp_path / "sweep" / "rsd-lr0.01-seed3", "rsd", 3, 0.01,
-                      [0.35], [30], epochs=4)
-  (failed / "sweep_status.json").write_text(json.dumps(
-      {"status": "failed", "error": "training loss became nan"}))
+  _write_run(
+      tmp_path / "sweep" / "sqd1-lr0.01-seed3",
+      "sqd1",
+      3,
+      0.01,
+      [0.05, 0.04],
+      [30, 30],
+      epochs=4,
+  )
+  failed = _write_run(
+      tmp_path / "sweep" / "rsd-lr0.01-seed3",
+      "rsd",
+      3,
+      0.01,
+      [0.35],
+      [30],
+      epochs=4,
+  )
+  (failed / "sweep_status.json").write_text(
+      json.dumps({"status": "failed", "error": "training loss became nan"})
+  )
   # A rerun of one config (as an activation-recording run is): counted once.
   import shutil  # pylint: disable=g-import-not-at-top
-  shutil.copytree(tmp_path / "sweep" / "bn-lr0.1-seed0",
-                  tmp_path / "sweep" / "zz-rerun" / "bn-lr0.1-seed0")
+
+  shutil.copytree(
+      tmp_path / "sweep" / "bn-lr0.1-seed0",
+      tmp_path / "sweep" / "zz-rerun" / "bn-lr0.1-seed0",
+  )
   return tmp_path / "sweep", data
 
 
@@ -280,8 +428,9 @@ def test_report_numbers_equal_numpy(fake_sweep, tmp_path, capsys):
     match = re.match(r"\| (dataset=[^|]*) \| (.*) \|$", line)
     if match and "epochs to target" not in line:
       table.setdefault(match.group(1), match.group(2).split(" | "))
-  header = next(line for line in text.splitlines()
-                if line.startswith("| setting |"))
+  header = next(
+      line for line in text.splitlines() if line.startswith("| setting |")
+  )
   norms = header.strip("| ").split(" | ")[1:]
   assert norms == ["bn", "rsd", "sqd1"]  # the paper's order
   for lr in (0.01, 0.1):
@@ -310,7 +459,9 @@ def test_report_numbers_equal_numpy(fake_sweep, tmp_path, capsys):
         if hit.size:
           epochs.append(hit[0] + 1)
           seconds.append(np.cumsum(secs)[hit[0]])
-      line = next(l for l in section.splitlines() if l.startswith(f"| {norm} |"))
+      line = next(
+          l for l in section.splitlines() if l.startswith(f"| {norm} |")
+      )
       if len(epochs) == 3:
         assert f"| {_pm(epochs, 1)} | {_pm(seconds, 0)} |" in line
       elif not epochs:
@@ -326,11 +477,14 @@ def test_report_numbers_equal_numpy(fake_sweep, tmp_path, capsys):
   # Best learning rate per norm.
   lr_section = text.split("## Best learning rate")[1].split("## Curves")[0]
   for norm in norms:
-    per_lr = {lr: np.mean([100 * data[(lr, norm, s)][0].min()
-                           for s in range(3)]) for lr in (0.01, 0.1)}
+    per_lr = {
+        lr: np.mean([100 * data[(lr, norm, s)][0].min() for s in range(3)])
+        for lr in (0.01, 0.1)
+    }
     best_lr = min(per_lr, key=per_lr.get)
-    line = next(l for l in lr_section.splitlines()
-                if l.startswith(f"| {norm} |"))
+    line = next(
+        l for l in lr_section.splitlines() if l.startswith(f"| {norm} |")
+    )
     assert f"| {best_lr} |" in line and f"{per_lr[best_lr]:.2f} ±" in line
   # Every run is listed, with its state.
   assert text.count("| finished |") == 19  # the rerun is listed
@@ -350,10 +504,18 @@ def test_report_errors(tmp_path, capsys):
 
 
 def test_report_paper_row_for_table2_setting(tmp_path):
-  folder = _write_run(tmp_path / "c" / "bn", "bn", 0, 0.1, [0.5, 0.4],
-                      [100, 100], dataset="cifar10")
-  config = checkpointing.read_config(folder).replace(model="lenet",
-                                                     batch_size=1024)
+  folder = _write_run(
+      tmp_path / "c" / "bn",
+      "bn",
+      0,
+      0.1,
+      [0.5, 0.4],
+      [100, 100],
+      dataset="cifar10",
+  )
+  config = checkpointing.read_config(folder).replace(
+      model="lenet", batch_size=1024
+  )
   checkpointing.write_config(folder, config)
   report.write_report([tmp_path / "c"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
@@ -367,28 +529,40 @@ def test_report_precise_statistics_table(tmp_path):
     for seed in range(3):
       ema = rng.uniform(0.1, 0.4, 3)
       precise = ema + rng.normal(0, 0.02, 3)
-      _write_run(tmp_path / "s" / f"{norm}{seed}", norm, seed, 0.01,
-                 ema.tolist(), [10, 10, 10], precise_errors=precise.tolist())
+      _write_run(
+          tmp_path / "s" / f"{norm}{seed}",
+          norm,
+          seed,
+          0.01,
+          ema.tolist(),
+          [10, 10, 10],
+          precise_errors=precise.tolist(),
+      )
       finals.setdefault(norm, []).append((100 * ema[-1], 100 * precise[-1]))
   # Without precise statistics: not part of the table.
-  _write_run(tmp_path / "s" / "rsd0", "rsd", 0, 0.01, [0.3, 0.2, 0.1],
-             [10, 10, 10])
+  _write_run(
+      tmp_path / "s" / "rsd0", "rsd", 0, 0.01, [0.3, 0.2, 0.1], [10, 10, 10]
+  )
   report.write_report([tmp_path / "s"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
   section = text.split("## Precise statistics")[1].split("## Curves")[0]
   for norm, pairs in finals.items():
     ema, precise = np.array(pairs).T
     line = next(l for l in section.splitlines() if l.startswith(f"| {norm} |"))
-    assert line == (f"| {norm} | {_pm(ema)} | {_pm(precise)} | "
-                    f"{_pm(precise - ema)} | 3 |"), line
+    assert line == (
+        f"| {norm} | {_pm(ema)} | {_pm(precise)} | "
+        f"{_pm(precise - ema)} | 3 |"
+    ), line
   assert "| rsd |" not in section
 
 
-def test_report_without_precise_runs_has_no_precise_section(fake_sweep,
-                                                             tmp_path):
+def test_report_without_precise_runs_has_no_precise_section(
+    fake_sweep, tmp_path
+):
   report.write_report([fake_sweep[0]], tmp_path / "out")
-  assert "Precise statistics" not in (tmp_path / "out" / "report.md"
-                                      ).read_text()
+  assert (
+      "Precise statistics" not in (tmp_path / "out" / "report.md").read_text()
+  )
 
 
 def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):
@@ -403,15 +577,20 @@ def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):
   target = np.mean([100 * data[(0.01, "bn", s)][0][-1] for s in range(3)])
   for norm, seconds in quiet.items():
     speed = float(np.median(seconds))
-    epochs = [np.flatnonzero(100 * data[(0.01, norm, s)][0] <= target)
-              for s in range(3)]
+    epochs = [
+        np.flatnonzero(100 * data[(0.01, norm, s)][0] <= target)
+        for s in range(3)
+    ]
     reached = [e[0] + 1 for e in epochs if e.size]
     line = next(l for l in section.splitlines() if l.startswith(f"| {norm} |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[4] == f"{speed:.1f}"
     if reached:
-      assert cells[5] == _pm(np.multiply(reached, speed), 0) if len(
-          reached) > 1 else f"{reached[0] * speed:.0f}"
+      assert (
+          cells[5] == _pm(np.multiply(reached, speed), 0)
+          if len(reached) > 1
+          else f"{reached[0] * speed:.0f}"
+      )
     else:
       assert cells[5] == "not reached"
   # lr 0.1 has no timing runs: the columns stay empty.
@@ -443,8 +622,10 @@ def test_report_rerun_removes_its_stale_figures(fake_sweep, tmp_path):
   report.write_report([fake_sweep[0]], out)
   names = {p.name for p in out.glob("*.png")}
   assert "curves_09_gone.png" not in names and "activations_07.png" not in names
-  assert "mine.png" in names and len([n for n in names if n.startswith(
-      "curves_")]) == 2
+  assert (
+      "mine.png" in names
+      and len([n for n in names if n.startswith("curves_")]) == 2
+  )
 
 
 # --- the gain study: gain table, rank correlation, calibrated vs raw ---------
@@ -452,11 +633,18 @@ def test_report_rerun_removes_its_stale_figures(fake_sweep, tmp_path):
 
 def _gain_json(folder: Path, norm: str, init: float, final: float | None):
   """A ``gain.json`` as ``python -m train.gain`` writes it (two layers)."""
+
   def stage(overall):
-    layers = {name: {"median": overall * k, "q25": overall * k * 0.9,
-                     "q75": overall * k * 1.1} for name, k in
-              (("norm1", 0.9), ("norm2", 1.1))}
+    layers = {
+        name: {
+            "median": overall * k,
+            "q25": overall * k * 0.9,
+            "q75": overall * k * 1.1,
+        }
+        for name, k in (("norm1", 0.9), ("norm2", 1.1))
+    }
     return {"layers": layers, "overall": overall}
+
   data = {"norm": norm, "init": stage(init), "final": None}
   if final is not None:
     data["final"] = {**stage(final), "epoch": 2}
@@ -471,36 +659,55 @@ def _calibrate(folder: Path) -> Path:
 
 def _normal_e_max(n: int) -> float:
   """E[max of n standard normals] by quadrature of n x phi(x) Phi(x)^(n-1)."""
-  from scipy import integrate, stats  # pylint: disable=g-import-not-at-top
-  density = lambda x: x * n * np.exp(stats.norm.logpdf(x) + (n - 1)
-                                     * stats.norm.logcdf(x))
+  from scipy import integrate  # pylint: disable=g-import-not-at-top
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+
+  density = (
+      lambda x: x
+      * n
+      * np.exp(stats.norm.logpdf(x) + (n - 1) * stats.norm.logcdf(x))
+  )
   return integrate.quad(density, -10, 10, limit=200)[0]
 
 
 def test_gaussian_gain_equals_definitions():
   from scipy import stats  # pylint: disable=g-import-not-at-top
+
   def sqd(alpha):  # D of a standard normal: phi(Phi^-1(alpha)) / (1 - alpha)
     return (1 - alpha) / stats.norm.pdf(stats.norm.ppf(alpha))
-  expected = {"bn": 1.0, "sd": 1.0, "mad": math.sqrt(math.pi / 2),
-              "bpoe": math.sqrt(math.pi / 2), "rsd": math.sqrt(2 * math.pi),
-              "sqd1": sqd(0.25), "sqd2": sqd(0.5), "sqd3": sqd(0.75),
-              "sqd:0.9": sqd(0.9), "rbd": 1 / (2 * _normal_e_max(50)),
-              "wcd": 1 / _normal_e_max(50),
-              "bn_gain:rsd": math.sqrt(2 * math.pi),
-              "bn_gain:rbd": 1 / (2 * _normal_e_max(50))}
+
+  expected = {
+      "bn": 1.0,
+      "sd": 1.0,
+      "mad": math.sqrt(math.pi / 2),
+      "bpoe": math.sqrt(math.pi / 2),
+      "rsd": math.sqrt(2 * math.pi),
+      "sqd1": sqd(0.25),
+      "sqd2": sqd(0.5),
+      "sqd3": sqd(0.75),
+      "sqd:0.9": sqd(0.9),
+      "rbd": 1 / (2 * _normal_e_max(50)),
+      "wcd": 1 / _normal_e_max(50),
+      "bn_gain:rsd": math.sqrt(2 * math.pi),
+      "bn_gain:rbd": 1 / (2 * _normal_e_max(50)),
+  }
   for norm, gain in expected.items():
     assert report.gaussian_gain(norm, "none", 50) == pytest.approx(
-        gain, rel=1e-6), norm
+        gain, rel=1e-6
+    ), norm
     # Calibration gives every measure BatchNorm's gain; bn_gain keeps its own.
     assert report.gaussian_gain(norm, "normal", 50) == pytest.approx(
-        gain if norm.startswith("bn_gain:") else 1.0, rel=1e-6), norm
+        gain if norm.startswith("bn_gain:") else 1.0, rel=1e-6
+    ), norm
   # And on a large Gaussian sample, sigma / D of the measure itself.
   import gbn_jax  # pylint: disable=g-import-not-at-top
+
   x = np.random.default_rng(0).standard_normal((200_000, 1))
   for norm in ("mad", "rsd", "sqd1", "sqd3"):
     _, d = gbn_jax.get_measure(norm)(x, (0,))
     assert x.std() / float(d[0]) == pytest.approx(
-        report.gaussian_gain(norm, None, x.size), rel=0.01), norm
+        report.gaussian_gain(norm, None, x.size), rel=0.01
+    ), norm
   with pytest.raises(ValueError, match="unknown norm"):
     report.gaussian_gain("nope", None, 50)
 
@@ -513,12 +720,14 @@ def test_gaussian_layer_gains_take_n_from_the_model(tmp_path):
   gains = report.gaussian_layer_gains(config)
   assert set(gains) == set(sizes)
   for layer, n in sizes.items():
-    assert gains[layer] == pytest.approx(1 / (2 * _normal_e_max(n)),
-                                         rel=1e-5), layer
+    assert gains[layer] == pytest.approx(
+        1 / (2 * _normal_e_max(n)), rel=1e-5
+    ), layer
   cifar = dict(config, dataset="cifar10", batch_size=8)
   gains = report.gaussian_layer_gains(cifar)  # 32 -> 28 -> 14 -> 10
-  assert gains["norm2"] == pytest.approx(1 / (2 * _normal_e_max(8 * 100)),
-                                         rel=1e-5)
+  assert gains["norm2"] == pytest.approx(
+      1 / (2 * _normal_e_max(8 * 100)), rel=1e-5
+  )
 
 
 @pytest.fixture()
@@ -533,18 +742,25 @@ def gain_sweep(tmp_path):
         continue
       for seed in range(3):
         errors = np.sort(rng.uniform(0.1, 0.4, 3))[::-1]
-        folder = _write_run(tmp_path / "g" / f"{norm}-{calibration}-{seed}"
-                            .replace(":", "_"), norm, seed, 0.01,
-                            errors.tolist(), [5, 5, 5])
+        folder = _write_run(
+            tmp_path / "g" / f"{norm}-{calibration}-{seed}".replace(":", "_"),
+            norm,
+            seed,
+            0.01,
+            errors.tolist(),
+            [5, 5, 5],
+        )
         if calibration == "normal":
           _calibrate(folder)
         init, final = rng.uniform(0.1, 3), rng.uniform(0.1, 3)
         has_gain = not (norm == "sqd2" or (norm == "rsd" and seed == 2))
         if has_gain:
           _gain_json(folder, norm, init, final if seed else None)
-        runs[(norm, calibration, seed)] = (100 * errors.min(),
-                                           init if has_gain else None,
-                                           final if has_gain and seed else None)
+        runs[(norm, calibration, seed)] = (
+            100 * errors.min(),
+            init if has_gain else None,
+            final if has_gain and seed else None,
+        )
   return tmp_path / "g", runs
 
 
@@ -560,6 +776,7 @@ def _cells(section: str, norm: str, after: str = "") -> list[str]:
 
 def test_report_gain_table_and_rank_correlation(gain_sweep, tmp_path):
   from scipy import stats  # pylint: disable=g-import-not-at-top
+
   folder, runs = gain_sweep
   report.write_report([folder], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
@@ -571,38 +788,55 @@ def test_report_gain_table_and_rank_correlation(gain_sweep, tmp_path):
     cells = _cells(raw, norm)
     assert cells[4] == f"{_pm(best)} (n=3)"
     for column, index in (("init", 1), ("final", 2)):
-      measured = [v[index] for (n, c, _), v in runs.items()
-                  if n == norm and c == "none" and v[index] is not None]
+      measured = [
+          v[index]
+          for (n, c, _), v in runs.items()
+          if n == norm and c == "none" and v[index] is not None
+      ]
       text_ = cells[2 if column == "init" else 3]
       if not measured:
         assert text_ == "–"
         continue
-      expect = (f"{np.mean(measured):.3f}" if len(measured) == 1 else
-                _pm(measured, 3))
+      expect = (
+          f"{np.mean(measured):.3f}" if len(measured) == 1 else _pm(measured, 3)
+      )
       assert text_ == f"{expect} (n={len(measured)})", (norm, column)
       pairs[column].append((np.mean(measured), np.mean(best)))
     # Gaussian gain: LeNet's two layers (n = 1000 x 24 x 24, 1000 x 8 x 8).
     ns = (1000 * 24 * 24, 1000 * 8 * 8)
-    per_layer = {"bn": (1, 1), "mad": (math.sqrt(math.pi / 2),) * 2,
-                 "rsd": (math.sqrt(2 * math.pi),) * 2,
-                 "bn_gain:rsd": (math.sqrt(2 * math.pi),) * 2,
-                 "sqd2": (math.sqrt(math.pi / 2),) * 2,
-                 "rbd": tuple(1 / (2 * _normal_e_max(n)) for n in ns)}[norm]
+    per_layer = {
+        "bn": (1, 1),
+        "mad": (math.sqrt(math.pi / 2),) * 2,
+        "rsd": (math.sqrt(2 * math.pi),) * 2,
+        "bn_gain:rsd": (math.sqrt(2 * math.pi),) * 2,
+        "sqd2": (math.sqrt(math.pi / 2),) * 2,
+        "rbd": tuple(1 / (2 * _normal_e_max(n)) for n in ns),
+    }[norm]
     low, high = min(per_layer), max(per_layer)
-    assert cells[1] == (f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}"
-                        else f"{low:.3f}–{high:.3f}"), norm
+    assert cells[1] == (
+        f"{low:.3f}"
+        if f"{low:.3f}" == f"{high:.3f}"
+        else f"{low:.3f}–{high:.3f}"
+    ), norm
     pairs["gaussian"].append((np.median(per_layer), np.mean(best)))
-  rho_line = next(l for l in gain.splitlines()
-                  if l.startswith("| dataset=") and "calibration=none" in l)
+  rho_line = next(
+      l
+      for l in gain.splitlines()
+      if l.startswith("| dataset=") and "calibration=none" in l
+  )
   rho_cells = [c.strip() for c in rho_line.strip("|").split("|")][1:]
   for cell, key in zip(rho_cells, ("gaussian", "init", "final")):
     x, y = zip(*pairs[key])
     result = stats.spearmanr(x, y)
-    assert cell == (f"{result.statistic:+.2f} (p={result.pvalue:.2g}, "
-                    f"{len(x)} norms)"), (key, cell)
+    assert cell == (
+        f"{result.statistic:+.2f} (p={result.pvalue:.2g}, " f"{len(x)} norms)"
+    ), (key, cell)
   # Calibrated: every Gaussian gain is 1, so rho is undefined there.
-  cal_line = next(l for l in gain.splitlines()
-                  if l.startswith("| dataset=") and "calibration=normal" in l)
+  cal_line = next(
+      l
+      for l in gain.splitlines()
+      if l.startswith("| dataset=") and "calibration=normal" in l
+  )
   assert "– (3 norms, gain constant)" in cal_line
   cal = gain.split("calibration=normal")[1]
   assert _cells(cal, "rbd")[1] == "1.000"
@@ -614,8 +848,7 @@ def test_report_calibrated_minus_batchnorm_and_raw(gain_sweep, tmp_path):
   text = (tmp_path / "out" / "report.md").read_text()
   section = _section(text, "## Calibrated against raw measures and BatchNorm")
   assert "sqrt(s_a²/n_a + s_b²/n_b)" in section
-  best = lambda norm, cal: np.array([runs[(norm, cal, s)][0]
-                                     for s in range(3)])
+  best = lambda norm, cal: np.array([runs[(norm, cal, s)][0] for s in range(3)])
 
   def diff(a, b):  # independent seeds: standard error of the difference
     se = np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
@@ -644,8 +877,10 @@ def test_report_without_gain_or_calibrated_runs(fake_sweep, tmp_path):
   report.main([str(fake_sweep[0]), "--out", str(tmp_path / "g"), "--gain"])
   gain = _section((tmp_path / "g" / "report.md").read_text(), "## Gain")
   cells = _cells(gain, "rsd")
-  assert cells[1] == f"{math.sqrt(2 * math.pi):.3f}" and cells[2:4] == ["–",
-                                                                        "–"]
+  assert cells[1] == f"{math.sqrt(2 * math.pi):.3f}" and cells[2:4] == [
+      "–",
+      "–",
+  ]
 
 
 # --- figures: readable colours and scales ----------------------------------
@@ -653,20 +888,28 @@ def test_report_without_gain_or_calibrated_runs(fake_sweep, tmp_path):
 
 def _saved_figures(monkeypatch) -> list:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   figures = []
   original = matplotlib.figure.Figure.savefig
-  monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
-                      lambda fig, *a, **k: (figures.append(fig),
-                                            original(fig, *a, **k)))
+  monkeypatch.setattr(
+      matplotlib.figure.Figure,
+      "savefig",
+      lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)),
+  )
   return figures
 
 
 def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
   from matplotlib import colors  # pylint: disable=g-import-not-at-top
+
   from train import plot  # pylint: disable=g-import-not-at-top
-  runs = [_write_run(tmp_path / f"{norm}{seed}", norm, seed, 0.01,
-                     [0.3, 0.2], [1, 1])
-          for norm, seed in (("bn", 0), ("bn", 1), ("rsd", 0), ("bn", 2))]
+
+  runs = [
+      _write_run(
+          tmp_path / f"{norm}{seed}", norm, seed, 0.01, [0.3, 0.2], [1, 1]
+      )
+      for norm, seed in (("bn", 0), ("bn", 1), ("rsd", 0), ("bn", 2))
+  ]
   figures = _saved_figures(monkeypatch)
   plot.plot_runs(runs, tmp_path / "out")
   assert len(figures) == 4
@@ -681,19 +924,29 @@ def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
     assert len({str(l.get_linestyle()) for l in bn}) == 3
 
 
-def test_activations_figure_shares_y_and_tells_bands_apart(tmp_path,
-                                                           monkeypatch):
+def test_activations_figure_shares_y_and_tells_bands_apart(
+    tmp_path, monkeypatch
+):
   from matplotlib import colors  # pylint: disable=g-import-not-at-top
+
   runs = []
   for norm, scale in (("bn", 1.0), ("sqd1", 5.0)):
     folder = _write_run(tmp_path / norm, norm, 0, 0.01, [0.3], [1])
-    rows = [{"step": step, "epoch": 1, "layer": "norm2", "feature": 0,
-             "percentiles": [5.0, 15.0, 50.0, 85.0, 95.0],
-             "before": [scale * v for v in (-2, -1, 0, 1, 2)],
-             "after": [scale * v for v in (-1.6, -1, 0, 1, 1.6)]}
-            for step in (0, 10, 20)]
+    rows = [
+        {
+            "step": step,
+            "epoch": 1,
+            "layer": "norm2",
+            "feature": 0,
+            "percentiles": [5.0, 15.0, 50.0, 85.0, 95.0],
+            "before": [scale * v for v in (-2, -1, 0, 1, 2)],
+            "after": [scale * v for v in (-1.6, -1, 0, 1, 1.6)],
+        }
+        for step in (0, 10, 20)
+    ]
     (folder / report.ACTIVATIONS_FILE).write_text(
-        "\n".join(json.dumps(r) for r in rows))
+        "\n".join(json.dumps(r) for r in rows)
+    )
     runs.append(report.find_runs([folder])[0])
   figures = _saved_figures(monkeypatch)
   assert report.activations_figure(runs, tmp_path / "a.png")

@@ -10,19 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import data_helpers
 from train import checkpointing
 from train import configs
 from train import input_pipeline
@@ -30,10 +29,18 @@ from train import main as train_main
 from train import plot
 from train import train
 
+import data_helpers
+
 REPO = Path(__file__).resolve().parents[1]
 # Metrics that must match between runs; the rest are timings.
-EXACT_KEYS = ("epoch", "train_loss", "train_error", "test_loss", "test_error",
-              "best_test_error")
+EXACT_KEYS = (
+    "epoch",
+    "train_loss",
+    "train_error",
+    "test_loss",
+    "test_error",
+    "best_test_error",
+)
 
 
 # --- synthetic data -------------------------------------------------------------
@@ -46,23 +53,30 @@ def synthetic_arrays(n: int, seed: int, shape=(28, 28, 1), classes: int = 10):
   images = rng.integers(0, 60, (n, *shape)).astype(np.uint8)
   for i, k in enumerate(labels):
     row, col = 2 + 6 * (k // 4), 2 + 6 * (k % 4)
-    images[i, row:row + 4, col:col + 4, :] = 250
+    images[i, row : row + 4, col : col + 4, :] = 250
   return images, labels
 
 
-def synthetic_dataset(n_train: int = 64, n_test: int = 37,
-                      name: str = "mnist") -> input_pipeline.Dataset:
+def synthetic_dataset(
+    n_train: int = 64, n_test: int = 37, name: str = "mnist"
+) -> input_pipeline.Dataset:
   shape = input_pipeline.dataset_info(name).image_shape
   train_images, train_labels = synthetic_arrays(n_train, 0, shape)
   test_images, test_labels = synthetic_arrays(n_test, 1, shape)
   return input_pipeline.Dataset(
-      name=name, train_images=train_images, train_labels=train_labels,
-      test_images=test_images, test_labels=test_labels, num_classes=10,
-      source="synthetic")
+      name=name,
+      train_images=train_images,
+      train_labels=train_labels,
+      test_images=test_images,
+      test_labels=test_labels,
+      num_classes=10,
+      source="synthetic",
+  )
 
 
-TINY = configs.MNIST.replace(epochs=3, batch_size=16, learning_rate=0.05,
-                             momentum=0.9, norm="mad")
+TINY = configs.MNIST.replace(
+    epochs=3, batch_size=16, learning_rate=0.05, momentum=0.9, norm="mad"
+)
 
 
 def small_dataset() -> input_pipeline.Dataset:
@@ -74,8 +88,10 @@ def write_tiny_mnist(folder: Path, n_train: int = 64, n_test: int = 37) -> Path:
   """The synthetic dataset as canonical (gzipped IDX) MNIST files."""
   ds = synthetic_dataset(n_train, n_test)
   return data_helpers.write_idx_dataset(
-      folder, (ds.train_images, ds.train_labels),
-      (ds.test_images, ds.test_labels))
+      folder,
+      (ds.train_images, ds.train_labels),
+      (ds.test_images, ds.test_labels),
+  )
 
 
 def exact(history):
@@ -84,13 +100,17 @@ def exact(history):
 
 def tree_digest(folder: Path) -> dict[str, str]:
   """Content hash of every file under ``folder``."""
-  return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-          for p in sorted(folder.rglob("*")) if p.is_file()}
+  return {
+      str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+      for p in sorted(folder.rglob("*"))
+      if p.is_file()
+  }
 
 
 def run_quiet(config, workdir, **kwargs):
-  return train.train_and_evaluate(config, workdir, progress=False,
-                                  log=lambda line: None, **kwargs)
+  return train.train_and_evaluate(
+      config, workdir, progress=False, log=lambda line: None, **kwargs
+  )
 
 
 # --- steps ----------------------------------------------------------------------
@@ -101,13 +121,19 @@ def test_train_step_decreases_loss():
   mesh = train.make_mesh()
   train_data = train.place_train(ds, mesh)
   program, _ = train.compile_program(
-      train.resolve(TINY), mesh, train_data,
-      train.place_test(ds, mesh, TINY.batch_size), ds.num_classes)
+      train.resolve(TINY),
+      mesh,
+      train_data,
+      train.place_test(ds, mesh, TINY.batch_size),
+      ds.num_classes,
+  )
   state = program.init(jax.random.key(0))
-  batched = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-      None, train.DATA_AXIS))
-  images = jax.device_put(ds.train_images[:48].reshape(3, 16, 28, 28, 1),
-                          batched)
+  batched = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, train.DATA_AXIS)
+  )
+  images = jax.device_put(
+      ds.train_images[:48].reshape(3, 16, 28, 28, 1), batched
+  )
   labels = jax.device_put(ds.train_labels[:48].reshape(3, 16), batched)
   losses = []
   for _ in range(15):
@@ -131,29 +157,41 @@ def test_eval_covers_every_test_image():
   ds = small_dataset()
   config = train.resolve(TINY.replace(norm="rbd"))
   model = train.create_model(config, 10)
-  state = train.create_train_state(jax.random.key(1), model, (28, 28, 1),
-                                   train.create_optimizer(config))
+  state = train.create_train_state(
+      jax.random.key(1), model, (28, 28, 1), train.create_optimizer(config)
+  )
   # Non-trivial running statistics, so that train/eval modes differ.
-  state = state.replace(batch_stats=jax.tree.map(
-      lambda x: x + 0.3, state.batch_stats))
+  state = state.replace(
+      batch_stats=jax.tree.map(lambda x: x + 0.3, state.batch_stats)
+  )
   mesh = train.make_mesh()
   placed = train.place_test(ds, mesh, batch_size=16)
   assert placed.images.shape[:2] == (3, 16)
-  result = jax.jit(lambda s: train.eval_model(
-      s, placed.images, placed.labels, placed.mask, dataset="mnist"))(state)
-  logits = model.apply({"params": state.params,
-                        "batch_stats": state.batch_stats},
-                       input_pipeline.normalize_images(ds.test_images, "mnist"),
-                       train=False)
+  result = jax.jit(
+      lambda s: train.eval_model(
+          s, placed.images, placed.labels, placed.mask, dataset="mnist"
+      )
+  )(state)
+  logits = model.apply(
+      {"params": state.params, "batch_stats": state.batch_stats},
+      input_pipeline.normalize_images(ds.test_images, "mnist"),
+      train=False,
+  )
   logits = np.asarray(logits, np.float64)
-  log_probs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True))
-                              .sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+  log_probs = (
+      logits
+      - np.log(
+          np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)
+      )
+      - logits.max(1, keepdims=True)
+  )
   expected_loss = -log_probs[np.arange(37), ds.test_labels].sum()
   expected_errors = int((logits.argmax(1) != ds.test_labels).sum())
   assert int(result["count"]) == 37
   assert int(result["errors"]) == expected_errors
-  np.testing.assert_allclose(float(result["loss_sum"]), expected_loss,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+      float(result["loss_sum"]), expected_loss, rtol=1e-5
+  )
 
 
 def _rows_in(haystack: np.ndarray, needles: np.ndarray) -> np.ndarray:
@@ -172,13 +210,20 @@ def test_prepare_epoch_shuffles_and_drops_remainder():
   images, labels = jnp.asarray(ds.train_images), jnp.asarray(ds.train_labels)
   out = []
   for epoch in (1, 2, 1):
-    x, y = train.prepare_epoch(images, labels, train.epoch_key(3, epoch),
-                               steps=4, batch_size=16, augment=False)
+    x, y = train.prepare_epoch(
+        images,
+        labels,
+        train.epoch_key(3, epoch),
+        steps=4,
+        batch_size=16,
+        augment=False,
+    )
     assert x.shape == (4, 16, 28, 28, 1) and x.dtype == jnp.uint8
     index = _rows_in(ds.train_images, np.asarray(x).reshape(64, 28, 28, 1))
     assert len(set(index)) == 64  # a permutation, the last 6 dropped
-    np.testing.assert_array_equal(ds.train_labels[index],
-                                  np.asarray(y).reshape(64))
+    np.testing.assert_array_equal(
+        ds.train_labels[index], np.asarray(y).reshape(64)
+    )
     out.append(index)
   assert not np.array_equal(out[0], out[1])  # reshuffled every epoch
   np.testing.assert_array_equal(out[0], out[2])  # a function of the epoch
@@ -188,17 +233,20 @@ def test_prepare_epoch_augments_with_crops_and_flips():
   ds = synthetic_dataset(32, 5, name="cifar10")
   images, labels = jnp.asarray(ds.train_images), jnp.asarray(ds.train_labels)
   key = train.epoch_key(0, 1)
-  plain, _ = train.prepare_epoch(images, labels, key, steps=2, batch_size=16,
-                                 augment=False)
-  augmented, y = train.prepare_epoch(images, labels, key, steps=2,
-                                     batch_size=16, augment=True)
+  plain, _ = train.prepare_epoch(
+      images, labels, key, steps=2, batch_size=16, augment=False
+  )
+  augmented, y = train.prepare_epoch(
+      images, labels, key, steps=2, batch_size=16, augment=True
+  )
   plain = np.asarray(plain).reshape(32, 32, 32, 3)
   augmented = np.asarray(augmented).reshape(32, 32, 32, 3)
   changed = 0
   for original, new in zip(plain, augmented):
     padded = np.pad(original, ((4, 4), (4, 4), (0, 0)))
-    candidates = [padded[r:r + 32, c:c + 32] for r in range(9)
-                  for c in range(9)]
+    candidates = [
+        padded[r : r + 32, c : c + 32] for r in range(9) for c in range(9)
+    ]
     candidates += [c[:, ::-1] for c in candidates]
     assert any(np.array_equal(new, c) for c in candidates)
     changed += not np.array_equal(new, original)
@@ -218,17 +266,20 @@ def test_run_writes_outputs_and_is_deterministic(tmp_path):
   for row in history:
     # 52 // 16 = 3 batches: 48 images per epoch, the remainder dropped.
     assert (row["train_error"] * 48) == pytest.approx(
-        round(row["train_error"] * 48))
+        round(row["train_error"] * 48)
+    )
     assert (row["test_error"] * 37) == pytest.approx(
-        round(row["test_error"] * 37))
+        round(row["test_error"] * 37)
+    )
     assert 0 < row["data_seconds"] < row["train_seconds"] <= row["seconds"]
     assert row["images_per_sec"] == pytest.approx(48 / row["train_seconds"])
   assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
   assert history[-1]["best_test_error"] == min(r["test_error"] for r in history)
   elapsed = np.cumsum([r["seconds"] for r in history])
   np.testing.assert_allclose([r["elapsed_seconds"] for r in history], elapsed)
-  assert sorted(int(p.name) for p in (tmp_path / "a/checkpoints").iterdir()) \
-      == [1, 2, 3]
+  assert sorted(
+      int(p.name) for p in (tmp_path / "a/checkpoints").iterdir()
+  ) == [1, 2, 3]
 
   again = run_quiet(TINY, tmp_path / "b", dataset=ds)
   assert exact(again) == exact(history)
@@ -254,14 +305,20 @@ def test_checkpoint_every_keeps_every_metric_and_resumes_exactly(tmp_path):
   ds = small_dataset()
   config = TINY.replace(epochs=4)
   full = run_quiet(config, tmp_path / "full", dataset=ds)
-  part = run_quiet(config.replace(epochs=3), tmp_path / "part", dataset=ds,
-                   checkpoint_every=2)
+  part = run_quiet(
+      config.replace(epochs=3),
+      tmp_path / "part",
+      dataset=ds,
+      checkpoint_every=2,
+  )
   assert exact(part) == exact(full)[:3]
-  assert [r["epoch"] for r in checkpointing.read_metrics(tmp_path / "part")] \
-      == [1, 2, 3]
+  assert [
+      r["epoch"] for r in checkpointing.read_metrics(tmp_path / "part")
+  ] == [1, 2, 3]
   # Every 2nd epoch and the last one.
-  assert sorted(int(p.name) for p in (tmp_path / "part/checkpoints").iterdir()) \
-      == [2, 3]
+  assert sorted(
+      int(p.name) for p in (tmp_path / "part/checkpoints").iterdir()
+  ) == [2, 3]
   # A kill after epoch 3's row but before its save: epoch 3 is trained again.
   shutil.rmtree(tmp_path / "part/checkpoints/3")
   resumed = run_quiet(config, tmp_path / "part", dataset=ds, checkpoint_every=2)
@@ -277,8 +334,9 @@ def test_checkpoint_every_must_be_a_positive_integer(tmp_path, every):
 
 def test_eval_every(tmp_path):
   ds = small_dataset()
-  history = run_quiet(TINY.replace(epochs=5, eval_every=2), tmp_path,
-                      dataset=ds)
+  history = run_quiet(
+      TINY.replace(epochs=5, eval_every=2), tmp_path, dataset=ds
+  )
   evaluated = [r["epoch"] for r in history if r["test_error"] is not None]
   assert evaluated == [2, 4, 5]
   assert history[0]["best_test_error"] is None
@@ -291,16 +349,23 @@ def test_different_config_is_refused_and_nothing_changes(tmp_path):
   ds = small_dataset()
   run_quiet(TINY.replace(epochs=1), tmp_path, dataset=ds)
   before = tree_digest(tmp_path)
-  for change in (dict(norm="bn"), dict(model="resnet20"), dict(seed=5),
-                 dict(learning_rate=0.1)):
-    with pytest.raises(checkpointing.RunDirError,
-                       match=f"different config(.|\n)*{next(iter(change))}"
-                       "(.|\n)*--overwrite"):
+  for change in (
+      dict(norm="bn"),
+      dict(model="resnet20"),
+      dict(seed=5),
+      dict(learning_rate=0.1),
+  ):
+    with pytest.raises(
+        checkpointing.RunDirError,
+        match=f"different config(.|\n)*{next(iter(change))}"
+        "(.|\n)*--overwrite",
+    ):
       run_quiet(TINY.replace(epochs=1, **change), tmp_path, dataset=ds)
     assert tree_digest(tmp_path) == before
   # --overwrite starts over with the new config.
-  history = run_quiet(TINY.replace(epochs=1, norm="bn"), tmp_path, dataset=ds,
-                      overwrite=True)
+  history = run_quiet(
+      TINY.replace(epochs=1, norm="bn"), tmp_path, dataset=ds, overwrite=True
+  )
   assert [r["epoch"] for r in history] == [1]
   assert checkpointing.read_config(tmp_path).norm == "bn"
 
@@ -312,8 +377,9 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     if path.is_file():
       path.write_bytes(b"garbage")
   before = tree_digest(tmp_path)
-  with pytest.raises(checkpointing.CheckpointError,
-                     match=r"checkpoints/2: it is corrupt"):
+  with pytest.raises(
+      checkpointing.CheckpointError, match=r"checkpoints/2: it is corrupt"
+  ):
     run_quiet(TINY.replace(epochs=3), tmp_path, dataset=ds)
   assert tree_digest(tmp_path) == before
 
@@ -323,15 +389,21 @@ def test_foreign_checkpoint_is_a_clear_error(tmp_path):
   run_quiet(TINY.replace(epochs=1), tmp_path, dataset=small_dataset())
   edited = TINY.replace(epochs=1, momentum=0.0, augment=False)  # no trace
   (tmp_path / "config.json").write_text(json.dumps(edited.to_json()))
-  with pytest.raises(checkpointing.CheckpointError, match="corrupt or was "
-                     "written by a different model"):
+  with pytest.raises(
+      checkpointing.CheckpointError,
+      match="corrupt or was " "written by a different model",
+  ):
     run_quiet(edited.replace(epochs=2), tmp_path, dataset=small_dataset())
 
 
-@pytest.mark.parametrize("content,match", [
-    ("{not json", "not a valid gbn-jax training config"),
-    ('{"norm": "bn"}', "missing fields"),
-    ("[1, 2]", "expected a JSON object")])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("{not json", "not a valid gbn-jax training config"),
+        ('{"norm": "bn"}', "missing fields"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
 def test_corrupt_config_json_is_a_clear_error(tmp_path, content, match):
   (tmp_path / "config.json").write_text(content)
   with pytest.raises(checkpointing.RunDirError, match=match):
@@ -347,10 +419,12 @@ def test_checkpoints_without_config_are_refused(tmp_path):
 
 
 def test_batch_larger_than_dataset(tmp_path):
-  with pytest.raises(ValueError, match="--batch-size 64 is larger than the "
-                     "training set of mnist .52 images"):
-    run_quiet(TINY.replace(batch_size=64), tmp_path,
-              dataset=small_dataset())
+  with pytest.raises(
+      ValueError,
+      match="--batch-size 64 is larger than the "
+      "training set of mnist .52 images",
+  ):
+    run_quiet(TINY.replace(batch_size=64), tmp_path, dataset=small_dataset())
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
@@ -364,26 +438,32 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
 
   monkeypatch.setattr(train, "train_step", diverging_step)
   ds = small_dataset()
-  with pytest.raises(train.NonFiniteLossError,
-                     match=r"became nan at epoch 3, step 1(.|\n)*last good "
-                     r"checkpoint \(epoch 2\)"):
+  with pytest.raises(
+      train.NonFiniteLossError,
+      match=r"became nan at epoch 3, step 1(.|\n)*last good "
+      r"checkpoint \(epoch 2\)",
+  ):
     run_quiet(TINY.replace(epochs=5), tmp_path, dataset=ds)
   assert checkpointing.Checkpointer(tmp_path).latest_epoch() == 2
   assert [r["epoch"] for r in checkpointing.read_metrics(tmp_path)] == [1, 2]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--norm", "layernorm"], "unknown norm 'layernorm'"),
-    (["--norm", "sqd"], "needs a quantile level"),
-    (["--norm", "sqd:1.2"], "strictly between 0 and 1"),
-    (["--norm", "sqd:0"], "strictly between 0 and 1"),
-    (["--batch-size", "0"], "must be >= 1"),
-    (["--epochs", "two"], "not an integer"),
-    (["--momentum", "1.5"], "--momentum must be in"),
-    (["--lr", "-1"], "--lr must be a positive number"),
-    (["--lr", "nan"], "--lr must be a positive number"),
-    (["--dataset", "imagenet"], "invalid choice"),
-    (["--model", "vgg"], "invalid choice")])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--norm", "layernorm"], "unknown norm 'layernorm'"),
+        (["--norm", "sqd"], "needs a quantile level"),
+        (["--norm", "sqd:1.2"], "strictly between 0 and 1"),
+        (["--norm", "sqd:0"], "strictly between 0 and 1"),
+        (["--batch-size", "0"], "must be >= 1"),
+        (["--epochs", "two"], "not an integer"),
+        (["--momentum", "1.5"], "--momentum must be in"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--lr", "nan"], "--lr must be a positive number"),
+        (["--dataset", "imagenet"], "invalid choice"),
+        (["--model", "vgg"], "invalid choice"),
+    ],
+)
 def test_cli_flag_errors(capsys, flags, message):
   with pytest.raises(SystemExit) as exit_info:
     train_main.run(flags, configs.MNIST, prog="train.mnist")
@@ -395,10 +475,23 @@ def test_cli_help_explains_every_flag(capsys):
   with pytest.raises(SystemExit):
     train_main.run(["--help"], configs.CIFAR, prog="python -m train.cifar")
   text = capsys.readouterr().out
-  for flag in ("--norm", "--dataset", "--model", "--epochs", "--batch-size",
-               "--lr", "--momentum", "--weight-decay", "--augment",
-               "--no-augment", "--seed", "--data-dir", "--workdir",
-               "--eval-every", "--overwrite"):
+  for flag in (
+      "--norm",
+      "--dataset",
+      "--model",
+      "--epochs",
+      "--batch-size",
+      "--lr",
+      "--momentum",
+      "--weight-decay",
+      "--augment",
+      "--no-augment",
+      "--seed",
+      "--data-dir",
+      "--workdir",
+      "--eval-every",
+      "--overwrite",
+  ):
     assert flag in text
   assert "sqd:<alpha>" in text and "default: 0.1" in text
 
@@ -409,23 +502,40 @@ def test_cli_help_explains_every_flag(capsys):
 @pytest.fixture(scope="module")
 def cache_env(tmp_path_factory):
   """Lets the subprocesses share compiled programs (JAX's persistent cache)."""
-  return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  return {
+      "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
 
 
 def _cli(module: str, *args: str, env=None, timeout=300):
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout,
-                        env={**os.environ, **(env or {})})
+  return subprocess.run(
+      [sys.executable, "-m", module, *args],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env={**os.environ, **(env or {})},
+  )
 
 
 def test_cli_end_to_end(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
   workdir = tmp_path / "run"
-  common = ["--data-dir", str(data), "--workdir", str(workdir),
-            "--batch-size", "16", "--lr", "0.05", "--no-progress"]
-  result = _cli("train.mnist", *common, "--epochs", "2", "--norm", "mad",
-                env=cache_env)
+  common = [
+      "--data-dir",
+      str(data),
+      "--workdir",
+      str(workdir),
+      "--batch-size",
+      "16",
+      "--lr",
+      "0.05",
+      "--no-progress",
+  ]
+  result = _cli(
+      "train.mnist", *common, "--epochs", "2", "--norm", "mad", env=cache_env
+  )
   assert result.returncode == 0, result.stderr
   assert "mnist lenet norm=mad seed=0: 2 epochs" in result.stdout
   assert len(result.stdout.strip().splitlines()) == 1
@@ -433,31 +543,59 @@ def test_cli_end_to_end(tmp_path, cache_env):
   rows = checkpointing.read_metrics(workdir)
   assert [r["epoch"] for r in rows] == [1, 2]
   assert checkpointing.read_config(workdir) == configs.MNIST.replace(
-      norm="mad", epochs=2, batch_size=16, learning_rate=0.05, augment=False)
+      norm="mad", epochs=2, batch_size=16, learning_rate=0.05, augment=False
+  )
 
   result = _cli("train.mnist", *common, "--epochs", "2", "--norm", "bn")
   assert result.returncode == 1
   assert "different config" in result.stderr and "norm" in result.stderr
   assert "Traceback" not in result.stderr
 
-  result = _cli("train.mnist", *common, "--epochs", "2", "--norm", "bn",
-                "--batch-size", "128", "--overwrite")
+  result = _cli(
+      "train.mnist",
+      *common,
+      "--epochs",
+      "2",
+      "--norm",
+      "bn",
+      "--batch-size",
+      "128",
+      "--overwrite",
+  )
   assert result.returncode == 1
   assert "larger than the training set" in result.stderr
 
-  result = _cli("train.mnist", "--data-dir", str(tmp_path / "nowhere"),
-                "--dataset", "mnist", "--workdir", str(tmp_path / "x"),
-                env={"TFDS_DATA_DIR": str(tmp_path / "tfds"),
-                     "GBN_DATA_DIR": ""})
+  result = _cli(
+      "train.mnist",
+      "--data-dir",
+      str(tmp_path / "nowhere"),
+      "--dataset",
+      "mnist",
+      "--workdir",
+      str(tmp_path / "x"),
+      env={"TFDS_DATA_DIR": str(tmp_path / "tfds"), "GBN_DATA_DIR": ""},
+  )
   assert result.returncode == 1
   assert "could not find the mnist dataset" in result.stderr
 
 
 def test_cli_real_nan(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
-  result = _cli("train.mnist", "--data-dir", str(data), "--workdir",
-                str(tmp_path / "run"), "--batch-size", "16", "--epochs", "2",
-                "--lr", "1e30", "--no-progress", env=cache_env)
+  result = _cli(
+      "train.mnist",
+      "--data-dir",
+      str(data),
+      "--workdir",
+      str(tmp_path / "run"),
+      "--batch-size",
+      "16",
+      "--epochs",
+      "2",
+      "--lr",
+      "1e30",
+      "--no-progress",
+      env=cache_env,
+  )
   assert result.returncode == 1, result.stderr
   assert "training loss became nan" in result.stderr
   assert "smaller --lr" in result.stderr
@@ -468,13 +606,34 @@ def test_cli_real_nan(tmp_path, cache_env):
 def test_cli_killed_mid_run_resumes_exactly(tmp_path, cache_env):
   """SIGKILL a real run after its 2nd checkpoint; rerunning finishes it."""
   data = write_tiny_mnist(tmp_path / "data", n_train=96)
-  args = ["--data-dir", str(data), "--batch-size", "16", "--epochs", "12",
-          "--lr", "0.05", "--norm", "sqd1", "--no-progress"]
+  args = [
+      "--data-dir",
+      str(data),
+      "--batch-size",
+      "16",
+      "--epochs",
+      "12",
+      "--lr",
+      "0.05",
+      "--norm",
+      "sqd1",
+      "--no-progress",
+  ]
   killed_dir, full_dir = tmp_path / "killed", tmp_path / "full"
   process = subprocess.Popen(
-      [sys.executable, "-m", "train.mnist", *args, "--workdir",
-       str(killed_dir)], cwd=REPO, stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL, env={**os.environ, **cache_env})
+      [
+          sys.executable,
+          "-m",
+          "train.mnist",
+          *args,
+          "--workdir",
+          str(killed_dir),
+      ],
+      cwd=REPO,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+      env={**os.environ, **cache_env},
+  )
   deadline = time.monotonic() + 240
   while time.monotonic() < deadline and process.poll() is None:
     if len(checkpointing.read_metrics(killed_dir)) >= 2:
@@ -484,15 +643,16 @@ def test_cli_killed_mid_run_resumes_exactly(tmp_path, cache_env):
   process.wait()
   done = len(checkpointing.read_metrics(killed_dir))
   assert process.returncode == -signal.SIGKILL and 2 <= done < 12
-  result = _cli("train.mnist", *args, "--workdir", str(killed_dir),
-                env=cache_env)
+  result = _cli(
+      "train.mnist", *args, "--workdir", str(killed_dir), env=cache_env
+  )
   assert result.returncode == 0, result.stderr
   assert "resumed from" in result.stderr
-  result = _cli("train.mnist", *args, "--workdir", str(full_dir),
-                env=cache_env)
+  result = _cli("train.mnist", *args, "--workdir", str(full_dir), env=cache_env)
   assert result.returncode == 0, result.stderr
   assert exact(checkpointing.read_metrics(killed_dir)) == exact(
-      checkpointing.read_metrics(full_dir))
+      checkpointing.read_metrics(full_dir)
+  )
 
 
 # --- multi-device ----------------------------------------------------------------
@@ -517,13 +677,22 @@ print(json.dumps(out))
 
 
 def _run_devices(count: int, workdir: Path):
-  script = _MULTI_DEVICE_SCRIPT.format(tests=str(REPO / "tests"),
-                                       workdir=str(workdir) + "/")
-  env = {**os.environ,
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
-         "JAX_PLATFORMS": "cpu"}
-  result = subprocess.run([sys.executable, "-c", script], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=600)
+  script = _MULTI_DEVICE_SCRIPT.format(
+      tests=str(REPO / "tests"), workdir=str(workdir) + "/"
+  )
+  env = {
+      **os.environ,
+      "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
+      "JAX_PLATFORMS": "cpu",
+  }
+  result = subprocess.run(
+      [sys.executable, "-c", script],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -554,30 +723,44 @@ def _fake_run(folder: Path, norm: str, seed: int) -> Path:
   rng = np.random.default_rng(seed)
   folder.mkdir(parents=True)
   (folder / "config.json").write_text(
-      json.dumps(TINY.replace(norm=norm).to_json()))
+      json.dumps(TINY.replace(norm=norm).to_json())
+  )
   rows, elapsed = [], 0.0
   for epoch in range(1, 6):
     elapsed += rng.uniform(1, 2)
-    rows.append({"epoch": epoch, "train_loss": float(2 / epoch),
-                 "test_error": None if epoch == 1 else float(rng.uniform()),
-                 "elapsed_seconds": elapsed})
+    rows.append(
+        {
+            "epoch": epoch,
+            "train_loss": float(2 / epoch),
+            "test_error": None if epoch == 1 else float(rng.uniform()),
+            "elapsed_seconds": elapsed,
+        }
+    )
   checkpointing.write_metrics(folder, rows)
   return folder
 
 
 def test_plot_writes_pngs(tmp_path, capsys):
   runs = [_fake_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))]
-  assert plot.main([str(r) for r in runs] + ["--out", str(tmp_path / "out")]) == 0
+  assert (
+      plot.main([str(r) for r in runs] + ["--out", str(tmp_path / "out")]) == 0
+  )
   names = sorted(p.name for p in (tmp_path / "out").iterdir())
-  assert names == sorted(["train_loss_vs_epoch.png", "test_error_vs_epoch.png",
-                          "train_loss_vs_seconds.png",
-                          "test_error_vs_seconds.png"])
+  assert names == sorted(
+      [
+          "train_loss_vs_epoch.png",
+          "test_error_vs_epoch.png",
+          "train_loss_vs_seconds.png",
+          "test_error_vs_seconds.png",
+      ]
+  )
   for name in names:
     data = (tmp_path / "out" / name).read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
   assert len(capsys.readouterr().out.splitlines()) == 4
-  assert plot.run_labels([{"norm": "bn", "seed": 0}, {"norm": "bn", "seed": 1}]
-                         ) == ["bn (seed=0)", "bn (seed=1)"]
+  assert plot.run_labels(
+      [{"norm": "bn", "seed": 0}, {"norm": "bn", "seed": 1}]
+  ) == ["bn (seed=0)", "bn (seed=1)"]
 
 
 def test_plot_errors(tmp_path, capsys):

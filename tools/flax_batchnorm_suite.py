@@ -90,14 +90,23 @@ EXPECTED_DIFFERENCES = {
 #: Test-only dependencies of flax's tests, installed into a temporary target.
 TEST_DEPS = ("cloudpickle",)
 
-_LINEN_BASES = {"nn", "linen", "nn.normalization", "linen.normalization",
-                "flax.linen"}
+_LINEN_BASES = {
+    "nn",
+    "linen",
+    "nn.normalization",
+    "linen.normalization",
+    "flax.linen",
+}
 _NNX_BASES = {"nnx", "flax.nnx"}
 _TYPE_CHECKS = {"isinstance", "issubclass", "type"}
-_TYPE_ASSERTS = {"assertIsInstance", "assertNotIsInstance", "assertIsSubclass",
-                 "assertNotIsSubclass"}
+_TYPE_ASSERTS = {
+    "assertIsInstance",
+    "assertNotIsInstance",
+    "assertIsSubclass",
+    "assertNotIsSubclass",
+}
 
-_CONFTEST = r'''
+_CONFTEST = r"""
 import json, os
 import pytest
 from gbn_jax import _normalization
@@ -143,7 +152,7 @@ def pytest_sessionfinish(session):
     path += "." + os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(path, "w") as f:
       json.dump(_results, f)
-'''
+"""
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -182,8 +191,9 @@ def _offsets(source: str) -> list[int]:
   return out
 
 
-def rewrite(source: str, linen_class: str = "GBatchNorm"
-            ) -> tuple[str, list[str], set[int], ast.Module]:
+def rewrite(
+    source: str, linen_class: str = "GBatchNorm"
+) -> tuple[str, list[str], set[int], ast.Module]:
   """(rewritten source, one line per rewrite, ids of the rewritten nodes in
   the returned tree, that tree).
 
@@ -199,9 +209,11 @@ def rewrite(source: str, linen_class: str = "GBatchNorm"
   type_checked: set[int] = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Call) and (
-        isinstance(node.func, ast.Name) and node.func.id in _TYPE_CHECKS
+        isinstance(node.func, ast.Name)
+        and node.func.id in _TYPE_CHECKS
         or isinstance(node.func, ast.Attribute)
-        and node.func.attr in _TYPE_ASSERTS):
+        and node.func.attr in _TYPE_ASSERTS
+    ):
       for arg in node.args[1:]:
         for sub in ast.walk(arg):
           type_checked.add(id(sub))
@@ -209,44 +221,63 @@ def rewrite(source: str, linen_class: str = "GBatchNorm"
     if isinstance(node, ast.Call) and _flavour(node.func):
       flavour = _flavour(node.func)
       f = node.func
-      edits.append(_Edit(pos(f.lineno, f.col_offset),
-                         pos(f.end_lineno, f.end_col_offset),
-                         f"gbn_jax.{flavour}.{cls[flavour]}", None))
-      last = (node.args + node.keywords)
+      edits.append(
+          _Edit(
+              pos(f.lineno, f.col_offset),
+              pos(f.end_lineno, f.end_col_offset),
+              f"gbn_jax.{flavour}.{cls[flavour]}",
+              None,
+          )
+      )
+      last = node.args + node.keywords
       if last:
         tail = max(last, key=lambda n: (n.end_lineno, n.end_col_offset))
         at = pos(tail.end_lineno, tail.end_col_offset)
         extra = ", measure='sd'"
       else:
         at = pos(f.end_lineno, f.end_col_offset) + 1  # after '('
-        assert source[at - 1] == "(", source[at - 5:at + 5]
+        assert source[at - 1] == "(", source[at - 5 : at + 5]
         extra = "measure='sd'"
-      edits.append(_Edit(at, at, extra,
-                         f"line {node.lineno}: {_dotted(f)}(...) ->"
-                         f" gbn_jax.{flavour}.{cls[flavour]}(..., measure='sd')"))
+      edits.append(
+          _Edit(
+              at,
+              at,
+              extra,
+              f"line {node.lineno}: {_dotted(f)}(...) ->"
+              f" gbn_jax.{flavour}.{cls[flavour]}(..., measure='sd')",
+          )
+      )
       handled.add(id(f))
   for node in ast.walk(tree):
     flavour = _flavour(node)
     if flavour and id(node) not in handled and id(node) not in type_checked:
-      edits.append(_Edit(
-          pos(node.lineno, node.col_offset),
-          pos(node.end_lineno, node.end_col_offset),
-          f"functools.partial(gbn_jax.{flavour}.{cls[flavour]}, measure='sd')",
-          f"line {node.lineno}: {_dotted(node)} (as a value) ->"
-          f" functools.partial(gbn_jax.{flavour}.{cls[flavour]},"
-          " measure='sd')"))
+      edits.append(
+          _Edit(
+              pos(node.lineno, node.col_offset),
+              pos(node.end_lineno, node.end_col_offset),
+              f"functools.partial(gbn_jax.{flavour}.{cls[flavour]}, measure='sd')",
+              f"line {node.lineno}: {_dotted(node)} (as a value) ->"
+              f" functools.partial(gbn_jax.{flavour}.{cls[flavour]},"
+              " measure='sd')",
+          )
+      )
       handled.add(id(node))
   if edits:
     # The imports go in front of the first import, on its line, so that line
     # numbers in tracebacks stay flax's (class bodies need them at import).
-    first = next(n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-                 and not (isinstance(n, ast.ImportFrom) and n.module == "__future__"))
+    first = next(
+        n
+        for n in tree.body
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+    )
     at = pos(first.lineno, 0)
-    edits.append(_Edit(at, at, "import functools, gbn_jax.linen, gbn_jax.nnx; ",
-                       None))
+    edits.append(
+        _Edit(at, at, "import functools, gbn_jax.linen, gbn_jax.nnx; ", None)
+    )
   out = source
   for e in sorted(edits, key=lambda e: (e.start, e.end), reverse=True):
-    out = out[:e.start] + e.text + out[e.end:]
+    out = out[: e.start] + e.text + out[e.end :]
   whats = sorted((e.start, e.what) for e in edits if e.what)
   return out, [what for _, what in whats], handled, tree
 
@@ -260,10 +291,15 @@ def _uses(node: ast.AST, names: set[str], refs: set[int]) -> bool:
   return False
 
 
-def select(source: str, refs: set[int], tree: ast.Module) -> list[tuple[str | None, str]]:
+def select(
+    source: str, refs: set[int], tree: ast.Module
+) -> list[tuple[str | None, str]]:
   """(class or None, test function name) of the tests that build a BatchNorm."""
-  defs = {n.name: n for n in tree.body
-          if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+  defs = {
+      n.name: n
+      for n in tree.body
+      if isinstance(n, (ast.ClassDef, ast.FunctionDef))
+  }
   carrying: set[str] = set()
   changed = True
   while changed:
@@ -281,8 +317,10 @@ def select(source: str, refs: set[int], tree: ast.Module) -> list[tuple[str | No
         selected.append((None, node.name))
     elif isinstance(node, ast.ClassDef):
       methods = [n for n in node.body if isinstance(n, ast.FunctionDef)]
-      setup = any(m.name in ("setUp", "setUpClass") and _uses(m, carrying, refs)
-                  for m in methods)
+      setup = any(
+          m.name in ("setUp", "setUpClass") and _uses(m, carrying, refs)
+          for m in methods
+      )
       for m in methods:
         if m.name.startswith("test") and (setup or _uses(m, carrying, refs)):
           selected.append((node.name, m.name))
@@ -297,14 +335,27 @@ def _unpack(args, work: pathlib.Path) -> pathlib.Path:
     version = importlib.metadata.version("flax")
     print(f"downloading the flax {version} sdist from PyPI ...", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", f"flax=={version}",
-         "--no-binary", ":all:", "--no-deps", "-d", str(work)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            f"flax=={version}",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "-d",
+            str(work),
+        ],
         check=True,
     )
     sdist = next(work.glob("flax-*.tar.gz"))
   with tarfile.open(sdist) as tar:
     tar.extractall(work, filter="data")
-  return next(p for p in work.iterdir() if p.is_dir() and p.name.startswith("flax-"))
+  return next(
+      p for p in work.iterdir() if p.is_dir() and p.name.startswith("flax-")
+  )
 
 
 def _missing_imports(source: str, extra_path: list[str]) -> list[str]:
@@ -318,22 +369,44 @@ def _missing_imports(source: str, extra_path: list[str]) -> list[str]:
     for name in names:
       top = name.split(".")[0]
       found = importlib.util.find_spec(top) is not None or any(
-          (pathlib.Path(p) / top).exists() for p in extra_path)
+          (pathlib.Path(p) / top).exists() for p in extra_path
+      )
       if not found:
         missing.append(top)
   return missing
 
 
-def _run_pytest(root: pathlib.Path, ids: list[str], results: pathlib.Path,
-                env: dict[str, str]) -> dict:
+def _run_pytest(
+    root: pathlib.Path,
+    ids: list[str],
+    results: pathlib.Path,
+    env: dict[str, str],
+) -> dict:
   (root / "pytest.ini").write_text("[pytest]\n")
   workers = []
   if importlib.util.find_spec("xdist") and (os.cpu_count() or 1) >= 4:
     workers = ["-n", str(min(8, os.cpu_count()))]
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
-         "--import-mode=importlib", "-o", "addopts=", "-W", "ignore",
-         "--rootdir", str(root), "-c", str(root / "pytest.ini"),
-         "--tb=short", "-rf", *ids]
+  cmd = [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-q",
+      "-p",
+      "no:cacheprovider",
+      *workers,
+      "--import-mode=importlib",
+      "-o",
+      "addopts=",
+      "-W",
+      "ignore",
+      "--rootdir",
+      str(root),
+      "-c",
+      str(root / "pytest.ini"),
+      "--tb=short",
+      "-rf",
+      *ids,
+  ]
   env = {**env, "GBN_SUITE_RESULTS": str(results)}
   proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
   merged = {}
@@ -347,10 +420,16 @@ def _run_pytest(root: pathlib.Path, ids: list[str], results: pathlib.Path,
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sdist", help="a flax sdist .tar.gz (default: download)")
+  parser.add_argument(
+      "--sdist", help="a flax sdist .tar.gz (default: download)"
+  )
   parser.add_argument("--src", help="an unpacked flax source tree")
-  parser.add_argument("-v", "--verbose", action="store_true",
-                      help="list every rewrite and every test")
+  parser.add_argument(
+      "-v",
+      "--verbose",
+      action="store_true",
+      help="list every rewrite and every test",
+  )
   args = parser.parse_args(argv)
 
   with tempfile.TemporaryDirectory(prefix="gbn_flax_suite_") as tmp:
@@ -361,18 +440,33 @@ def main(argv=None) -> int:
     names_root = work / "names"
     deps = work / "deps"
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=4").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
     missing_deps = [d for d in TEST_DEPS if importlib.util.find_spec(d) is None]
     if missing_deps:
       proc = subprocess.run(
-          [sys.executable, "-m", "pip", "install", "-q", "--target", str(deps),
-           *missing_deps], capture_output=True, text=True)
+          [
+              sys.executable,
+              "-m",
+              "pip",
+              "install",
+              "-q",
+              "--target",
+              str(deps),
+              *missing_deps,
+          ],
+          capture_output=True,
+          text=True,
+      )
       if proc.returncode == 0:
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(deps)] + [p for p in [env.get("PYTHONPATH")] if p])
-        print(f"installed flax's test dependencies {missing_deps} into a"
-              " temporary --target directory")
+            [str(deps)] + [p for p in [env.get("PYTHONPATH")] if p]
+        )
+        print(
+            f"installed flax's test dependencies {missing_deps} into a"
+            " temporary --target directory"
+        )
       else:
         print(f"could not install {missing_deps}: {proc.stderr[-500:]}")
     extra_path = [str(deps)] if deps.exists() else []
@@ -388,8 +482,10 @@ def main(argv=None) -> int:
         continue
       tests = select(source, refs, tree)
       missing = _missing_imports(source, extra_path)
-      print(f"{rel}: {len(whats)} rewrite(s), {len(tests)} test function(s)"
-            " that build a BatchNorm")
+      print(
+          f"{rel}: {len(whats)} rewrite(s), {len(tests)} test function(s)"
+          " that build a BatchNorm"
+      )
       for what in whats:
         print(f"    {what}")
       n_rewrites += len(whats)
@@ -397,8 +493,11 @@ def main(argv=None) -> int:
         skipped_modules[str(rel)] = missing
         continue
       named = rewrite(source, linen_class="BatchNorm")[0]
-      for root, text in ((tests_root, new), (plain_root, source),
-                         (names_root, named)):
+      for root, text in (
+          (tests_root, new),
+          (plain_root, source),
+          (names_root, named),
+      ):
         out = root / rel
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
@@ -406,7 +505,9 @@ def main(argv=None) -> int:
         nodeid = f"{rel}::{cls}::{name}" if cls else f"{rel}::{name}"
         ids.append(nodeid)
     if not ids:
-      raise SystemExit(f"no test that builds a BatchNorm was found under {src}/tests.")
+      raise SystemExit(
+          f"no test that builds a BatchNorm was found under {src}/tests."
+      )
     (tests_root / "conftest.py").write_text(_CONFTEST)
     (plain_root / "conftest.py").write_text(_CONFTEST)
     if skipped_modules:
@@ -421,8 +522,12 @@ def main(argv=None) -> int:
     for path in sorted(tests_root.rglob("*_test.py")):
       tree = ast.parse(path.read_text())
       origins[str(path.relative_to(tests_root))] = sorted(
-          {n.name for n in ast.walk(tree)
-           if isinstance(n, ast.FunctionDef) and n.name.startswith("test")})
+          {
+              n.name
+              for n in ast.walk(tree)
+              if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
+          }
+      )
     select_plugin = (
         f"_WANTED = {sorted(wanted)!r}\n"
         f"_ORIGINS = {origins!r}\n"
@@ -444,26 +549,39 @@ def main(argv=None) -> int:
         f.write("\n" + select_plugin)
 
     files = sorted({i.split("::")[0] for i in ids})
-    print(f"\nrunning {len(ids)} selected test functions from {len(files)}"
-          " modules on GBatchNorm ...", flush=True)
+    print(
+        f"\nrunning {len(ids)} selected test functions from {len(files)}"
+        " modules on GBatchNorm ...",
+        flush=True,
+    )
     results, proc = _run_pytest(tests_root, files, work / "swapped.json", env)
     # A test counts if it built a GBatchNorm, or was skipped by flax before
     # it could (e.g. test_cloud_pickle on Python 3.11); the rest of the
     # selection are other layers sharing a parameterized test.
     skipped = sorted(k for k, v in results.items() if v["outcome"] == "skipped")
-    built = {k: v for k, v in results.items()
-             if v["built"] and v["outcome"] != "skipped"}
-    unbuilt = sorted(k for k, v in results.items()
-                     if not v["built"] and v["outcome"] != "skipped")
+    built = {
+        k: v
+        for k, v in results.items()
+        if v["built"] and v["outcome"] != "skipped"
+    }
+    unbuilt = sorted(
+        k
+        for k, v in results.items()
+        if not v["built"] and v["outcome"] != "skipped"
+    )
     outcome = lambda o: sorted(k for k, v in built.items() if v["outcome"] == o)
     passed, failed = outcome("passed"), outcome("failed")
-    print(f"\n{len(built)} tests built a GBatchNorm: {len(passed)} passed,"
-          f" {len(failed)} failed; {len(skipped)} skipped by flax itself")
+    print(
+        f"\n{len(built)} tests built a GBatchNorm: {len(passed)} passed,"
+        f" {len(failed)} failed; {len(skipped)} skipped by flax itself"
+    )
     for k in skipped:
       print(f"    skipped: {k}")
     if unbuilt:
-      print(f"{len(unbuilt)} selected tests built none (other layers in a"
-            " shared parameter list; not counted)")
+      print(
+          f"{len(unbuilt)} selected tests built none (other layers in a"
+          " shared parameter list; not counted)"
+      )
       if args.verbose:
         for k in unbuilt:
           print(f"    {k}")
@@ -490,26 +608,36 @@ def main(argv=None) -> int:
     if named_failures:
       # The same tests with gbn_jax.linen.BatchNorm (GBatchNorm under flax's
       # class name) for linen: the difference must be the name alone.
-      named, _ = _run_pytest(names_root, named_failures, work / "names.json", env)
+      named, _ = _run_pytest(
+          names_root, named_failures, work / "names.json", env
+      )
       for k in named_failures:
         result = named.get(k, {}).get("outcome", "not run")
-        print(f"  with gbn_jax.linen.BatchNorm(..., measure='sd') instead:"
-              f" {k} {result}")
+        print(
+            f"  with gbn_jax.linen.BatchNorm(..., measure='sd') instead:"
+            f" {k} {result}"
+        )
         if result != "passed":
           status = 1
     for k, reason in EXPECTED_DIFFERENCES.items():
       if k in passed:
-        print(f"  note: {k} passed; the expected difference ({reason}) is"
-              " gone: drop it from EXPECTED_DIFFERENCES")
+        print(
+            f"  note: {k} passed; the expected difference ({reason}) is"
+            " gone: drop it from EXPECTED_DIFFERENCES"
+        )
     if len(built) < MIN_TESTS:
-      print(f"ERROR: only {len(built)} tests built a GBatchNorm; expected at"
-            f" least {MIN_TESTS}: the selection or flax's layout changed.")
+      print(
+          f"ERROR: only {len(built)} tests built a GBatchNorm; expected at"
+          f" least {MIN_TESTS}: the selection or flax's layout changed."
+      )
       status = 1
-    print(f"\n{n_rewrites} rewrites; {len(built)} tests on GBatchNorm:"
-          f" {len(passed)} passed, {len(failed)} failed"
-          f" ({sum(k in EXPECTED_DIFFERENCES for k in failed)} expected),"
-          f" {len(skipped)} skipped by flax; {len(skipped_modules)} modules skipped"
-          f" for missing imports; exit {status}")
+    print(
+        f"\n{n_rewrites} rewrites; {len(built)} tests on GBatchNorm:"
+        f" {len(passed)} passed, {len(failed)} failed"
+        f" ({sum(k in EXPECTED_DIFFERENCES for k in failed)} expected),"
+        f" {len(skipped)} skipped by flax; {len(skipped_modules)} modules skipped"
+        f" for missing imports; exit {status}"
+    )
     return status
 
 

@@ -19,15 +19,15 @@ A run directory (``--workdir``) holds:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 import contextlib
 import json
 import os
+from pathlib import Path
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -61,8 +61,9 @@ def _umask() -> int:
 
 def atomic_write_text(path: Path, text: str) -> None:
   """Writes via a temporary file + rename, so a kill leaves old or new."""
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                             suffix=".tmp")
+  fd, tmp = tempfile.mkstemp(
+      dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+  )
   try:
     # mkstemp makes the file 0600; a run's outputs are meant to be shared.
     os.fchmod(fd, 0o666 & ~_umask())
@@ -88,7 +89,8 @@ def read_config(workdir: str | os.PathLike[str]) -> configs.Config:
   except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
     raise RunDirError(
         f"{path} is not a valid gbn-jax training config ({e}); choose a "
-        "new --workdir, or pass --overwrite to delete this run") from None
+        "new --workdir, or pass --overwrite to delete this run"
+    ) from None
 
 
 def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -99,16 +101,21 @@ def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def write_metrics(workdir: str | os.PathLike[str],
-                  history: Sequence[dict[str, Any]]) -> None:
+def write_metrics(
+    workdir: str | os.PathLike[str], history: Sequence[dict[str, Any]]
+) -> None:
   """Atomically replaces ``metrics.jsonl`` with ``history``."""
   text = "".join(json.dumps(row) + "\n" for row in history)
   atomic_write_text(Path(workdir) / METRICS_FILE, text)
 
 
-def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
-                    *, overwrite: bool = False,
-                    is_primary: bool = True) -> None:
+def prepare_workdir(
+    workdir: str | os.PathLike[str],
+    config: configs.Config,
+    *,
+    overwrite: bool = False,
+    is_primary: bool = True,
+) -> None:
   """Checks that ``config`` may run in ``workdir``; records a new run's.
 
   An existing, compatible ``config.json`` is left alone here; the caller
@@ -129,8 +136,11 @@ def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
   """
   workdir = Path(workdir)
   config_path = workdir / CONFIG_FILE
-  ours = [workdir / CONFIG_FILE, workdir / METRICS_FILE,
-          workdir / CHECKPOINT_DIR]
+  ours = [
+      workdir / CONFIG_FILE,
+      workdir / METRICS_FILE,
+      workdir / CHECKPOINT_DIR,
+  ]
   if overwrite:
     if is_primary:
       for path in [*ours, workdir / DATA_SOURCE_FILE]:
@@ -149,30 +159,35 @@ def prepare_workdir(workdir: str | os.PathLike[str], config: configs.Config,
       raise RunDirError(
           f"{workdir} holds a run with a different config, so it can't be "
           "resumed:\n  " + "\n  ".join(diff) + "\nChoose a new --workdir, or "
-          "pass --overwrite to delete the existing run.")
+          "pass --overwrite to delete the existing run."
+      )
   elif any(path.exists() for path in ours[1:]):
     raise RunDirError(
         f"{workdir} has {METRICS_FILE} or {CHECKPOINT_DIR}/ but no "
         f"{CONFIG_FILE}, so it can't be checked against this run; choose a "
-        "new --workdir, or pass --overwrite to delete them.")
+        "new --workdir, or pass --overwrite to delete them."
+    )
   if is_primary and not config_path.exists():
     write_config(workdir, config)
 
 
-def append_data_source(workdir: str | os.PathLike[str], epoch: int,
-                       source: str) -> None:
+def append_data_source(
+    workdir: str | os.PathLike[str], epoch: int, source: str
+) -> None:
   """Appends ``from epoch EPOCH: SOURCE`` to ``data_source.txt``."""
   with open(Path(workdir) / DATA_SOURCE_FILE, "a") as f:
     f.write(f"from epoch {epoch}: {source}\n")
 
 
-def write_config(workdir: str | os.PathLike[str],
-                 config: configs.Config) -> None:
+def write_config(
+    workdir: str | os.PathLike[str], config: configs.Config
+) -> None:
   """Atomically writes ``config.json`` (creating ``workdir``)."""
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  atomic_write_text(workdir / CONFIG_FILE,
-                    json.dumps(config.to_json(), indent=2) + "\n")
+  atomic_write_text(
+      workdir / CONFIG_FILE, json.dumps(config.to_json(), indent=2) + "\n"
+  )
 
 
 @contextlib.contextmanager
@@ -182,8 +197,9 @@ def _sigint_deferred() -> Iterator[None]:
     yield
     return
   received = []
-  previous = signal.signal(signal.SIGINT,
-                           lambda signum, frame: received.append(signum))
+  previous = signal.signal(
+      signal.SIGINT, lambda signum, frame: received.append(signum)
+  )
   try:
     yield
   finally:
@@ -200,31 +216,41 @@ class Checkpointer:
     max_to_keep: How many of the latest checkpoints to keep.
   """
 
-  def __init__(self, workdir: str | os.PathLike[str],
-               max_to_keep: int = MAX_TO_KEEP):
+  def __init__(
+      self, workdir: str | os.PathLike[str], max_to_keep: int = MAX_TO_KEEP
+  ):
     self.directory = Path(workdir).absolute() / CHECKPOINT_DIR
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True,
+        max_to_keep=max_to_keep,
+        create=True,
         # Saves are small and synchronous: once save() returns, the epoch is
         # on disk, and a kill mid-save leaves only a tmp dir that is removed.
-        enable_async_checkpointing=False, cleanup_tmp_directories=True)
+        enable_async_checkpointing=False,
+        cleanup_tmp_directories=True,
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_epoch(self) -> int | None:
     """The latest saved epoch, or ``None``."""
     return self._manager.latest_step()
 
-  def save(self, epoch: int, state: Any,
-           history: Sequence[dict[str, Any]]) -> None:
+  def save(
+      self, epoch: int, state: Any, history: Sequence[dict[str, Any]]
+  ) -> None:
     """Saves ``state`` (a pytree of arrays) and ``history`` for ``epoch``."""
     with _sigint_deferred():
-      self._manager.save(epoch, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state),
-          history=ocp.args.JsonSave(list(history))))
+      self._manager.save(
+          epoch,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              history=ocp.args.JsonSave(list(history)),
+          ),
+      )
       self._manager.wait_until_finished()
 
-  def restore(self, epoch: int,
-              target: Any) -> tuple[Any, list[dict[str, Any]]]:
+  def restore(
+      self, epoch: int, target: Any
+  ) -> tuple[Any, list[dict[str, Any]]]:
     """Restores the checkpoint of ``epoch``.
 
     Args:
@@ -240,25 +266,36 @@ class Checkpointer:
       CheckpointError: If the checkpoint is unreadable or doesn't match.
     """
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=getattr(x, "sharding", None)),
-        target)
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+        ),
+        target,
+    )
     try:
-      restored = self._manager.restore(epoch, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract),
-          history=ocp.args.JsonRestore()))
+      restored = self._manager.restore(
+          epoch,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract),
+              history=ocp.args.JsonRestore(),
+          ),
+      )
       history = restored["history"]
-      if (not isinstance(history, list) or len(history) != epoch or
-          any(row.get("epoch") != i + 1 for i, row in enumerate(history))):
-        raise ValueError("its metrics history does not list epochs "
-                         f"1..{epoch}")
+      if (
+          not isinstance(history, list)
+          or len(history) != epoch
+          or any(row.get("epoch") != i + 1 for i, row in enumerate(history))
+      ):
+        raise ValueError(
+            "its metrics history does not list epochs " f"1..{epoch}"
+        )
     except Exception as e:  # orbax raises many types for bad files
       raise CheckpointError(
           f"can't restore checkpoint {self.directory / str(epoch)}: it is "
           f"corrupt or was written by a different model/version "
           f"({type(e).__name__}: {e}). Nothing was changed; delete that "
           "checkpoint directory to resume from an earlier one, or pass "
-          "--overwrite (or a new --workdir) to start over.") from e
+          "--overwrite (or a new --workdir) to start over."
+      ) from e
     return restored["state"], history
 
   def close(self) -> None:

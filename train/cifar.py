@@ -7,8 +7,8 @@ SGD (momentum 0), weight decay 1e-4, 100 epochs, crop + flip augmentation,
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
+import sys
 
 from train import host_devices
 
@@ -19,14 +19,17 @@ if __name__ == "__main__":  # before JAX starts: one host device per core
 from train import configs
 from train import main as train_main
 
-_ABOUT = ("Defaults: the GBN paper's ResNet20 CIFAR-10 setting (batch 256, plain "
-          "SGD); the constant learning rate 0.1, weight decay 1e-4 and 100 epochs "
-          "are this project's choice (He et al.'s starting rate).")
+_ABOUT = (
+    "Defaults: the GBN paper's ResNet20 CIFAR-10 setting (batch 256, plain "
+    "SGD); the constant learning rate 0.1, weight decay 1e-4 and 100 epochs "
+    "are this project's choice (He et al.'s starting rate)."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  return train_main.run(argv, configs.CIFAR, prog="python -m train.cifar",
-                         about=_ABOUT)
+  return train_main.run(
+      argv, configs.CIFAR, prog="python -m train.cifar", about=_ABOUT
+  )
 
 
 if __name__ == "__main__":

@@ -9,12 +9,12 @@ or :data:`MNIST` (``python -m train.mnist``) and override fields from flags.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import enum
 import json
 import math
 import types
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from train import models
@@ -39,31 +39,43 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value))
+  return (
+      isinstance(value, (int, float))
+      and not isinstance(value, bool)
+      and math.isfinite(value)
+  )
 
 
 def _one_of(choices: Sequence[str]) -> Callable[[Any], str | None]:
-  return lambda v: None if v in choices else (
-      f"{v!r} is not one of: {', '.join(choices)}")
+  return (
+      lambda v: None
+      if v in choices
+      else (f"{v!r} is not one of: {', '.join(choices)}")
+  )
 
 
-def _integer(minimum: int, maximum: int | None = None,
-             maximum_text: str | None = None) -> Callable[[Any], str | None]:
+def _integer(
+    minimum: int, maximum: int | None = None, maximum_text: str | None = None
+) -> Callable[[Any], str | None]:
   if maximum is None:
-    what = ("a positive integer" if minimum == 1 else
-            f"an integer >= {minimum}")
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
   else:
     what = f"an integer in [{minimum}, {maximum_text or maximum})"
-  return lambda v: None if (
-      _is_int(v) and v >= minimum and (maximum is None or v < maximum)
-  ) else f"must be {what}, got {v!r}"
+  return (
+      lambda v: None
+      if (_is_int(v) and v >= minimum and (maximum is None or v < maximum))
+      else f"must be {what}, got {v!r}"
+  )
 
 
-def _real(requirement: str, valid: Callable[[float], bool]
-          ) -> Callable[[Any], str | None]:
-  return lambda v: None if _is_real(v) and valid(v) else (
-      f"{requirement}, got {v!r}")
+def _real(
+    requirement: str, valid: Callable[[float], bool]
+) -> Callable[[Any], str | None]:
+  return (
+      lambda v: None
+      if _is_real(v) and valid(v)
+      else (f"{requirement}, got {v!r}")
+  )
 
 
 def _boolean(v: Any) -> str | None:
@@ -80,6 +92,7 @@ def _norm(v: Any) -> str | None:
 
 class Flag(enum.Enum):
   """How a field's flag reads its value."""
+
   VALUE = "value"  # --flag VALUE, parsed by ``FieldSpec.parse``
   SWITCH = "switch"  # --flag sets True
   ON_OFF = "on_off"  # --flag / --no-flag; absent keeps the default (None)
@@ -191,78 +204,185 @@ class Config:
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
   """
 
-  dataset: str = _field("cifar10", FieldSpec(
-      _one_of(DATASET_NAMES), "--dataset", choices=DATASET_NAMES,
-      help="dataset; looked up in --data-dir alone when given, else in "
-      "$GBN_DATA_DIR, ~/.cache/gbn_jax, /usr/share/datasets, then "
-      "tensorflow-datasets (see train/datasets.py)"))
-  model: str = _field("resnet20", FieldSpec(
-      _one_of(tuple(models.MODELS)), "--model", choices=tuple(models.MODELS),
-      help="lenet: Caffe LeNet (VALID 5x5 convs 20/50, dense 500) with a "
-      "norm after each conv; resnet20: He et al.'s CIFAR ResNet20 with "
-      "parameter-free (option A) shortcuts"))
-  norm: str = _field("bn", FieldSpec(
-      _norm, "--norm", parse=_parse_norm, run_name="",
-      help="normalization layer: 'bn' is flax.linen.BatchNorm (the "
-      "baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
-      "with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: "
-      + ", ".join(models.norm_names())))
-  epochs: int = _field(100, FieldSpec(
-      _integer(1), "--epochs", parse=parse_positive_int,
-      help="total epochs; raise it and rerun to extend a finished run"))
-  batch_size: int = _field(256, FieldSpec(
-      _integer(1), "--batch-size", parse=parse_positive_int, run_name="b",
-      help="global batch size, split evenly over the devices (on one host "
-      "the most devices that divide it; on several hosts all of them)"))
-  learning_rate: float = _field(0.1, FieldSpec(
-      _real("must be a positive number", lambda v: v > 0), "--lr",
-      parse=float, run_name="lr", help="constant SGD learning rate"))
-  momentum: float = _field(0.0, FieldSpec(
-      _real("must be in [0, 1)", lambda v: 0 <= v < 1), "--momentum",
-      parse=float, run_name="m",
-      help="SGD momentum (0 = plain SGD, as in the paper)"))
-  weight_decay: float = _field(1e-4, FieldSpec(
-      _real("must be >= 0", lambda v: v >= 0), "--weight-decay", parse=float,
-      run_name="wd",
-      help="L2 penalty on all parameters, added to the gradients"))
-  augment: bool | None = _field(None, FieldSpec(
-      lambda v: None if v is None or isinstance(v, bool) else (
-          f"must be true, false or null, got {v!r}"),
-      "--augment", kind=Flag.ON_OFF,
-      help="random crop (pad 4) + horizontal flip of training images; "
-      "default: on for cifar10/cifar100/svhn, off for mnist/fashion_mnist"))
-  seed: int = _field(0, FieldSpec(
-      _integer(0, 2**32, "2**32"), "--seed", parse=int, run_name="seed",
-      help="seeds initialization, shuffling and augmentation; the same seed "
-      "on the same machine gives the same metrics"))
-  norm_momentum: float = _field(0.9, FieldSpec(
-      _real("must be in [0, 1)", lambda v: 0 <= v < 1), "--norm-momentum",
-      parse=float, run_name="nm",
-      help="momentum of the norms' running averages"))
-  norm_epsilon: float = _field(1e-5, FieldSpec(
-      _real("must be > 0", lambda v: v > 0), run_name="eps"))
-  eval_every: int = _field(1, FieldSpec(
-      _integer(1), "--eval-every", parse=parse_positive_int, run_name="ev",
-      help="evaluate on the test set every N epochs (and after the last)"))
-  renorm: bool = _field(False, FieldSpec(
-      _boolean, "--renorm", kind=Flag.SWITCH, run_name="renorm", added=True,
-      help="batch renormalization (Ioffe 2017) in every norm layer, for any "
-      "measure (bn: GBatchNorm's sd, BatchNorm's statistics)"))
-  renorm_rmax: float = _field(3.0, FieldSpec(
-      _real("must be >= 1", lambda v: v >= 1), "--renorm-rmax", parse=float,
-      run_name="rmax", added=True,
-      help="with --renorm: r is clipped to [1/rmax, rmax]"))
-  renorm_dmax: float = _field(5.0, FieldSpec(
-      _real("must be >= 0", lambda v: v >= 0), "--renorm-dmax", parse=float,
-      run_name="dmax", added=True,
-      help="with --renorm: d is clipped to [-dmax, dmax]"))
-  calibration: str = _field("none", FieldSpec(
-      _one_of(CALIBRATIONS), "--calibration", choices=CALIBRATIONS,
-      run_name="cal_", added=True,
-      help="normal: divide every GBN layer's deviation D by its value for a "
-      "standard normal feature, so that D is the standard deviation for "
-      "Gaussian data (BatchNorm's gain at initialization whatever the "
-      "measure); a no-op for bn and sd, which stay BatchNorm"))
+  dataset: str = _field(
+      "cifar10",
+      FieldSpec(
+          _one_of(DATASET_NAMES),
+          "--dataset",
+          choices=DATASET_NAMES,
+          help="dataset; looked up in --data-dir alone when given, else in "
+          "$GBN_DATA_DIR, ~/.cache/gbn_jax, /usr/share/datasets, then "
+          "tensorflow-datasets (see train/datasets.py)",
+      ),
+  )
+  model: str = _field(
+      "resnet20",
+      FieldSpec(
+          _one_of(tuple(models.MODELS)),
+          "--model",
+          choices=tuple(models.MODELS),
+          help="lenet: Caffe LeNet (VALID 5x5 convs 20/50, dense 500) with a "
+          "norm after each conv; resnet20: He et al.'s CIFAR ResNet20 with "
+          "parameter-free (option A) shortcuts",
+      ),
+  )
+  norm: str = _field(
+      "bn",
+      FieldSpec(
+          _norm,
+          "--norm",
+          parse=_parse_norm,
+          run_name="",
+          help="normalization layer: 'bn' is flax.linen.BatchNorm (the "
+          "baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
+          "with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: "
+          + ", ".join(models.norm_names()),
+      ),
+  )
+  epochs: int = _field(
+      100,
+      FieldSpec(
+          _integer(1),
+          "--epochs",
+          parse=parse_positive_int,
+          help="total epochs; raise it and rerun to extend a finished run",
+      ),
+  )
+  batch_size: int = _field(
+      256,
+      FieldSpec(
+          _integer(1),
+          "--batch-size",
+          parse=parse_positive_int,
+          run_name="b",
+          help="global batch size, split evenly over the devices (on one host "
+          "the most devices that divide it; on several hosts all of them)",
+      ),
+  )
+  learning_rate: float = _field(
+      0.1,
+      FieldSpec(
+          _real("must be a positive number", lambda v: v > 0),
+          "--lr",
+          parse=float,
+          run_name="lr",
+          help="constant SGD learning rate",
+      ),
+  )
+  momentum: float = _field(
+      0.0,
+      FieldSpec(
+          _real("must be in [0, 1)", lambda v: 0 <= v < 1),
+          "--momentum",
+          parse=float,
+          run_name="m",
+          help="SGD momentum (0 = plain SGD, as in the paper)",
+      ),
+  )
+  weight_decay: float = _field(
+      1e-4,
+      FieldSpec(
+          _real("must be >= 0", lambda v: v >= 0),
+          "--weight-decay",
+          parse=float,
+          run_name="wd",
+          help="L2 penalty on all parameters, added to the gradients",
+      ),
+  )
+  augment: bool | None = _field(
+      None,
+      FieldSpec(
+          lambda v: None
+          if v is None or isinstance(v, bool)
+          else (f"must be true, false or null, got {v!r}"),
+          "--augment",
+          kind=Flag.ON_OFF,
+          help="random crop (pad 4) + horizontal flip of training images; "
+          "default: on for cifar10/cifar100/svhn, off for mnist/fashion_mnist",
+      ),
+  )
+  seed: int = _field(
+      0,
+      FieldSpec(
+          _integer(0, 2**32, "2**32"),
+          "--seed",
+          parse=int,
+          run_name="seed",
+          help="seeds initialization, shuffling and augmentation; the same seed "
+          "on the same machine gives the same metrics",
+      ),
+  )
+  norm_momentum: float = _field(
+      0.9,
+      FieldSpec(
+          _real("must be in [0, 1)", lambda v: 0 <= v < 1),
+          "--norm-momentum",
+          parse=float,
+          run_name="nm",
+          help="momentum of the norms' running averages",
+      ),
+  )
+  norm_epsilon: float = _field(
+      1e-5, FieldSpec(_real("must be > 0", lambda v: v > 0), run_name="eps")
+  )
+  eval_every: int = _field(
+      1,
+      FieldSpec(
+          _integer(1),
+          "--eval-every",
+          parse=parse_positive_int,
+          run_name="ev",
+          help="evaluate on the test set every N epochs (and after the last)",
+      ),
+  )
+  renorm: bool = _field(
+      False,
+      FieldSpec(
+          _boolean,
+          "--renorm",
+          kind=Flag.SWITCH,
+          run_name="renorm",
+          added=True,
+          help="batch renormalization (Ioffe 2017) in every norm layer, for any "
+          "measure (bn: GBatchNorm's sd, BatchNorm's statistics)",
+      ),
+  )
+  renorm_rmax: float = _field(
+      3.0,
+      FieldSpec(
+          _real("must be >= 1", lambda v: v >= 1),
+          "--renorm-rmax",
+          parse=float,
+          run_name="rmax",
+          added=True,
+          help="with --renorm: r is clipped to [1/rmax, rmax]",
+      ),
+  )
+  renorm_dmax: float = _field(
+      5.0,
+      FieldSpec(
+          _real("must be >= 0", lambda v: v >= 0),
+          "--renorm-dmax",
+          parse=float,
+          run_name="dmax",
+          added=True,
+          help="with --renorm: d is clipped to [-dmax, dmax]",
+      ),
+  )
+  calibration: str = _field(
+      "none",
+      FieldSpec(
+          _one_of(CALIBRATIONS),
+          "--calibration",
+          choices=CALIBRATIONS,
+          run_name="cal_",
+          added=True,
+          help="normal: divide every GBN layer's deviation D by its value for a "
+          "standard normal feature, so that D is the standard deviation for "
+          "Gaussian data (BatchNorm's gain at initialization whatever the "
+          "measure); a no-op for bn and sd, which stay BatchNorm",
+      ),
+  )
 
   def replace(self, **changes: Any) -> Config:
     """Returns a copy with ``changes`` applied."""
@@ -287,14 +407,17 @@ class Config:
     unknown = set(data) - set(FIELDS)
     missing = set(FIELDS) - set(data) - ADDED_FIELDS
     if unknown or missing:
-      raise ValueError(f"unknown fields {sorted(unknown)}, missing fields "
-                       f"{sorted(missing)}")
+      raise ValueError(
+          f"unknown fields {sorted(unknown)}, missing fields "
+          f"{sorted(missing)}"
+      )
     return cls(**data)
 
 
 #: Every field's :class:`FieldSpec`, in field order.
 FIELDS: Mapping[str, FieldSpec] = types.MappingProxyType(
-    {f.name: f.metadata["spec"] for f in dataclasses.fields(Config)})
+    {f.name: f.metadata["spec"] for f in dataclasses.fields(Config)}
+)
 
 #: Fields newer than the first ``config.json`` files; an older file lacks
 #: them and means their defaults.
@@ -307,8 +430,14 @@ CIFAR = Config()
 
 #: ``python -m train.mnist``: the paper's LeNet MNIST setting (batch 1000,
 #: learning rate 0.01; 20 epochs and Caffe LeNet's weight decay are ours).
-MNIST = Config(dataset="mnist", model="lenet", epochs=20, batch_size=1000,
-               learning_rate=0.01, weight_decay=5e-4)
+MNIST = Config(
+    dataset="mnist",
+    model="lenet",
+    epochs=20,
+    batch_size=1000,
+    learning_rate=0.01,
+    weight_decay=5e-4,
+)
 
 
 def validate(config: Config) -> Config:
@@ -327,8 +456,9 @@ def validate(config: Config) -> Config:
     problem = spec.check(getattr(config, name))
     if problem is not None:
       label = spec.flag or name
-      raise ValueError(f"{label}{'' if problem.startswith(':') else ' '}"
-                       f"{problem}")
+      raise ValueError(
+          f"{label}{'' if problem.startswith(':') else ' '}" f"{problem}"
+      )
   return config
 
 

@@ -43,6 +43,7 @@ a summary with the load time.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator, Mapping, Sequence
 import contextlib
 import dataclasses
 import gzip
@@ -51,18 +52,21 @@ import io
 import logging
 import math
 import os
+from pathlib import Path
 import struct
 import tarfile
 import time
-import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
+import zlib
 
 import numpy as np
 
 DATASETS: tuple[str, ...] = (
-    "mnist", "fashion_mnist", "cifar10", "cifar100", "svhn"
+    "mnist",
+    "fashion_mnist",
+    "cifar10",
+    "cifar100",
+    "svhn",
 )
 
 # Searched through the datasets' subfolders after data_dir and $GBN_DATA_DIR.
@@ -117,20 +121,40 @@ _INFOS: dict[str, DatasetInfo] = {
         "mnist", 10, (28, 28, 1), (0.1307,), (0.3081,), False, "mnist"
     ),
     "fashion_mnist": DatasetInfo(
-        "fashion_mnist", 10, (28, 28, 1), (0.2860,), (0.3530,), False,
+        "fashion_mnist",
+        10,
+        (28, 28, 1),
+        (0.2860,),
+        (0.3530,),
+        False,
         "fashion_mnist",
     ),
     "cifar10": DatasetInfo(
-        "cifar10", 10, (32, 32, 3), (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616), True, "cifar10",
+        "cifar10",
+        10,
+        (32, 32, 3),
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+        True,
+        "cifar10",
     ),
     "cifar100": DatasetInfo(
-        "cifar100", 100, (32, 32, 3), (0.5071, 0.4865, 0.4409),
-        (0.2673, 0.2564, 0.2762), True, "cifar100",
+        "cifar100",
+        100,
+        (32, 32, 3),
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+        True,
+        "cifar100",
     ),
     "svhn": DatasetInfo(
-        "svhn", 10, (32, 32, 3), (0.4377, 0.4438, 0.4728),
-        (0.1980, 0.2010, 0.1970), True, "svhn_cropped",
+        "svhn",
+        10,
+        (32, 32, 3),
+        (0.4377, 0.4438, 0.4728),
+        (0.1980, 0.2010, 0.1970),
+        True,
+        "svhn_cropped",
     ),
 }
 
@@ -176,8 +200,7 @@ class Dataset:
       )
     _check_split(self.train_images, self.train_labels, info, "train split")
     _check_split(self.test_images, self.test_labels, info, "test split")
-    for field in ("train_images", "train_labels", "test_images",
-                  "test_labels"):
+    for field in ("train_images", "train_labels", "test_images", "test_labels"):
       # A read-only view: the caller's own array keeps its flags.
       view = getattr(self, field).view()
       view.setflags(write=False)
@@ -198,8 +221,11 @@ def _check_split(images: Any, labels: Any, info: DatasetInfo, what: str):
         f"{where}: images must have shape (N, *{info.image_shape}), got"
         f" {images.shape}"
     )
-  if (not isinstance(labels, np.ndarray) or labels.dtype != np.int32
-      or labels.shape != images.shape[:1]):
+  if (
+      not isinstance(labels, np.ndarray)
+      or labels.dtype != np.int32
+      or labels.shape != images.shape[:1]
+  ):
     raise ValueError(
         f"{where}: labels must be an int32 numpy array of shape"
         f" ({len(images)},), got {getattr(labels, 'dtype', type(labels))}"
@@ -359,18 +385,22 @@ def _read_idx_dataset(
   def read(files: Mapping[str, bytes], where: str) -> _Arrays:
     info = _INFOS[name]
     return (
-        *_parse_idx_split(files[_IDX_FILES[0]], files[_IDX_FILES[1]],
-                          f"{where}: train", info),
-        *_parse_idx_split(files[_IDX_FILES[2]], files[_IDX_FILES[3]],
-                          f"{where}: t10k", info),
+        *_parse_idx_split(
+            files[_IDX_FILES[0]], files[_IDX_FILES[1]], f"{where}: train", info
+        ),
+        *_parse_idx_split(
+            files[_IDX_FILES[2]], files[_IDX_FILES[3]], f"{where}: t10k", info
+        ),
     )
 
   return read
 
 
 def _read_cifar10(files: Mapping[str, bytes], where: str) -> _Arrays:
-  parts = [_parse_cifar_records(files[f], f"{where}/{f}", (10,), 0)
-           for f in _CIFAR10_TRAIN]
+  parts = [
+      _parse_cifar_records(files[f], f"{where}/{f}", (10,), 0)
+      for f in _CIFAR10_TRAIN
+  ]
   test_images, test_labels = _parse_cifar_records(
       files["test_batch.bin"], f"{where}/test_batch.bin", (10,), 0
   )
@@ -390,8 +420,12 @@ def _read_cifar100(files: Mapping[str, bytes], where: str) -> _Arrays:
   test_images, test_labels = _parse_cifar_records(
       files["test.bin"], f"{where}/test.bin", (20, 100), 1
   )
-  return (np.ascontiguousarray(train_images), train_labels,
-          np.ascontiguousarray(test_images), test_labels)
+  return (
+      np.ascontiguousarray(train_images),
+      train_labels,
+      np.ascontiguousarray(test_images),
+      test_labels,
+  )
 
 
 def _read_svhn(files: Mapping[str, bytes], where: str) -> _Arrays:
@@ -436,33 +470,50 @@ _CIFAR10_TRAIN = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
 
 _LAYOUTS: dict[str, _Layout] = {
     "mnist": _Layout(
-        _IDX_FILES, ("mnist", "MNIST", "MNIST/raw"),
-        _read_idx_dataset("mnist"), gzip_ok=True,
+        _IDX_FILES,
+        ("mnist", "MNIST", "MNIST/raw"),
+        _read_idx_dataset("mnist"),
+        gzip_ok=True,
     ),
     "fashion_mnist": _Layout(
         _IDX_FILES,
         ("fashion_mnist", "fashion-mnist", "FashionMNIST", "FashionMNIST/raw"),
-        _read_idx_dataset("fashion_mnist"), gzip_ok=True,
+        _read_idx_dataset("fashion_mnist"),
+        gzip_ok=True,
     ),
     "cifar10": _Layout(
         _CIFAR10_TRAIN + ("test_batch.bin",),
-        ("cifar-10-batches-bin", "cifar10", "cifar10/cifar-10-batches-bin",
-         "cifar-10", "cifar-10/cifar-10-batches-bin"),
+        (
+            "cifar-10-batches-bin",
+            "cifar10",
+            "cifar10/cifar-10-batches-bin",
+            "cifar-10",
+            "cifar-10/cifar-10-batches-bin",
+        ),
         _read_cifar10,
         archive="cifar-10-binary.tar.gz",
-        pickle_markers=("cifar-10-batches-py", "cifar-10-python.tar.gz",
-                        "data_batch_1"),
+        pickle_markers=(
+            "cifar-10-batches-py",
+            "cifar-10-python.tar.gz",
+            "data_batch_1",
+        ),
     ),
     "cifar100": _Layout(
         ("train.bin", "test.bin"),
-        ("cifar-100-binary", "cifar100", "cifar100/cifar-100-binary",
-         "cifar-100", "cifar-100/cifar-100-binary"),
+        (
+            "cifar-100-binary",
+            "cifar100",
+            "cifar100/cifar-100-binary",
+            "cifar-100",
+            "cifar-100/cifar-100-binary",
+        ),
         _read_cifar100,
         archive="cifar-100-binary.tar.gz",
         pickle_markers=("cifar-100-python", "cifar-100-python.tar.gz"),
     ),
     "svhn": _Layout(
-        ("train_32x32.mat", "test_32x32.mat"), ("svhn", "SVHN", "svhn_cropped"),
+        ("train_32x32.mat", "test_32x32.mat"),
+        ("svhn", "SVHN", "svhn_cropped"),
         _read_svhn,
     ),
 }
@@ -508,8 +559,9 @@ class _Found:
   source: str
 
 
-def _candidate_dirs(layout: _Layout, base: Path, explicit: bool
-                    ) -> Iterator[Path]:
+def _candidate_dirs(
+    layout: _Layout, base: Path, explicit: bool
+) -> Iterator[Path]:
   if explicit:
     yield base
   for sub in layout.subdirs:
@@ -539,8 +591,7 @@ def _find_in_dir(name: str, folder: Path, notes: list[str]) -> _Found | None:
             {f: _read_file_bytes(p) for f, p in zip(layout.files, paths)},
             str(folder),
         ),
-        source=f"{name} files in {folder}: "
-        + ", ".join(p.name for p in paths),
+        source=f"{name} files in {folder}: " + ", ".join(p.name for p in paths),
     )
   if any(paths):
     missing = [f for f, p in zip(layout.files, paths) if p is None]
@@ -564,7 +615,7 @@ def _note_pickles(name: str, folder: Path, notes: list[str]) -> None:
   """Notes the pickled "python version" of the dataset in ``folder``."""
   for marker in _LAYOUTS[name].pickle_markers:
     note = (
-        f"{folder / marker} is the pickled \"python version\" of {name},"
+        f'{folder / marker} is the pickled "python version" of {name},'
         " which is never read here (unpickling can run arbitrary code);"
         " get the binary version instead (see below)."
     )
@@ -643,19 +694,23 @@ def _load_tfds(
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise _TfdsUnavailable(f"tensorflow-datasets is not installed ({e})")
-  tfds_dir = None if data_dir is None else os.fspath(
-      Path(data_dir).expanduser()
+  tfds_dir = (
+      None if data_dir is None else os.fspath(Path(data_dir).expanduser())
   )
   # Preparing a dataset (downloading it) needs TensorFlow; without it tfds
   # can only read data prepared earlier, so ask for nothing more.
   can_prepare = importlib.util.find_spec("tensorflow") is not None
   download = download and can_prepare
-  call = (f"tfds.data_source({info.tfds_name!r}, data_dir={tfds_dir!r},"
-          f" download={download})")
+  call = (
+      f"tfds.data_source({info.tfds_name!r}, data_dir={tfds_dir!r},"
+      f" download={download})"
+  )
   try:
     with _quiet_absl():
       train, test = tfds.data_source(
-          info.tfds_name, split=["train", "test"], data_dir=tfds_dir,
+          info.tfds_name,
+          split=["train", "test"],
+          data_dir=tfds_dir,
           download=download,
       )
   except Exception as e:  # ImportError, NotImplementedError, OSError, ...
@@ -663,18 +718,26 @@ def _load_tfds(
     if not can_prepare:
       # tfds says "not found" as NotImplementedError (no array_record
       # files to read) or DatasetNotFoundError; anything else is news.
-      missing = (isinstance(e, NotImplementedError)
-                 or type(e).__name__ == "DatasetNotFoundError")
+      missing = (
+          isinstance(e, NotImplementedError)
+          or type(e).__name__ == "DatasetNotFoundError"
+      )
       detail = (str(e).strip().splitlines() or [""])[0][:200]
-      found = ("found" if missing else
-               f"could be read ({type(e).__name__}: {detail})")
-      reason = (f"no prepared {info.tfds_name!r} {found}, and preparing one "
-                "needs TensorFlow, which is not installed")
+      found = (
+          "found"
+          if missing
+          else f"could be read ({type(e).__name__}: {detail})"
+      )
+      reason = (
+          f"no prepared {info.tfds_name!r} {found}, and preparing one "
+          "needs TensorFlow, which is not installed"
+      )
     raise _TfdsUnavailable(reason) from e
-  arrays = (*_tfds_split_to_arrays(train, info, "train"),
-            *_tfds_split_to_arrays(test, info, "test"))
-  where = (tfds_dir or os.environ.get("TFDS_DATA_DIR")
-           or "~/tensorflow_datasets")
+  arrays = (
+      *_tfds_split_to_arrays(train, info, "train"),
+      *_tfds_split_to_arrays(test, info, "test"),
+  )
+  where = tfds_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
   return arrays, f"tensorflow-datasets {info.tfds_name!r} in {where}"
 
 
@@ -763,20 +826,22 @@ def _not_found_message(name: str, data_dir, notes: Sequence[str]) -> str:
     state = "" if base.is_dir() else " (does not exist)"
     scope = "itself and subfolders" if explicit else "subfolders"
     searched.append(f"    {base}{state} [{scope} {subdirs}]")
-  return "\n".join([
-      f"could not find the {name} dataset.",
-      *notes,
-      "Searched:",
-      *searched,
-      "To provide it:",
-      f"  * {_HOW_TO_GET[name]};",
-      f"    then pass data_dir=DIR (--data-dir DIR) or set {ENV_DATA_DIR}=DIR;",
-      "  * or let tensorflow-datasets download and prepare"
-      f" {info.tfds_name!r} (needs internet and TensorFlow): pip install"
-      " tensorflow-cpu importlib_resources; the data then lives under"
-      " data_dir, $TFDS_DATA_DIR or ~/tensorflow_datasets and is read from"
-      " there without TensorFlow.",
-  ])
+  return "\n".join(
+      [
+          f"could not find the {name} dataset.",
+          *notes,
+          "Searched:",
+          *searched,
+          "To provide it:",
+          f"  * {_HOW_TO_GET[name]};",
+          f"    then pass data_dir=DIR (--data-dir DIR) or set {ENV_DATA_DIR}=DIR;",
+          "  * or let tensorflow-datasets download and prepare"
+          f" {info.tfds_name!r} (needs internet and TensorFlow): pip install"
+          " tensorflow-cpu importlib_resources; the data then lives under"
+          " data_dir, $TFDS_DATA_DIR or ~/tensorflow_datasets and is read from"
+          " there without TensorFlow.",
+      ]
+  )
 
 
 def load_dataset(
@@ -811,8 +876,9 @@ def load_dataset(
   """
   info = dataset_info(name)
   if data_dir is not None:
-    return _load_from_data_dir(name, data_dir, use_tfds=use_tfds,
-                               download=download)
+    return _load_from_data_dir(
+        name, data_dir, use_tfds=use_tfds, download=download
+    )
   notes: list[str] = []
   found = _find_local(name, data_dir, notes)
   if found is not None:
@@ -848,8 +914,13 @@ def _expected_files(name: str, folder: Path) -> str:
   return f"{files} in {where}{archive}"
 
 
-def _load_from_data_dir(name: str, data_dir: str | os.PathLike[str], *,
-                        use_tfds: bool, download: bool) -> Dataset:
+def _load_from_data_dir(
+    name: str,
+    data_dir: str | os.PathLike[str],
+    *,
+    use_tfds: bool,
+    download: bool,
+) -> Dataset:
   """Loads ``name`` from ``data_dir`` only: its files, else its tfds data.
 
   A folder that the user named and that lacks the data is a mistake (a typo,
@@ -889,26 +960,39 @@ def _load_from_data_dir(name: str, data_dir: str | os.PathLike[str], *,
         except DataNotFoundError:  # a partial copy: not worth a note
           found = None
         if found:
-          notes.append(f"A copy is in {candidate} (used when no data folder "
-                       "is given).")
-    raise DataNotFoundError("\n".join([
-        f"could not find the {name} dataset. data_dir (--data-dir) {folder} "
-        f"{state}; expected {_expected_files(name, folder)} (or "
-        f"tensorflow-datasets {info.tfds_name!r} data there; {reason}).",
-        *notes,
-        "Other folders are not searched when a data folder is given; "
-        "without it: " + ", ".join(str(base) for base in elsewhere) + ".",
-        "To provide it:",
-        f"  * {_HOW_TO_GET[name]};",
-        "  * or let tensorflow-datasets download and prepare"
-        f" {info.tfds_name!r} into DIR (needs internet and TensorFlow): pip"
-        " install tensorflow-cpu importlib_resources.",
-    ]))
+          notes.append(
+              f"A copy is in {candidate} (used when no data folder "
+              "is given)."
+          )
+    raise DataNotFoundError(
+        "\n".join(
+            [
+                f"could not find the {name} dataset. data_dir (--data-dir) {folder} "
+                f"{state}; expected {_expected_files(name, folder)} (or "
+                f"tensorflow-datasets {info.tfds_name!r} data there; {reason}).",
+                *notes,
+                "Other folders are not searched when a data folder is given; "
+                "without it: "
+                + ", ".join(str(base) for base in elsewhere)
+                + ".",
+                "To provide it:",
+                f"  * {_HOW_TO_GET[name]};",
+                "  * or let tensorflow-datasets download and prepare"
+                f" {info.tfds_name!r} into DIR (needs internet and TensorFlow): pip"
+                " install tensorflow-cpu importlib_resources.",
+            ]
+        )
+    )
   train_images, train_labels, test_images, test_labels = arrays
-  return Dataset(name=name, train_images=train_images,
-                 train_labels=train_labels, test_images=test_images,
-                 test_labels=test_labels, num_classes=info.num_classes,
-                 source=source)
+  return Dataset(
+      name=name,
+      train_images=train_images,
+      train_labels=train_labels,
+      test_images=test_images,
+      test_labels=test_labels,
+      num_classes=info.num_classes,
+      source=source,
+  )
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
@@ -917,8 +1001,11 @@ def _main(argv: Sequence[str] | None = None) -> None:
   )
   parser.add_argument("name", choices=DATASETS)
   parser.add_argument("--data-dir", default=None)
-  parser.add_argument("--no-tfds", action="store_true",
-                      help="do not fall back on tensorflow-datasets")
+  parser.add_argument(
+      "--no-tfds",
+      action="store_true",
+      help="do not fall back on tensorflow-datasets",
+  )
   args = parser.parse_args(argv)
   start = time.perf_counter()
   try:
@@ -944,11 +1031,14 @@ def _channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Per-channel mean and std of uint8 images, in units of pixel / 255."""
   # From histograms: no float copy of the (possibly 150M-pixel) array.
   levels = np.arange(256) / 255.0
-  hists = [np.bincount(images[..., c].ravel(), minlength=256)
-           for c in range(images.shape[-1])]
+  hists = [
+      np.bincount(images[..., c].ravel(), minlength=256)
+      for c in range(images.shape[-1])
+  ]
   means = np.array([h @ levels / h.sum() for h in hists])
-  stds = np.array([np.sqrt(h @ (levels - m) ** 2 / h.sum())
-                   for h, m in zip(hists, means)])
+  stds = np.array(
+      [np.sqrt(h @ (levels - m) ** 2 / h.sum()) for h, m in zip(hists, means)]
+  )
   return means, stds
 
 

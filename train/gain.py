@@ -36,10 +36,10 @@ by definition and is measured as ``sd``.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Sequence
+import json
 from pathlib import Path
+import sys
 from typing import Any
 
 import flax
@@ -57,8 +57,17 @@ from train import train as train_lib
 _PROG = "python -m train.gain"
 GAIN_FILE = "gain.json"
 #: The built-in measures whose raw gain is reported for every run.
-RAW_MEASURES = ("sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd",
-                "bpoe")
+RAW_MEASURES = (
+    "sd",
+    "mad",
+    "rsd",
+    "sqd1",
+    "sqd2",
+    "sqd3",
+    "rbd",
+    "wcd",
+    "bpoe",
+)
 
 
 def _module_path(module: nn.Module) -> str:
@@ -68,14 +77,15 @@ def _module_path(module: nn.Module) -> str:
 def _layer_measure(module: nn.Module) -> measures_lib.MeasureFn:
   """What the layer divides by, as the layer computes it."""
   if isinstance(module, gbn_jax.GBatchNorm):
-    return measures_lib.resolve_measure(module.measure, module.calibration,
-                                        alpha=module.alpha)
+    return measures_lib.resolve_measure(
+        module.measure, module.calibration, alpha=module.alpha
+    )
   return measures_lib.get_measure("sd")  # flax's BatchNorm
 
 
-def capture_norm_inputs(model: nn.Module, variables: dict[str, Any],
-                        images: jax.Array
-                        ) -> dict[str, tuple[nn.Module, np.ndarray]]:
+def capture_norm_inputs(
+    model: nn.Module, variables: dict[str, Any], images: jax.Array
+) -> dict[str, tuple[nn.Module, np.ndarray]]:
   """Every norm layer's input in one training-mode forward pass.
 
   Returns:
@@ -85,25 +95,30 @@ def capture_norm_inputs(model: nn.Module, variables: dict[str, Any],
   captured: dict[str, tuple[nn.Module, np.ndarray]] = {}
 
   def capture(next_fun, args, kwargs, context):
-    if (context.method_name == "__call__" and
-        isinstance(context.module, (nn.BatchNorm, gbn_jax.GBatchNorm))):
+    if context.method_name == "__call__" and isinstance(
+        context.module, (nn.BatchNorm, gbn_jax.GBatchNorm)
+    ):
       captured[_module_path(context.module)] = (context.module, args[0])
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(capture):
     model.apply(variables, images, train=True, mutable=["batch_stats"])
-  return {name: (module, np.asarray(x, np.float32))
-          for name, (module, x) in captured.items()}
+  return {
+      name: (module, np.asarray(x, np.float32))
+      for name, (module, x) in captured.items()
+  }
 
 
-def _feature_gains(x: np.ndarray, measure: measures_lib.MeasureFn,
-                   feature_axis: int) -> np.ndarray:
+def _feature_gains(
+    x: np.ndarray, measure: measures_lib.MeasureFn, feature_axis: int
+) -> np.ndarray:
   """``sigma / D`` per feature; ``x`` reduced over all other axes."""
   feature_axis %= x.ndim
   axes = tuple(a for a in range(x.ndim) if a != feature_axis)
   x64 = x.astype(np.float64)
-  sigma = np.sqrt(np.mean(np.square(x64 - x64.mean(axis=axes, keepdims=True)),
-                          axis=axes))
+  sigma = np.sqrt(
+      np.mean(np.square(x64 - x64.mean(axis=axes, keepdims=True)), axis=axes)
+  )
   _, d = measure(jnp.asarray(x), axes)
   d = np.asarray(d, np.float64).reshape(sigma.shape)
   with np.errstate(divide="ignore", invalid="ignore"):
@@ -118,8 +133,9 @@ def _summary(gains: np.ndarray) -> dict[str, float]:
   return {"median": float(median), "q25": float(q25), "q75": float(q75)}
 
 
-def layer_gains(captured: dict[str, tuple[nn.Module, np.ndarray]]
-                ) -> dict[str, Any]:
+def layer_gains(
+    captured: dict[str, tuple[nn.Module, np.ndarray]],
+) -> dict[str, Any]:
   """One stage's entry of ``gain.json`` from :func:`capture_norm_inputs`."""
   layers, raw = {}, {name: [] for name in RAW_MEASURES}
   for name, (module, x) in captured.items():
@@ -128,7 +144,8 @@ def layer_gains(captured: dict[str, tuple[nn.Module, np.ndarray]]
     n = x.size // x.shape[axis]
     entry = _summary(_feature_gains(x, measure, axis))
     if isinstance(measure, measures_lib.Measure) and (
-        measure.normal_scale is not None):
+        measure.normal_scale is not None
+    ):
       constant = float(measure.normal_constant(n))
       if measure.calibration == "normal":
         constant = 1.0  # D is already divided by its Gaussian value
@@ -136,28 +153,43 @@ def layer_gains(captured: dict[str, tuple[nn.Module, np.ndarray]]
     entry["n"] = int(n)
     layers[name] = entry
     for raw_name in RAW_MEASURES:
-      raw[raw_name].append(_summary(_feature_gains(
-          x, measures_lib.get_measure(raw_name), axis))["median"])
+      raw[raw_name].append(
+          _summary(_feature_gains(x, measures_lib.get_measure(raw_name), axis))[
+              "median"
+          ]
+      )
   medians = [entry["median"] for entry in layers.values()]
-  return {"layers": layers,
-          "overall": float(np.median(medians)) if medians else float("nan"),
-          "measures": {name: float(np.median(values))
-                       for name, values in raw.items() if values}}
+  return {
+      "layers": layers,
+      "overall": float(np.median(medians)) if medians else float("nan"),
+      "measures": {
+          name: float(np.median(values))
+          for name, values in raw.items()
+          if values
+      },
+  }
 
 
-def _first_images(config, data_dir: str | None, count: int
-                  ) -> tuple[jax.Array, int]:
+def _first_images(
+    config, data_dir: str | None, count: int
+) -> tuple[jax.Array, int]:
   dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
   if count > len(dataset.train_images):
-    raise ValueError(f"--images {count} is more than the "
-                     f"{len(dataset.train_images)} training images")
+    raise ValueError(
+        f"--images {count} is more than the "
+        f"{len(dataset.train_images)} training images"
+    )
   return input_pipeline.normalize_images(
-      jnp.asarray(dataset.train_images[:count]), config.dataset), (
-          dataset.num_classes)
+      jnp.asarray(dataset.train_images[:count]), config.dataset
+  ), (dataset.num_classes)
 
 
-def run_gains(workdir: str | Path, *, data_dir: str | None = None,
-              images: int | None = None) -> dict[str, Any]:
+def run_gains(
+    workdir: str | Path,
+    *,
+    data_dir: str | None = None,
+    images: int | None = None,
+) -> dict[str, Any]:
   """``gain.json``'s content for one run directory (see the module doc).
 
   Args:
@@ -181,11 +213,16 @@ def run_gains(workdir: str | Path, *, data_dir: str | None = None,
   model = train_lib.create_model(config, num_classes)
   state = train_lib.create_train_state(
       train_lib.init_key(config.seed),
-      model, tuple(x.shape[1:]), train_lib.create_optimizer(config))
+      model,
+      tuple(x.shape[1:]),
+      train_lib.create_optimizer(config),
+  )
   state = jax.tree.map(jnp.asarray, state)  # as jitted training makes it
-  result: dict[str, Any] = {"norm": config.norm,
-                            "calibration": config.calibration,
-                            "images": count}
+  result: dict[str, Any] = {
+      "norm": config.norm,
+      "calibration": config.calibration,
+      "images": count,
+  }
 
   def stage(state) -> dict[str, Any]:
     variables = {"params": state.params, "batch_stats": state.batch_stats}
@@ -211,25 +248,34 @@ def run_gains(workdir: str | Path, *, data_dir: str | None = None,
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog=_PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+      prog=_PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+  )
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-  parser.add_argument("--data-dir", default=None,
-                      help="the dataset's folder, as for training")
-  parser.add_argument("--images", type=int, default=None,
-                      help="first training images to use (default: the "
-                      "run's batch size)")
+  parser.add_argument(
+      "--data-dir", default=None, help="the dataset's folder, as for training"
+  )
+  parser.add_argument(
+      "--images",
+      type=int,
+      default=None,
+      help="first training images to use (default: the " "run's batch size)",
+  )
   args = parser.parse_args(argv)
   for run_dir in args.run_dirs:
     result = run_gains(run_dir, data_dir=args.data_dir, images=args.images)
     path = Path(run_dir) / GAIN_FILE
-    checkpointing.atomic_write_text(
-        path, json.dumps(result, indent=1) + "\n")
+    checkpointing.atomic_write_text(path, json.dumps(result, indent=1) + "\n")
     final = result["final"]
-    print(f"{path}: {result['norm']}"
-          f"{' (calibrated)' if result['calibration'] == 'normal' else ''} gain "
-          f"{result['init']['overall']:.3f} at init"
-          + (f", {final['overall']:.3f} after epoch {final['epoch']}"
-             if final else " (no checkpoint)"))
+    print(
+        f"{path}: {result['norm']}"
+        f"{' (calibrated)' if result['calibration'] == 'normal' else ''} gain "
+        f"{result['init']['overall']:.3f} at init"
+        + (
+            f", {final['overall']:.3f} after epoch {final['epoch']}"
+            if final
+            else " (no checkpoint)"
+        )
+    )
   return 0
 
 

@@ -25,7 +25,9 @@ _FLAG = "--xla_force_host_platform_device_count"
 
 def choose(cores: int | None = None, setting: str | None = None) -> int:
   """The number of host devices to create."""
-  setting = (os.environ.get(ENV_VAR, "auto") if setting is None else setting).strip()
+  setting = (
+      os.environ.get(ENV_VAR, "auto") if setting is None else setting
+  ).strip()
   if setting == "auto":
     return cores or os.cpu_count() or 1
   try:
@@ -33,7 +35,9 @@ def choose(cores: int | None = None, setting: str | None = None) -> int:
   except ValueError:
     count = 0
   if count < 1:
-    raise SystemExit(f"{ENV_VAR} must be 'auto' or a positive integer, got {setting!r}")
+    raise SystemExit(
+        f"{ENV_VAR} must be 'auto' or a positive integer, got {setting!r}"
+    )
   return count
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from train.datasets import DATASETS
 from train.datasets import DataNotFoundError

@@ -16,11 +16,11 @@ process 0 writes ``config.json`` and ``metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import functools
 import os
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from train import configs
@@ -46,50 +46,88 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 #: The flags that are not config fields (those are ``train.configs.FIELDS``):
 #: where a run lives and how it is watched, never what it computes.
 RUN_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--data-dir", dict(
-        default=None,
-        help="folder with the dataset's canonical files (e.g. the four MNIST "
-        "IDX files, or cifar-10-batches-bin/), directly or in a subfolder "
-        "named after the dataset; if it lacks them, that is an error (no "
-        "other copy is used)")),
-    ("--workdir", dict(
-        default=None,
-        help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
-        "with -cal_normal after NORM for --calibration normal)")),
-    ("--overwrite", dict(
-        action="store_true",
-        help="delete an existing run in --workdir (config.json, "
-        "metrics.jsonl, checkpoints/) instead of refusing a different "
-        "config")),
-    ("--no-progress", dict(action="store_true",
-                           help="no progress bar on stderr")),
-    ("--checkpoint-every", dict(
-        type=_positive_int, default=1,
-        help="save a checkpoint every N epochs (and after the last); "
-        "metrics.jsonl still gets every epoch, and a resume retrains the "
-        "epochs after the last checkpoint with the same results")),
-    ("--precise-stats", dict(
-        type=_nonnegative_int, default=0, metavar="N",
-        help="before each evaluation, also recompute the norms' statistics "
-        "as equal-weight averages over the epoch's first N training batches "
-        "(PreciseBN; the running averages are kept) and evaluate with them: "
-        "test_loss_precise/test_error_precise in metrics.jsonl; 0 = off")),
-    ("--record-activations", dict(
-        type=_positive_int, default=None, metavar="K",
-        help="every K steps, record percentiles (5/15/50/85/95) of one "
-        "feature before and after one norm layer to activations.jsonl "
-        "(plotted by `python -m train.report`, as the paper's Figure 1)")),
-    ("--record-layer", dict(
-        default="norm2",
-        help="the norm layer to record, as its module path (LeNet: norm1, "
-        "norm2; ResNet20: norm1, stage2_block1/norm1, ...)")),
-    ("--record-feature", dict(type=int, default=0,
-                              help="the channel of that layer to record")),
+    (
+        "--data-dir",
+        dict(
+            default=None,
+            help="folder with the dataset's canonical files (e.g. the four MNIST "
+            "IDX files, or cifar-10-batches-bin/), directly or in a subfolder "
+            "named after the dataset; if it lacks them, that is an error (no "
+            "other copy is used)",
+        ),
+    ),
+    (
+        "--workdir",
+        dict(
+            default=None,
+            help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
+            "with -cal_normal after NORM for --calibration normal)",
+        ),
+    ),
+    (
+        "--overwrite",
+        dict(
+            action="store_true",
+            help="delete an existing run in --workdir (config.json, "
+            "metrics.jsonl, checkpoints/) instead of refusing a different "
+            "config",
+        ),
+    ),
+    (
+        "--no-progress",
+        dict(action="store_true", help="no progress bar on stderr"),
+    ),
+    (
+        "--checkpoint-every",
+        dict(
+            type=_positive_int,
+            default=1,
+            help="save a checkpoint every N epochs (and after the last); "
+            "metrics.jsonl still gets every epoch, and a resume retrains the "
+            "epochs after the last checkpoint with the same results",
+        ),
+    ),
+    (
+        "--precise-stats",
+        dict(
+            type=_nonnegative_int,
+            default=0,
+            metavar="N",
+            help="before each evaluation, also recompute the norms' statistics "
+            "as equal-weight averages over the epoch's first N training batches "
+            "(PreciseBN; the running averages are kept) and evaluate with them: "
+            "test_loss_precise/test_error_precise in metrics.jsonl; 0 = off",
+        ),
+    ),
+    (
+        "--record-activations",
+        dict(
+            type=_positive_int,
+            default=None,
+            metavar="K",
+            help="every K steps, record percentiles (5/15/50/85/95) of one "
+            "feature before and after one norm layer to activations.jsonl "
+            "(plotted by `python -m train.report`, as the paper's Figure 1)",
+        ),
+    ),
+    (
+        "--record-layer",
+        dict(
+            default="norm2",
+            help="the norm layer to record, as its module path (LeNet: norm1, "
+            "norm2; ResNet20: norm1, stage2_block1/norm1, ...)",
+        ),
+    ),
+    (
+        "--record-feature",
+        dict(type=int, default=0, help="the channel of that layer to record"),
+    ),
 )
 
 
-def build_parser(defaults: configs.Config, prog: str,
-                 about: str = "") -> argparse.ArgumentParser:
+def build_parser(
+    defaults: configs.Config, prog: str, about: str = ""
+) -> argparse.ArgumentParser:
   """The argument parser; ``defaults`` supplies every default value.
 
   Args:
@@ -104,7 +142,8 @@ def build_parser(defaults: configs.Config, prog: str,
           "Normalization (Yuan et al., AAAI 2019) in every norm layer. "
           "Data-parallel over all local devices (and all hosts, see "
           "train/main.py). Rerunning the same command in the same --workdir "
-          "resumes from the last per-epoch checkpoint. " + about),
+          "resumes from the last per-epoch checkpoint. " + about
+      ),
       epilog=(
           "Outputs in --workdir: config.json, metrics.jsonl (one row per "
           "epoch: train/test loss and error, best test error, seconds, "
@@ -113,8 +152,10 @@ def build_parser(defaults: configs.Config, prog: str,
           "`python -m train.plot RUN_DIR...`. Training uses a constant "
           "learning rate and drops the last partial batch of each epoch; "
           "the test error is over the whole test set, with the norms' "
-          "running averages."),
-      formatter_class=_HelpFormatter)
+          "running averages."
+      ),
+      formatter_class=_HelpFormatter,
+  )
   for name, spec in configs.FIELDS.items():
     if spec.flag is not None:
       _add_field_flag(parser, spec, getattr(defaults, name))
@@ -123,26 +164,42 @@ def build_parser(defaults: configs.Config, prog: str,
   return parser
 
 
-def _add_field_flag(parser: argparse.ArgumentParser, spec: configs.FieldSpec,
-                    default: Any) -> None:
+def _add_field_flag(
+    parser: argparse.ArgumentParser, spec: configs.FieldSpec, default: Any
+) -> None:
   """Adds the flag of one config field (:class:`train.configs.FieldSpec`)."""
   if spec.kind is configs.Flag.SWITCH:
-    parser.add_argument(spec.flag, action="store_true", default=default,
-                        help=spec.help)
+    parser.add_argument(
+        spec.flag, action="store_true", default=default, help=spec.help
+    )
   elif spec.kind is configs.Flag.ON_OFF:
-    parser.add_argument(spec.flag, action=argparse.BooleanOptionalAction,
-                        default=default, help=spec.help)
+    parser.add_argument(
+        spec.flag,
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help=spec.help,
+    )
   else:
-    parser.add_argument(spec.flag, type=spec.parse, choices=spec.choices,
-                        default=default, help=spec.help)
+    parser.add_argument(
+        spec.flag,
+        type=spec.parse,
+        choices=spec.choices,
+        default=default,
+        help=spec.help,
+    )
 
 
-def config_from_args(args: argparse.Namespace,
-                     defaults: configs.Config) -> configs.Config:
+def config_from_args(
+    args: argparse.Namespace, defaults: configs.Config
+) -> configs.Config:
   """The config that the parsed flags describe."""
-  return defaults.replace(**{
-      name: getattr(args, spec.dest) for name, spec in configs.FIELDS.items()
-      if spec.flag is not None})
+  return defaults.replace(
+      **{
+          name: getattr(args, spec.dest)
+          for name, spec in configs.FIELDS.items()
+          if spec.flag is not None
+      }
+  )
 
 
 def flag_takes_value(flag: str) -> bool | None:
@@ -167,7 +224,8 @@ def default_workdir(config: configs.Config) -> str:
   if config.calibration != "none":
     norm += f"-cal_{config.calibration}"
   return os.path.join(
-      "workdir", f"{config.dataset}-{config.model}-{norm}-seed{config.seed}")
+      "workdir", f"{config.dataset}-{config.model}-{norm}-seed{config.seed}"
+  )
 
 
 def maybe_initialize_distributed() -> bool:
@@ -179,18 +237,24 @@ def maybe_initialize_distributed() -> bool:
   Returns:
     Whether it was called.
   """
-  if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or
-          os.environ.get("GBN_JAX_DISTRIBUTED") == "1"):
+  if not (
+      os.environ.get("JAX_COORDINATOR_ADDRESS")
+      or os.environ.get("GBN_JAX_DISTRIBUTED") == "1"
+  ):
     return False
   import jax  # pylint: disable=g-import-not-at-top
 
-  env_int = lambda name: (int(os.environ[name]) if os.environ.get(name)
-                          else None)
+  env_int = lambda name: (
+      int(os.environ[name]) if os.environ.get(name) else None
+  )
   timeouts = {}
   if env_int(_HEARTBEAT_ENV):
     timeouts["heartbeat_timeout_seconds"] = env_int(_HEARTBEAT_ENV)
-  jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"),
-                             process_id=env_int("JAX_PROCESS_ID"), **timeouts)
+  jax.distributed.initialize(
+      num_processes=env_int("JAX_NUM_PROCESSES"),
+      process_id=env_int("JAX_PROCESS_ID"),
+      **timeouts,
+  )
   return True
 
 
@@ -208,8 +272,12 @@ def _fail(prog: str, message: str, distributed: bool) -> int:
   return _EXIT_ERROR
 
 
-def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
-        about: str = "") -> int:
+def run(
+    argv: Sequence[str] | None,
+    defaults: configs.Config,
+    prog: str,
+    about: str = "",
+) -> int:
   """Parses ``argv``, trains, prints a one-line summary; returns the exit code."""
   parser = build_parser(defaults, prog, about)
   args = parser.parse_args(argv)
@@ -220,12 +288,15 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
     parser.error(str(e))
   workdir = args.workdir or default_workdir(config)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    print(f"{prog}: error: --workdir {workdir} exists and is not a folder",
-          file=sys.stderr)
+    print(
+        f"{prog}: error: --workdir {workdir} exists and is not a folder",
+        file=sys.stderr,
+    )
     return _EXIT_ERROR
 
   distributed = maybe_initialize_distributed()
   import jax  # pylint: disable=g-import-not-at-top
+
   # Imported here so that `--help` and flag errors stay fast.
   from train import checkpointing  # pylint: disable=g-import-not-at-top
   from train import input_pipeline  # pylint: disable=g-import-not-at-top
@@ -233,29 +304,46 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
 
   record = None
   if args.record_activations:
-    record = train.ActivationRecording(every=args.record_activations,
-                                       layer=args.record_layer,
-                                       feature=args.record_feature)
+    record = train.ActivationRecording(
+        every=args.record_activations,
+        layer=args.record_layer,
+        feature=args.record_feature,
+    )
   start = time.perf_counter()
   try:
     history = train.train_and_evaluate(
-        config, workdir, data_dir=args.data_dir, overwrite=args.overwrite,
-        progress=not args.no_progress, record=record,
+        config,
+        workdir,
+        data_dir=args.data_dir,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        record=record,
         on_first_epoch=functools.partial(_first_epoch_notes, prog=prog),
         precise_stats=args.precise_stats,
-        checkpoint_every=args.checkpoint_every)
-  except (ValueError, checkpointing.RunDirError, checkpointing.CheckpointError,
-          train.NonFiniteLossError, input_pipeline.DataNotFoundError) as e:
+        checkpoint_every=args.checkpoint_every,
+    )
+  except (
+      ValueError,
+      checkpointing.RunDirError,
+      checkpointing.CheckpointError,
+      train.NonFiniteLossError,
+      input_pipeline.DataNotFoundError,
+  ) as e:
     return _fail(prog, str(e), distributed)
   except OSError as e:  # e.g. a --workdir that can't be created or written
-    return _fail(prog, f"{e.strerror or e}: {e.filename or workdir}",
-                 distributed)
+    return _fail(
+        prog, f"{e.strerror or e}: {e.filename or workdir}", distributed
+    )
   except jax.errors.JaxRuntimeError as e:
     if not distributed:
       raise
-    return _fail(prog, f"{e}\nAnother process of this multi-process run "
-                 "stopped or lost contact. Rerun every process with the same "
-                 "command to resume from the last checkpoint.", distributed)
+    return _fail(
+        prog,
+        f"{e}\nAnother process of this multi-process run "
+        "stopped or lost contact. Rerun every process with the same "
+        "command to resume from the last checkpoint.",
+        distributed,
+    )
   except KeyboardInterrupt:
     print(f"\n{prog}: interrupted; {_resume_hint(workdir)}", file=sys.stderr)
     return _EXIT_INTERRUPTED
@@ -268,18 +356,29 @@ def run(argv: Sequence[str] | None, defaults: configs.Config, prog: str,
 def _resume_hint(workdir: str) -> str:
   """What rerunning the command will do, given the checkpoints on disk."""
   from train import checkpointing  # pylint: disable=g-import-not-at-top
+
   rows = checkpointing.read_metrics(workdir) if os.path.isdir(workdir) else []
   if not rows:
-    return ("no epoch had finished, so nothing was saved; rerunning the same "
-            "command starts the run from the beginning")
+    return (
+        "no epoch had finished, so nothing was saved; rerunning the same "
+        "command starts the run from the beginning"
+    )
   last = rows[-1]["epoch"]
   saved = "epoch 1 is" if last == 1 else f"epochs 1-{last} are"
-  return (f"{saved} saved in {workdir}; rerun the same command to resume "
-          "after the last one")
+  return (
+      f"{saved} saved in {workdir}; rerun the same command to resume "
+      "after the last one"
+  )
 
 
-def _first_epoch_notes(config: configs.Config, seconds: float, devices: list,
-                       *, prog: str, epoch: int = 1) -> list[str]:
+def _first_epoch_notes(
+    config: configs.Config,
+    seconds: float,
+    devices: list,
+    *,
+    prog: str,
+    epoch: int = 1,
+) -> list[str]:
   """Lines printed once after the first epoch: ETA, CPU advice.
 
   Args:
@@ -293,15 +392,21 @@ def _first_epoch_notes(config: configs.Config, seconds: float, devices: list,
   remaining = max(config.epochs - epoch, 0)
   lines = []
   if remaining:
-    lines.append(f"{prog}: the first epoch took {seconds:.0f}s; the "
-                 f"remaining {remaining} epoch{'s' if remaining > 1 else ''} "
-                 f"should take about {_duration(seconds * remaining)}")
-  if (all(d.platform == "cpu" for d in devices) and config.model == "resnet20"
-      and remaining >= 5):
+    lines.append(
+        f"{prog}: the first epoch took {seconds:.0f}s; the "
+        f"remaining {remaining} epoch{'s' if remaining > 1 else ''} "
+        f"should take about {_duration(seconds * remaining)}"
+    )
+  if (
+      all(d.platform == "cpu" for d in devices)
+      and config.model == "resnet20"
+      and remaining >= 5
+  ):
     lines.append(
         f"{prog}: note: this runs on the CPU; ResNet20 is meant for a GPU. "
         "For a quick CPU run, --model lenet takes about a quarter of the time "
-        "per epoch on CIFAR-10 (about 100s on 2 cores).")
+        "per epoch on CIFAR-10 (about 100s on 2 cores)."
+    )
   return lines
 
 
@@ -312,21 +417,35 @@ def _duration(seconds: float) -> str:
   return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
 
 
-def summary(history: Sequence[dict], config: configs.Config, workdir: str,
-            seconds: float) -> str:
+def summary(
+    history: Sequence[dict],
+    config: configs.Config,
+    workdir: str,
+    seconds: float,
+) -> str:
   """The one-line summary printed at the end of a run."""
-  head = f"{config.dataset} {config.model} norm={config.norm} seed={config.seed}"
+  head = (
+      f"{config.dataset} {config.model} norm={config.norm} seed={config.seed}"
+  )
   if not history:
     return f"{head}: no epochs trained ({workdir})"
   last = history[-1]
   evaluated = [r for r in history if r["test_error"] is not None]
   best = min(evaluated, key=lambda r: r["test_error"]) if evaluated else None
-  test = (f"test error {100 * last['test_error']:.2f}%"
-          if last["test_error"] is not None else "not evaluated")
-  best_text = (f", best {100 * best['test_error']:.2f}% (epoch "
-               f"{best['epoch']})" if best else "")
+  test = (
+      f"test error {100 * last['test_error']:.2f}%"
+      if last["test_error"] is not None
+      else "not evaluated"
+  )
+  best_text = (
+      f", best {100 * best['test_error']:.2f}% (epoch " f"{best['epoch']})"
+      if best
+      else ""
+  )
   epochs = f"{last['epoch']} epoch{'s' if last['epoch'] != 1 else ''}"
-  return (f"{head}: {epochs}, train loss "
-          f"{last['train_loss']:.4f}, {test}{best_text}; "
-          f"{last['elapsed_seconds']:.1f}s training in total, this command "
-          f"{seconds:.1f}s; {workdir}")
+  return (
+      f"{head}: {epochs}, train loss "
+      f"{last['train_loss']:.4f}, {test}{best_text}; "
+      f"{last['elapsed_seconds']:.1f}s training in total, this command "
+      f"{seconds:.1f}s; {workdir}"
+  )

@@ -7,8 +7,8 @@ Same flags as ``python -m train.cifar`` (e.g. ``--dataset fashion_mnist``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
+import sys
 
 from train import host_devices
 
@@ -19,14 +19,17 @@ if __name__ == "__main__":  # before JAX starts: one host device per core
 from train import configs
 from train import main as train_main
 
-_ABOUT = ("Defaults: the GBN paper's LeNet MNIST setting (batch 1000, learning "
-          "rate 0.01, plain SGD); 20 epochs and weight decay 5e-4 (Caffe's LeNet "
-          "solver) are this project's choice.")
+_ABOUT = (
+    "Defaults: the GBN paper's LeNet MNIST setting (batch 1000, learning "
+    "rate 0.01, plain SGD); 20 epochs and weight decay 5e-4 (Caffe's LeNet "
+    "solver) are this project's choice."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  return train_main.run(argv, configs.MNIST, prog="python -m train.mnist",
-                         about=_ABOUT)
+  return train_main.run(
+      argv, configs.MNIST, prog="python -m train.mnist", about=_ABOUT
+  )
 
 
 if __name__ == "__main__":

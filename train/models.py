@@ -32,16 +32,18 @@ norm's own learned bias takes its place.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from gbn_jax import MEASURES, GBatchNorm
+
+from gbn_jax import MEASURES
+from gbn_jax import GBatchNorm
 from gbn_jax import get_measure as gbn_get_measure
 
 ModuleDef = Callable[..., nn.Module]
@@ -105,25 +107,32 @@ def parse_norm(spec: str) -> NormSpec:
     return NormSpec(measure=None)
   if name == GAIN_NORM:
     if not sep:
-      raise ValueError(f"norm {name!r} needs a norm whose gain to take: write "
-                       f"{name}:<norm>, e.g. {name}:sqd1")
+      raise ValueError(
+          f"norm {name!r} needs a norm whose gain to take: write "
+          f"{name}:<norm>, e.g. {name}:sqd1"
+      )
     target = parse_norm(alpha_text)
     if target.measure is None or target.gain_of is not None:
-      raise ValueError(f"{spec!r}: the gain must be that of a GBN measure "
-                       f"(not {alpha_text!r}); choose one of: {choices}")
+      raise ValueError(
+          f"{spec!r}: the gain must be that of a GBN measure "
+          f"(not {alpha_text!r}); choose one of: {choices}"
+      )
     return NormSpec(measure="sd", gain_of=target)
   if name not in MEASURES:
     raise ValueError(f"unknown norm {spec!r}; choose one of: {choices}")
   if name not in _ALPHA_MEASURES:
     if sep:
-      raise ValueError(f"norm {name!r} takes no alpha (got {spec!r}); "
-                       f"choose one of: {choices}")
+      raise ValueError(
+          f"norm {name!r} takes no alpha (got {spec!r}); "
+          f"choose one of: {choices}"
+      )
     return NormSpec(measure=name)
   if not sep:
     raise ValueError(
         f"norm {name!r} needs a quantile level: write {name}:<alpha> with "
         f"0 < alpha < 1, e.g. {name}:0.9 (sqd1/sqd2/sqd3 are alpha "
-        "0.25/0.5/0.75)")
+        "0.25/0.5/0.75)"
+    )
   try:
     alpha = float(alpha_text)
   except ValueError:
@@ -133,11 +142,15 @@ def parse_norm(spec: str) -> NormSpec:
   return NormSpec(measure=name, alpha=alpha)
 
 
-def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
-              epsilon: float = 1e-5,
-              axis_name: str | None = None,
-              renorm_clipping: dict[str, float] | None = None,
-              calibration: str | None = None) -> ModuleDef:
+def make_norm(
+    spec: str | NormSpec,
+    *,
+    momentum: float = 0.9,
+    epsilon: float = 1e-5,
+    axis_name: str | None = None,
+    renorm_clipping: dict[str, float] | None = None,
+    calibration: str | None = None,
+) -> ModuleDef:
   """The single norm factory used by every model.
 
   Args:
@@ -163,8 +176,10 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
   if isinstance(spec, str):
     spec = parse_norm(spec)
   if calibration not in (None, *CALIBRATIONS):
-    raise ValueError(f"calibration {calibration!r} is not one of: "
-                     f"{', '.join(CALIBRATIONS)}")
+    raise ValueError(
+        f"calibration {calibration!r} is not one of: "
+        f"{', '.join(CALIBRATIONS)}"
+    )
   common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
   if renorm_clipping is not None:
     common.update(renorm=True, renorm_clipping=renorm_clipping)
@@ -175,18 +190,22 @@ def make_norm(spec: str | NormSpec, *, momentum: float = 0.9,
   if spec.gain_of is not None:
     # The gain study's converse: BatchNorm given another measure's gain.
     # Calibration would undo exactly that gain, so it does not apply.
-    return functools.partial(GBatchNorm, measure=gain_measure(spec.gain_of),
-                             **common)
+    return functools.partial(
+        GBatchNorm, measure=gain_measure(spec.gain_of), **common
+    )
   if calibration == "normal" and spec.measure != "sd":
     # Left out for sd (constant 1): the module is then exactly the one
     # without calibration, as bn's (above) is.
     common["calibration"] = "normal"
-  return functools.partial(GBatchNorm, measure=spec.measure, alpha=spec.alpha,
-                           **common)
+  return functools.partial(
+      GBatchNorm, measure=spec.measure, alpha=spec.alpha, **common
+  )
 
 
 @functools.lru_cache(maxsize=None)
-def gain_measure(target: NormSpec) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def gain_measure(
+    target: NormSpec,
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """BatchNorm's ``(mean, sigma)`` with ``sigma`` times ``target``'s Gaussian ``D``.
 
   For Gaussian data this layer has the gain of ``target`` and BatchNorm's
@@ -202,13 +221,17 @@ def gain_measure(target: NormSpec) -> Callable[..., tuple[jax.Array, jax.Array]]
   [0.4, 0.4]
   """
   sd = gbn_get_measure("sd")
-  reference = gbn_get_measure(target.measure, **(
-      {} if target.alpha is None else {"alpha": target.alpha}))
+  reference = gbn_get_measure(
+      target.measure,
+      **({} if target.alpha is None else {"alpha": target.alpha}),
+  )
 
   def measure(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
     if where is not None or axis_name is not None:
-      raise ValueError(f"{GAIN_NORM}:{target.measure} supports neither a mask "
-                       "nor axis_name (its constant needs a static count)")
+      raise ValueError(
+          f"{GAIN_NORM}:{target.measure} supports neither a mask "
+          "nor axis_name (its constant needs a static count)"
+      )
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     n = math.prod(x.shape[a] for a in axes)
     mean, sigma = sd(x, axes)
@@ -234,7 +257,7 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
          [13., 15.]], dtype=float32)
   """
   n, h, w, c = x.shape
-  x = x[:, :h // 2 * 2, :w // 2 * 2, :]
+  x = x[:, : h // 2 * 2, : w // 2 * 2, :]
   return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
 
 
@@ -246,8 +269,10 @@ def im2col(x: jax.Array, kh: int, kw: int) -> jax.Array:
   """
   _, h, w, _ = x.shape
   oh, ow = h - kh + 1, w - kw + 1
-  return jnp.concatenate([x[:, i:i + oh, j:j + ow, :]
-                          for i in range(kh) for j in range(kw)], axis=-1)
+  return jnp.concatenate(
+      [x[:, i : i + oh, j : j + ow, :] for i in range(kh) for j in range(kw)],
+      axis=-1,
+  )
 
 
 class PatchConv(nn.Module):
@@ -271,8 +296,12 @@ class PatchConv(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kh, kw = self.kernel_size
-    kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                        (kh, kw, x.shape[-1], self.features), jnp.float32)
+    kernel = self.param(
+        "kernel",
+        nn.initializers.lecun_normal(),
+        (kh, kw, x.shape[-1], self.features),
+        jnp.float32,
+    )
     return im2col(x, kh, kw) @ kernel.reshape(-1, self.features)
 
 
@@ -301,8 +330,9 @@ class LeNet(nn.Module):
       if as_matmul:
         x = PatchConv(features, (5, 5), name=f"conv{i}")(x)
       else:
-        x = nn.Conv(features, (5, 5), padding="VALID", use_bias=False,
-                    name=f"conv{i}")(x)
+        x = nn.Conv(
+            features, (5, 5), padding="VALID", use_bias=False, name=f"conv{i}"
+        )(x)
       x = norm(name=f"norm{i}")(x)
       x = nn.relu(x)
       x = max_pool_2x2(x)
@@ -311,8 +341,7 @@ class LeNet(nn.Module):
     return nn.Dense(self.num_classes, name="fc2")(x)
 
 
-def _option_a_shortcut(x: jax.Array, features: int,
-                       strides: int) -> jax.Array:
+def _option_a_shortcut(x: jax.Array, features: int, strides: int) -> jax.Array:
   """He et al.'s parameter-free shortcut: subsample, zero-pad channels."""
   if strides != 1:
     x = x[:, ::strides, ::strides, :]
@@ -337,8 +366,13 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    conv = functools.partial(nn.Conv, self.features, (3, 3), use_bias=False,
-                             kernel_init=nn.initializers.kaiming_normal())
+    conv = functools.partial(
+        nn.Conv,
+        self.features,
+        (3, 3),
+        use_bias=False,
+        kernel_init=nn.initializers.kaiming_normal(),
+    )
     y = conv(strides=self.strides, name="conv1")(x)
     y = nn.relu(self.norm(name="norm1")(y))
     y = conv(name="conv2")(y)
@@ -364,14 +398,20 @@ class ResNet(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     norm = functools.partial(self.norm, use_running_average=not train)
-    x = nn.Conv(self.stage_features[0], (3, 3), use_bias=False,
-                kernel_init=nn.initializers.kaiming_normal(), name="conv1")(x)
+    x = nn.Conv(
+        self.stage_features[0],
+        (3, 3),
+        use_bias=False,
+        kernel_init=nn.initializers.kaiming_normal(),
+        name="conv1",
+    )(x)
     x = nn.relu(norm(name="norm1")(x))
     for stage, features in enumerate(self.stage_features):
       for block in range(self.blocks_per_stage):
         strides = 2 if stage > 0 and block == 0 else 1
-        x = BasicBlock(features, strides, norm,
-                       name=f"stage{stage + 1}_block{block + 1}")(x)
+        x = BasicBlock(
+            features, strides, norm, name=f"stage{stage + 1}_block{block + 1}"
+        )(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, name="fc")(x)
 
@@ -385,8 +425,9 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def create_model(name: str, *, num_classes: int, norm: ModuleDef,
-                 **kwargs: Any) -> nn.Module:
+def create_model(
+    name: str, *, num_classes: int, norm: ModuleDef, **kwargs: Any
+) -> nn.Module:
   """Builds a model by ``--model`` name.
 
   Args:
@@ -403,5 +444,6 @@ def create_model(name: str, *, num_classes: int, norm: ModuleDef,
   """
   if name not in MODELS:
     raise ValueError(
-        f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+        f"unknown model {name!r}; choose one of: {', '.join(MODELS)}"
+    )
   return MODELS[name](num_classes=num_classes, norm=norm, **kwargs)

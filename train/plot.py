@@ -20,19 +20,19 @@ The helpers that style an axis are shared with :mod:`train.report`.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import json
 import os
-import sys
-from collections.abc import Sequence
 from pathlib import Path
+import sys
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import matplotlib.pyplot as plt
 from matplotlib import ticker
+import matplotlib.pyplot as plt
 
 #: (metric, y label, x key, x label) of the four curves.
 CURVES = (
@@ -42,9 +42,14 @@ CURVES = (
     ("test_error", "test error (%)", "elapsed_seconds", "wall-clock seconds"),
 )
 #: How a config field is named in labels (the CLI flag, without dashes).
-FIELD_LABELS = {"learning_rate": "lr", "batch_size": "batch",
-                "weight_decay": "wd", "norm_momentum": "norm-momentum",
-                "norm_epsilon": "norm-eps", "eval_every": "eval-every"}
+FIELD_LABELS = {
+    "learning_rate": "lr",
+    "batch_size": "batch",
+    "weight_decay": "wd",
+    "norm_momentum": "norm-momentum",
+    "norm_epsilon": "norm-eps",
+    "eval_every": "eval-every",
+}
 
 
 class PlotError(ValueError):
@@ -69,14 +74,18 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict]]:
   return config, rows
 
 
-def varying_fields(configs: Sequence[dict[str, Any]],
-                   exclude: Sequence[str] = ("norm",)) -> list[str]:
+def varying_fields(
+    configs: Sequence[dict[str, Any]], exclude: Sequence[str] = ("norm",)
+) -> list[str]:
   """Config fields whose values differ between ``configs``, in field order."""
   fields: list[str] = []
   for config in configs:
     fields += [k for k in config if k not in fields]
-  return [k for k in fields if k not in exclude and
-          len({json.dumps(c.get(k)) for c in configs}) > 1]
+  return [
+      k
+      for k in fields
+      if k not in exclude and len({json.dumps(c.get(k)) for c in configs}) > 1
+  ]
 
 
 def describe(config: dict[str, Any], fields: Sequence[str]) -> str:
@@ -100,8 +109,7 @@ def run_labels(configs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 #: Line styles of the runs of one norm (seeds, other settings), in turn.
-LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)),
-               (0, (1, 3)))
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 #: Fields named in a figure's title where every plotted run shares them.
 TITLE_FIELDS = ("dataset", "model")
 
@@ -122,9 +130,13 @@ def run_styles(configs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     norm = config.get("norm", "?")
     colour = colours.setdefault(norm, f"C{len(colours) % 10}")
     index = seen[norm] = seen.get(norm, -1) + 1
-    styles.append({"color": colour,
-                   "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
-                   "alpha": max(0.55, 1.0 - 0.15 * index)})
+    styles.append(
+        {
+            "color": colour,
+            "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+            "alpha": max(0.55, 1.0 - 0.15 * index),
+        }
+    )
   return styles
 
 
@@ -143,8 +155,9 @@ def shared_context(configs: Sequence[dict[str, Any]]) -> str:
   return ", ".join(shared)
 
 
-def style_axes(ax: plt.Axes, metric: str, xkey: str, xlabel: str,
-               ylabel: str) -> None:
+def style_axes(
+    ax: plt.Axes, metric: str, xkey: str, xlabel: str, ylabel: str
+) -> None:
   """Axis labels, integer epoch ticks, readable loss ticks, a grid."""
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
@@ -155,16 +168,21 @@ def style_axes(ax: plt.Axes, metric: str, xkey: str, xlabel: str,
     if low > 0 and high / low > 3:  # a log axis only where it helps
       ax.set_yscale("log")
       ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-      ax.yaxis.set_major_formatter(ticker.FuncFormatter(
-          lambda value, _: f"{value:g}"))
+      ax.yaxis.set_major_formatter(
+          ticker.FuncFormatter(lambda value, _: f"{value:g}")
+      )
       ax.yaxis.set_minor_formatter(ticker.NullFormatter())
   ax.grid(True, alpha=0.3)
 
 
 def outside_legend(ax: plt.Axes) -> None:
   """A legend to the right of the axes, where it can't cover data."""
-  ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
-            fontsize="small")
+  ax.legend(
+      loc="upper left",
+      bbox_to_anchor=(1.02, 1.0),
+      borderaxespad=0.0,
+      fontsize="small",
+  )
 
 
 def default_out(run_dirs: Sequence[str | Path]) -> Path:
@@ -180,8 +198,9 @@ def _stderr(message: str) -> None:
   print(message, file=sys.stderr)
 
 
-def expand_run_dirs(paths: Sequence[str | Path], warn=_stderr
-                    ) -> list[tuple[Path, bool]]:
+def expand_run_dirs(
+    paths: Sequence[str | Path], warn=_stderr
+) -> list[tuple[Path, bool]]:
   """The run directories that ``paths`` name or hold, as ``(dir, named)``.
 
   A path with a ``config.json`` is a run directory (``named``: True); any
@@ -202,17 +221,23 @@ def expand_run_dirs(paths: Sequence[str | Path], warn=_stderr
     if (path / "config.json").is_file():
       found.append((path, True))
       continue
-    below = sorted(c.parent for c in path.rglob("config.json")
-                   if "checkpoints" not in c.relative_to(path).parts)
+    below = sorted(
+        c.parent
+        for c in path.rglob("config.json")
+        if "checkpoints" not in c.relative_to(path).parts
+    )
     if not below:
-      warn(f"note: skipped {path}: not a run directory (no config.json in or "
-           "under it)")
+      warn(
+          f"note: skipped {path}: not a run directory (no config.json in or "
+          "under it)"
+      )
     found += [(run_dir, False) for run_dir in below]
   return found
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path,
-              warn=_stderr) -> list[Path]:
+def plot_runs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, warn=_stderr
+) -> list[Path]:
   """Writes the four PNGs for ``run_dirs`` into ``out_dir``.
 
   ``run_dirs`` may also name folders above the runs (see
@@ -262,12 +287,12 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path,
       xs, ys = zip(*points)
       if metric == "test_error":
         ys = [100 * y for y in ys]
-      ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label,
-              **style)
+      ax.plot(
+          xs, ys, marker="." if len(xs) < 30 else None, label=label, **style
+      )
     style_axes(ax, metric, xkey, xlabel, ylabel)
     outside_legend(ax)
-    ax.set_title(f"{ylabel} vs {xlabel}" + (f" ({context})" if context
-                                             else ""))
+    ax.set_title(f"{ylabel} vs {xlabel}" + (f" ({context})" if context else ""))
     fig.tight_layout()
     suffix = "epoch" if xkey == "epoch" else "seconds"
     path = out_dir / f"{metric}_vs_{suffix}.png"
@@ -283,21 +308,28 @@ def main(argv: Sequence[str] | None = None) -> int:
       description="Plot training loss and test error of runs against epoch "
       "and wall-clock seconds, one line per run, labelled by norm and by "
       "whatever else differs between the runs. For means over seeds and "
-      "tables, see `python -m train.report`.")
-  parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                      help="--workdir of a train.cifar / train.mnist run, or "
-                      "a folder above runs (e.g. a sweep's); folders without "
-                      "a run are skipped with a note")
-  parser.add_argument("--out", default=None,
-                      help="folder for the PNGs (default: plots/ in the "
-                      "folder that holds the runs)")
+      "tables, see `python -m train.report`.",
+  )
+  parser.add_argument(
+      "run_dirs",
+      nargs="+",
+      metavar="RUN_DIR",
+      help="--workdir of a train.cifar / train.mnist run, or "
+      "a folder above runs (e.g. a sweep's); folders without "
+      "a run are skipped with a note",
+  )
+  parser.add_argument(
+      "--out",
+      default=None,
+      help="folder for the PNGs (default: plots/ in the "
+      "folder that holds the runs)",
+  )
   args = parser.parse_args(argv)
   try:
     # Expanded here too (quietly: plot_runs gives the notes), so that the
     # default --out of a sweep folder lands inside it, beside its runs.
     run_dirs = [d for d, _ in expand_run_dirs(args.run_dirs, lambda _: None)]
-    out = Path(args.out) if args.out else default_out(
-        run_dirs or args.run_dirs)
+    out = Path(args.out) if args.out else default_out(run_dirs or args.run_dirs)
     paths = plot_runs(args.run_dirs, out)
   except PlotError as e:
     print(f"python -m train.plot: error: {e}", file=sys.stderr)

@@ -40,19 +40,18 @@ its memory.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import ctypes
 import dataclasses
 import fcntl
 import itertools
 import json
-import math
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 from train import checkpointing
@@ -62,8 +61,10 @@ from train import main as train_main
 _PROG = "python -m train.sweep"
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The CLI module of each ``--defaults`` choice.
-DEFAULTS = {"cifar": (configs.CIFAR, "train.cifar"),
-            "mnist": (configs.MNIST, "train.mnist")}
+DEFAULTS = {
+    "cifar": (configs.CIFAR, "train.cifar"),
+    "mnist": (configs.MNIST, "train.mnist"),
+}
 #: Flags the sweep owns: every run gets its own workdir and no progress bar.
 _RESERVED = ("--workdir", "--overwrite", "--no-progress")
 LOG_FILE = "sweep.log"
@@ -112,8 +113,11 @@ def run_name(config: configs.Config, defaults: configs.Config) -> str:
   # comes last; the other fields follow train.configs.FIELDS.
   parts = [config.dataset, config.model]
   always = {"norm", "batch_size", "learning_rate", "seed"}
-  named = [(name, spec.run_name) for name, spec in configs.FIELDS.items()
-           if spec.run_name is not None and name != "seed"]
+  named = [
+      (name, spec.run_name)
+      for name, spec in configs.FIELDS.items()
+      if spec.run_name is not None and name != "seed"
+  ]
   for field, prefix in named + [("seed", configs.FIELDS["seed"].run_name)]:
     value = getattr(config, field)
     if field == "seed" and config.augment != defaults.augment:
@@ -184,8 +188,9 @@ def expand(argv: Sequence[str], defaults_name: str = "cifar") -> list[Run]:
       raise ValueError(str(e)) from None
     config = configs.validate(train_main.config_from_args(args, defaults))
     config = _resolve_augment(config)
-    name = run_name(config, _resolve_augment(defaults.replace(
-        dataset=config.dataset)))
+    name = run_name(
+        config, _resolve_augment(defaults.replace(dataset=config.dataset))
+    )
     if name in seen:
       continue
     seen.add(name)
@@ -219,7 +224,8 @@ def implied_defaults(argv: Sequence[str]) -> str:
     raise ValueError(
         f"--dataset {','.join(datasets)} mixes datasets whose defaults "
         "differ (mnist/fashion_mnist: --defaults mnist, the others: "
-        "--defaults cifar); pass --defaults, or sweep them apart")
+        "--defaults cifar); pass --defaults, or sweep them apart"
+    )
   return implied[0] if implied else "cifar"
 
 
@@ -227,6 +233,7 @@ def _resolve_augment(config: configs.Config) -> configs.Config:
   if config.augment is not None:
     return config
   from train import input_pipeline  # pylint: disable=g-import-not-at-top
+
   info = input_pipeline.dataset_info(config.dataset)
   return config.replace(augment=bool(info.augment_by_default))
 
@@ -246,8 +253,10 @@ def is_finished(run: Run, run_dir: Path) -> bool:
     stored = checkpointing.read_config(run_dir)
   except checkpointing.RunDirError:
     return False
-  return (not configs.differences(stored, run.config)
-          and epochs_done(run_dir) >= run.config.epochs)
+  return (
+      not configs.differences(stored, run.config)
+      and epochs_done(run_dir) >= run.config.epochs
+  )
 
 
 def _accelerator_backend() -> str:
@@ -256,14 +265,20 @@ def _accelerator_backend() -> str:
   try:
     out = subprocess.run(
         [sys.executable, "-c", "import jax; print(jax.default_backend())"],
-        capture_output=True, text=True, env=env, timeout=120, check=True)
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1]
   except (subprocess.SubprocessError, IndexError):
     return "cpu"
 
 
-def plan_slots(jobs: str, devices_per_run: str, cores: int,
-               backend: str) -> tuple[int, int]:
+def plan_slots(
+    jobs: str, devices_per_run: str, cores: int, backend: str
+) -> tuple[int, int]:
   """``(jobs, devices per run)`` from the flags (``auto`` or a number).
 
   >>> plan_slots("auto", "auto", 2, "cpu")
@@ -333,8 +348,11 @@ def _last_error_line(log_path: Path) -> str:
 def _format_duration(seconds: float) -> str:
   seconds = int(round(seconds))
   hours, rest = divmod(seconds, 3600)
-  return (f"{hours}h{rest // 60:02d}m" if hours else
-          f"{rest // 60}m{rest % 60:02d}s")
+  return (
+      f"{hours}h{rest // 60:02d}m"
+      if hours
+      else f"{rest // 60}m{rest % 60:02d}s"
+  )
 
 
 class _Progress:
@@ -347,16 +365,29 @@ class _Progress:
     self.started = time.monotonic()
     self.last_text, self.last_print = "", 0.0
 
-  def update(self, runs_done: int, epochs_done: int, new_epochs: int,
-             failed: int, force: bool = False) -> None:
+  def update(
+      self,
+      runs_done: int,
+      epochs_done: int,
+      new_epochs: int,
+      failed: int,
+      force: bool = False,
+  ) -> None:
     elapsed = time.monotonic() - self.started
     left = self.total_epochs - epochs_done
-    eta = ("ETA " + _format_duration(left * elapsed / new_epochs)
-           if new_epochs and left else "ETA ?" if left else "done")
-    text = (f"sweep: runs {runs_done}/{self.total_runs}, epochs "
-            f"{epochs_done}/{self.total_epochs}"
-            + (f", {failed} failed" if failed else "")
-            + f", {_format_duration(elapsed)} elapsed, {eta}")
+    eta = (
+        "ETA " + _format_duration(left * elapsed / new_epochs)
+        if new_epochs and left
+        else "ETA ?"
+        if left
+        else "done"
+    )
+    text = (
+        f"sweep: runs {runs_done}/{self.total_runs}, epochs "
+        f"{epochs_done}/{self.total_epochs}"
+        + (f", {failed} failed" if failed else "")
+        + f", {_format_duration(elapsed)} elapsed, {eta}"
+    )
     now = time.monotonic()
     if self.tty:
       self.stream.write("\r" + text.ljust(len(self.last_text)))
@@ -376,8 +407,16 @@ class _Progress:
       self.stream.write(self.last_text)
 
 
-def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
-              jobs: int, devices_per_run: int, stream: TextIO = sys.stderr, poll_seconds: float = 1.0) -> int:
+def run_sweep(
+    runs: Sequence[Run],
+    sweep_dir: Path,
+    *,
+    module: str,
+    jobs: int,
+    devices_per_run: int,
+    stream: TextIO = sys.stderr,
+    poll_seconds: float = 1.0,
+) -> int:
   """Runs (or resumes) every run; returns the number that failed."""
   sweep_dir.mkdir(parents=True, exist_ok=True)
   total_epochs = sum(r.config.epochs for r in runs)
@@ -389,8 +428,11 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
       done_runs += 1
     else:
       pending.append(run)
-  cores = sorted(os.sched_getaffinity(0)) if hasattr(
-      os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+  cores = (
+      sorted(os.sched_getaffinity(0))
+      if hasattr(os, "sched_getaffinity")
+      else list(range(os.cpu_count() or 1))
+  )
   pin = jobs * devices_per_run <= len(cores)
   free_slots = list(range(jobs))
   active: list[_Active] = []
@@ -399,14 +441,15 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
   new_epochs = 0
 
   def epochs_now() -> int:
-    return sum(min(epochs_done(sweep_dir / r.name), r.config.epochs)
-               for r in runs)
+    return sum(
+        min(epochs_done(sweep_dir / r.name), r.config.epochs) for r in runs
+    )
 
   env = dict(os.environ)
   env["GBN_HOST_DEVICES"] = str(devices_per_run)
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(_REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
-                           else []))
+      [str(_REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+  )
   if jobs > 1:
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / jobs:.3f}")
 
@@ -417,17 +460,40 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
       return False
     (run_dir / STATUS_FILE).unlink(missing_ok=True)
     log = open(run_dir / LOG_FILE, "a")  # pylint: disable=consider-using-with
-    command = [sys.executable, "-m", module, *run.argv, "--workdir",
-               str(run_dir), "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        module,
+        *run.argv,
+        "--workdir",
+        str(run_dir),
+        "--no-progress",
+    ]
     log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
     log.flush()
-    slot_cores = (cores[slot * devices_per_run:(slot + 1) * devices_per_run]
-                  if pin else None)
+    slot_cores = (
+        cores[slot * devices_per_run : (slot + 1) * devices_per_run]
+        if pin
+        else None
+    )
     process = subprocess.Popen(  # pylint: disable=consider-using-with
-        command, stdout=log, stderr=subprocess.STDOUT, env=env,
-        preexec_fn=lambda: _child_setup(slot_cores))
-    active.append(_Active(run, process, log, lock, slot, time.monotonic(),
-                          epochs_done(run_dir)))
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        preexec_fn=lambda: _child_setup(slot_cores),
+    )
+    active.append(
+        _Active(
+            run,
+            process,
+            log,
+            lock,
+            slot,
+            time.monotonic(),
+            epochs_done(run_dir),
+        )
+    )
     return True
 
   def finish(item: _Active, returncode: int) -> None:
@@ -438,13 +504,19 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
       done_runs += 1
     else:
       failed += 1
-      status = {"status": "failed", "returncode": returncode,
-                "error": _last_error_line(run_dir / LOG_FILE),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+      status = {
+          "status": "failed",
+          "returncode": returncode,
+          "error": _last_error_line(run_dir / LOG_FILE),
+          "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+      }
       checkpointing.atomic_write_text(
-          run_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
-      progress.message(f"sweep: {item.run.name} failed (exit {returncode}): "
-                       f"{status['error']} [{run_dir / LOG_FILE}]")
+          run_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n"
+      )
+      progress.message(
+          f"sweep: {item.run.name} failed (exit {returncode}): "
+          f"{status['error']} [{run_dir / LOG_FILE}]"
+      )
     fcntl.flock(item.lock, fcntl.LOCK_UN)
     item.lock.close()
     free_slots.append(item.slot)
@@ -463,13 +535,15 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
         code = item.process.poll()
         if code is not None:
           active.remove(item)
-          new_epochs += max(0, epochs_done(sweep_dir / item.run.name)
-                            - item.start_epochs)
+          new_epochs += max(
+              0, epochs_done(sweep_dir / item.run.name) - item.start_epochs
+          )
           finish(item, code)
-      running_new = sum(max(0, epochs_done(sweep_dir / a.run.name)
-                            - a.start_epochs) for a in active)
-      progress.update(done_runs, epochs_now(), new_epochs + running_new,
-                      failed)
+      running_new = sum(
+          max(0, epochs_done(sweep_dir / a.run.name) - a.start_epochs)
+          for a in active
+      )
+      progress.update(done_runs, epochs_now(), new_epochs + running_new, failed)
       if pending or active:
         time.sleep(poll_seconds)
   except KeyboardInterrupt:
@@ -484,51 +558,73 @@ def run_sweep(runs: Sequence[Run], sweep_dir: Path, *, module: str,
       item.log.close()
     progress.message(
         "\nsweep: interrupted; finished epochs are kept, rerun the same "
-        "command to continue")
+        "command to continue"
+    )
     raise
   progress.update(done_runs, epochs_now(), new_epochs, failed, force=True)
   if progress.tty:
     stream.write("\n")
   for run in busy_elsewhere:
-    progress.message(f"sweep: {run.name} was skipped: another sweep is "
-                     "running it")
+    progress.message(
+        f"sweep: {run.name} was skipped: another sweep is " "running it"
+    )
   return failed + len(busy_elsewhere)
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog=_PROG, description=(
+      prog=_PROG,
+      description=(
           "Run the cross product of train flags, each value possibly a "
           "comma-separated list, one run directory per point under "
           "--sweep-dir. Rerunning the same command skips finished runs and "
-          "resumes interrupted ones."),
+          "resumes interrupted ones."
+      ),
       epilog="Train flags (any value may be a comma-separated list): see "
-      "`python -m train.cifar --help`. Example: " + __doc__.split("::")[1]
-      .strip().replace("\\\n", "").replace("  ", " "),
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+      "`python -m train.cifar --help`. Example: "
+      + __doc__.split("::")[1].strip().replace("\\\n", "").replace("  ", " "),
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   add = parser.add_argument
-  add("--sweep-dir", required=True,
-      help="folder of the sweep's run directories (created if missing)")
-  add("--defaults", choices=tuple(DEFAULTS), default=None,
+  add(
+      "--sweep-dir",
+      required=True,
+      help="folder of the sweep's run directories (created if missing)",
+  )
+  add(
+      "--defaults",
+      choices=tuple(DEFAULTS),
+      default=None,
       help="the CLI whose defaults apply to flags left out: train.cifar "
       "(ResNet20 CIFAR-10) or train.mnist (LeNet MNIST) (default: from "
       "--dataset: mnist for mnist and fashion_mnist, cifar otherwise or "
-      "without --dataset; datasets of both kinds need --defaults)")
-  add("--jobs", default="auto",
+      "without --dataset; datasets of both kinds need --defaults)",
+  )
+  add(
+      "--jobs",
+      default="auto",
       help="runs at once (default auto: one per --devices-per-run cores on a "
-      "CPU, one on an accelerator)")
-  add("--devices-per-run", default="auto",
+      "CPU, one on an accelerator)",
+  )
+  add(
+      "--devices-per-run",
+      default="auto",
       help="XLA host devices (and cores) per run on a CPU (default auto: "
-      "all cores)")
-  add("--dry-run", action="store_true",
-      help="list the runs and whether each is done, then exit")
+      "all cores)",
+  )
+  add(
+      "--dry-run",
+      action="store_true",
+      help="list the runs and whether each is done, then exit",
+  )
   return parser
 
 
 def _check_count(name: str, value: str) -> None:
   if value != "auto" and not (value.isdigit() and int(value) >= 1):
-    raise ValueError(f"{name} must be 'auto' or a positive integer, got "
-                     f"{value!r}")
+    raise ValueError(
+        f"{name} must be 'auto' or a positive integer, got " f"{value!r}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -548,18 +644,31 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.dry_run:
     for run in runs:
       done = epochs_done(sweep_dir / run.name)
-      print(f"{run.name}: {min(done, run.config.epochs)}/{run.config.epochs} "
-            "epochs")
+      print(
+          f"{run.name}: {min(done, run.config.epochs)}/{run.config.epochs} "
+          "epochs"
+      )
     return 0
-  cores = len(os.sched_getaffinity(0)) if hasattr(
-      os, "sched_getaffinity") else (os.cpu_count() or 1)
-  backend = ("cpu" if args.jobs != "auto" else _accelerator_backend())
+  cores = (
+      len(os.sched_getaffinity(0))
+      if hasattr(os, "sched_getaffinity")
+      else (os.cpu_count() or 1)
+  )
+  backend = "cpu" if args.jobs != "auto" else _accelerator_backend()
   jobs, per_run = plan_slots(args.jobs, args.devices_per_run, cores, backend)
-  print(f"{_PROG}: {len(runs)} runs in {sweep_dir}, {jobs} at a time, "
-        f"{per_run} device(s) each", file=sys.stderr)
+  print(
+      f"{_PROG}: {len(runs)} runs in {sweep_dir}, {jobs} at a time, "
+      f"{per_run} device(s) each",
+      file=sys.stderr,
+  )
   try:
-    failed = run_sweep(runs, sweep_dir, module=DEFAULTS[args.defaults][1],
-                       jobs=jobs, devices_per_run=per_run)
+    failed = run_sweep(
+        runs,
+        sweep_dir,
+        module=DEFAULTS[args.defaults][1],
+        jobs=jobs,
+        devices_per_run=per_run,
+    )
   except KeyboardInterrupt:
     return 130
   return 1 if failed else 0

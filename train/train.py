@@ -55,28 +55,28 @@ resumed after a kill ends with the same metrics as an uninterrupted one.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import json
 import math
+from pathlib import Path
 import sys
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import flax
 import flax.linen as nn
-import gbn_jax
+from flax.training import train_state
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import tqdm
-from flax.training import train_state
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+import gbn_jax
 from train import checkpointing
 from train import configs
 from train import input_pipeline
@@ -146,9 +146,12 @@ def resolve(config: configs.Config) -> configs.Config:
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
   """A 1-D data-parallel mesh over ``devices`` (default: all devices)."""
   devices = jax.devices() if devices is None else list(devices)
-  return jax.make_mesh((len(devices),), (DATA_AXIS,),
-                       axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=devices)
+  return jax.make_mesh(
+      (len(devices),),
+      (DATA_AXIS,),
+      axis_types=(jax.sharding.AxisType.Auto,),
+      devices=devices,
+  )
 
 
 def data_parallel_devices(batch_size: int) -> list[jax.Device]:
@@ -173,36 +176,51 @@ def init_key(seed: int) -> jax.Array:
 def epoch_key(seed: int, epoch: int) -> jax.Array:
   """The key of ``epoch``: a function of ``(seed, epoch)`` only."""
   return jax.random.fold_in(
-      jax.random.fold_in(jax.random.key(seed), _EPOCH), epoch)
+      jax.random.fold_in(jax.random.key(seed), _EPOCH), epoch
+  )
 
 
 def create_model(config: configs.Config, num_classes: int) -> nn.Module:
   """The config's model with the config's norm (the one norm factory)."""
-  clipping = ({"rmax": config.renorm_rmax, "dmax": config.renorm_dmax}
-              if config.renorm else None)
-  norm = models.make_norm(config.norm, momentum=config.norm_momentum,
-                          epsilon=config.norm_epsilon,
-                          renorm_clipping=clipping,
-                          calibration=config.calibration)
-  return models.create_model(config.model, num_classes=num_classes,
-                             norm=norm)
+  clipping = (
+      {"rmax": config.renorm_rmax, "dmax": config.renorm_dmax}
+      if config.renorm
+      else None
+  )
+  norm = models.make_norm(
+      config.norm,
+      momentum=config.norm_momentum,
+      epsilon=config.norm_epsilon,
+      renorm_clipping=clipping,
+      calibration=config.calibration,
+  )
+  return models.create_model(config.model, num_classes=num_classes, norm=norm)
 
 
 def create_optimizer(config: configs.Config) -> optax.GradientTransformation:
   """SGD (momentum optional) at a constant rate, with coupled L2 decay."""
   return optax.chain(
       optax.add_decayed_weights(config.weight_decay),
-      optax.sgd(config.learning_rate, momentum=config.momentum or None))
+      optax.sgd(config.learning_rate, momentum=config.momentum or None),
+  )
 
 
-def create_train_state(rng: jax.Array, model: nn.Module,
-                       image_shape: tuple[int, ...],
-                       tx: optax.GradientTransformation) -> TrainState:
+def create_train_state(
+    rng: jax.Array,
+    model: nn.Module,
+    image_shape: tuple[int, ...],
+    tx: optax.GradientTransformation,
+) -> TrainState:
   """Initializes parameters, norm statistics and optimizer state."""
-  variables = model.init(rng, jnp.zeros((1, *image_shape), jnp.float32),
-                         train=False)
-  return TrainState.create(apply_fn=model.apply, params=variables["params"],
-                           batch_stats=variables["batch_stats"], tx=tx)
+  variables = model.init(
+      rng, jnp.zeros((1, *image_shape), jnp.float32), train=False
+  )
+  return TrainState.create(
+      apply_fn=model.apply,
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
+      tx=tx,
+  )
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -210,21 +228,26 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def _percentiles(values: jax.Array, percentiles: Sequence[float]
-                 ) -> jax.Array:
+def _percentiles(values: jax.Array, percentiles: Sequence[float]) -> jax.Array:
   flat = jax.lax.stop_gradient(values).reshape(-1)
-  return jnp.stack([gbn_jax.quantile(flat, p / 100, axis=0)
-                    for p in percentiles])
+  return jnp.stack(
+      [gbn_jax.quantile(flat, p / 100, axis=0) for p in percentiles]
+  )
 
 
 def _module_path(module: nn.Module) -> str:
   return "/".join(module.scope.path) if module.scope is not None else ""
 
 
-def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
-               step: jax.Array, *, dataset: str,
-               record: ActivationRecording | None = None
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState,
+    images: jax.Array,
+    labels: jax.Array,
+    step: jax.Array,
+    *,
+    dataset: str,
+    record: ActivationRecording | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """One SGD step on batch ``step`` of the epoch's batches.
 
   Args:
@@ -250,17 +273,25 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
 
     def capture(next_fun, args, kwargs, context):
       out = next_fun(*args, **kwargs)
-      if (context.method_name == "__call__" and
-          _module_path(context.module) == record.layer):
-        captured["before"] = _percentiles(args[0][..., record.feature],
-                                          record.percentiles)
-        captured["after"] = _percentiles(out[..., record.feature],
-                                         record.percentiles)
+      if (
+          context.method_name == "__call__"
+          and _module_path(context.module) == record.layer
+      ):
+        captured["before"] = _percentiles(
+            args[0][..., record.feature], record.percentiles
+        )
+        captured["after"] = _percentiles(
+            out[..., record.feature], record.percentiles
+        )
       return out
 
     apply = functools.partial(
-        state.apply_fn, {"params": params, "batch_stats": state.batch_stats},
-        x, train=True, mutable=["batch_stats"])
+        state.apply_fn,
+        {"params": params, "batch_stats": state.batch_stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+    )
     if record is None:
       logits, updates = apply()
     else:
@@ -269,22 +300,32 @@ def train_step(state: TrainState, images: jax.Array, labels: jax.Array,
       if not captured:
         raise ValueError(
             f"--record-layer {record.layer!r} is not a layer of the model; "
-            "norm layers: " + ", ".join(
-                "/".join(str(k.key) for k in path[:-1]) for path, _ in
-                jax.tree_util.tree_flatten_with_path(state.batch_stats)[0]
-                if str(path[-1].key) == "mean"))
+            "norm layers: "
+            + ", ".join(
+                "/".join(str(k.key) for k in path[:-1])
+                for path, _ in jax.tree_util.tree_flatten_with_path(
+                    state.batch_stats
+                )[0]
+                if str(path[-1].key) == "mean"
+            )
+        )
     return jnp.mean(cross_entropy(logits, y)), (logits, updates, captured)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (loss, (logits, updates, captured)), grads = grad_fn(state.params)
-  state = state.apply_gradients(grads=grads,
-                                batch_stats=updates["batch_stats"])
+  state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
   errors = jnp.sum(jnp.argmax(logits, -1) != y)
   return state, {"loss": loss, "errors": errors, **captured}
 
 
-def eval_model(state: TrainState, images: jax.Array, labels: jax.Array,
-               mask: jax.Array, *, dataset: str) -> dict[str, jax.Array]:
+def eval_model(
+    state: TrainState,
+    images: jax.Array,
+    labels: jax.Array,
+    mask: jax.Array,
+    *,
+    dataset: str,
+) -> dict[str, jax.Array]:
   """Summed test loss and errors over all masked-in images.
 
   Uses the norms' running averages, so padding can't affect the result.
@@ -294,7 +335,9 @@ def eval_model(state: TrainState, images: jax.Array, labels: jax.Array,
     x, y, m = batch
     logits = state.apply_fn(
         {"params": state.params, "batch_stats": state.batch_stats},
-        input_pipeline.normalize_images(x, dataset), train=False)
+        input_pipeline.normalize_images(x, dataset),
+        train=False,
+    )
     loss = jnp.sum(jnp.where(m, cross_entropy(logits, y), 0.0))
     errors = jnp.sum(m & (jnp.argmax(logits, -1) != y))
     return (carry[0] + loss, carry[1] + errors), None
@@ -304,12 +347,17 @@ def eval_model(state: TrainState, images: jax.Array, labels: jax.Array,
   return {"loss_sum": loss, "errors": errors, "count": jnp.sum(mask)}
 
 
-def precise_eval_model(state: TrainState, images: jax.Array,
-                       test_images: jax.Array, test_labels: jax.Array,
-                       test_mask: jax.Array, *, dataset: str,
-                       batches: int,
-                       apply_fn: Callable[..., Any] | None = None
-                       ) -> dict[str, jax.Array]:
+def precise_eval_model(
+    state: TrainState,
+    images: jax.Array,
+    test_images: jax.Array,
+    test_labels: jax.Array,
+    test_mask: jax.Array,
+    *,
+    dataset: str,
+    batches: int,
+    apply_fn: Callable[..., Any] | None = None,
+) -> dict[str, jax.Array]:
   """:func:`eval_model` with statistics recomputed over training batches.
 
   Args:
@@ -332,20 +380,37 @@ def precise_eval_model(state: TrainState, images: jax.Array,
   """
 
   def model_apply(variables, x):
-    return (apply_fn or state.apply_fn)(variables,
-                          input_pipeline.normalize_images(x, dataset),
-                          train=True, mutable=["batch_stats"])
+    return (apply_fn or state.apply_fn)(
+        variables,
+        input_pipeline.normalize_images(x, dataset),
+        train=True,
+        mutable=["batch_stats"],
+    )
 
   stats = gbn_jax.precise_batch_stats(
-      model_apply, {"params": state.params, "batch_stats": state.batch_stats},
-      images[:batches], stacked=True)
-  return eval_model(state.replace(batch_stats=stats), test_images,
-                    test_labels, test_mask, dataset=dataset)
+      model_apply,
+      {"params": state.params, "batch_stats": state.batch_stats},
+      images[:batches],
+      stacked=True,
+  )
+  return eval_model(
+      state.replace(batch_stats=stats),
+      test_images,
+      test_labels,
+      test_mask,
+      dataset=dataset,
+  )
 
 
-def prepare_epoch(images: jax.Array, labels: jax.Array, key: jax.Array, *,
-                  steps: int, batch_size: int, augment: bool
-                  ) -> tuple[jax.Array, jax.Array]:
+def prepare_epoch(
+    images: jax.Array,
+    labels: jax.Array,
+    key: jax.Array,
+    *,
+    steps: int,
+    batch_size: int,
+    augment: bool,
+) -> tuple[jax.Array, jax.Array]:
   """Shuffles, batches (dropping the remainder) and augments one epoch.
 
   Args:
@@ -362,33 +427,38 @@ def prepare_epoch(images: jax.Array, labels: jax.Array, key: jax.Array, *,
   """
   n = images.shape[0]
   order = jax.random.permutation(jax.random.fold_in(key, _PERMUTE), n)
-  order = order[:steps * batch_size].reshape(steps, batch_size)
+  order = order[: steps * batch_size].reshape(steps, batch_size)
   x, y = images[order], labels[order]
   if augment:
     aug_key = jax.random.fold_in(key, _AUGMENT)
     step_keys = jax.vmap(functools.partial(jax.random.fold_in, aug_key))(
-        jnp.arange(steps))
+        jnp.arange(steps)
+    )
     x = jax.vmap(input_pipeline.augment)(step_keys, x)
   return x, y
 
 
 def _place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """Builds a global array; each process supplies only its devices' parts."""
-  return jax.make_array_from_callback(array.shape, sharding,
-                                      lambda index: array[index])
+  return jax.make_array_from_callback(
+      array.shape, sharding, lambda index: array[index]
+  )
 
 
-def place_train(dataset: input_pipeline.Dataset,
-                mesh: jax.sharding.Mesh) -> Placed:
+def place_train(
+    dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh
+) -> Placed:
   """Replicates the uint8 training set on every device."""
   replicated = NamedSharding(mesh, P())
   return Placed(
       images=_place(np.asarray(dataset.train_images, np.uint8), replicated),
-      labels=_place(np.asarray(dataset.train_labels, np.int32), replicated))
+      labels=_place(np.asarray(dataset.train_labels, np.int32), replicated),
+  )
 
 
-def place_test(dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh,
-               batch_size: int) -> Placed:
+def place_test(
+    dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh, batch_size: int
+) -> Placed:
   """Pads the test set to whole batches and shards each batch."""
   images = np.asarray(dataset.test_images, np.uint8)
   labels = np.asarray(dataset.test_labels, np.int32)
@@ -396,14 +466,17 @@ def place_test(dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh,
   steps = max(1, math.ceil(n / batch_size))
   pad = steps * batch_size - n
   mask = np.concatenate([np.ones(n, bool), np.zeros(pad, bool)])
-  images = np.concatenate([images, np.zeros((pad, *images.shape[1:]),
-                                            np.uint8)])
+  images = np.concatenate(
+      [images, np.zeros((pad, *images.shape[1:]), np.uint8)]
+  )
   labels = np.concatenate([labels, np.zeros(pad, np.int32)])
   batched = NamedSharding(mesh, P(None, DATA_AXIS))
   reshape = lambda a: a.reshape(steps, batch_size, *a.shape[1:])
-  return Placed(images=_place(reshape(images), batched),
-                labels=_place(reshape(labels), batched),
-                mask=_place(reshape(mask), batched))
+  return Placed(
+      images=_place(reshape(images), batched),
+      labels=_place(reshape(labels), batched),
+      mask=_place(reshape(mask), batched),
+  )
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
@@ -411,57 +484,78 @@ def state_dict(state: TrainState) -> dict[str, Any]:
   return flax.serialization.to_state_dict(state)
 
 
-def _raise_nonfinite(losses: Sequence[jax.Array], epoch: int,
-                     last_good: int | None, workdir: Path) -> None:
+def _raise_nonfinite(
+    losses: Sequence[jax.Array],
+    epoch: int,
+    last_good: int | None,
+    workdir: Path,
+) -> None:
   """Raises NonFiniteLossError naming the first bad step of ``losses``."""
   values = np.asarray(jax.device_get(list(losses)), np.float64)
   step = int(np.flatnonzero(~np.isfinite(values))[0])
-  kept = (f"the last good checkpoint (epoch {last_good}) is kept in "
-          f"{workdir / checkpointing.CHECKPOINT_DIR}" if last_good else
-          "no checkpoint was written")
+  kept = (
+      f"the last good checkpoint (epoch {last_good}) is kept in "
+      f"{workdir / checkpointing.CHECKPOINT_DIR}"
+      if last_good
+      else "no checkpoint was written"
+  )
   raise NonFiniteLossError(
       f"training loss became {values[step]} at epoch {epoch}, step {step}: "
-      f"the run diverged; {kept}. Try a smaller --lr.")
+      f"the run diverged; {kept}. Try a smaller --lr."
+  )
 
 
-def _validate_sizes(config: configs.Config, dataset: input_pipeline.Dataset,
-                    num_devices: int) -> None:
+def _validate_sizes(
+    config: configs.Config, dataset: input_pipeline.Dataset, num_devices: int
+) -> None:
   if dataset.name != config.dataset:
-    raise ValueError(f"the dataset given is {dataset.name!r}, but the config "
-                     f"asks for {config.dataset!r}")
+    raise ValueError(
+        f"the dataset given is {dataset.name!r}, but the config "
+        f"asks for {config.dataset!r}"
+    )
   n_train = len(dataset.train_images)
   if config.batch_size > n_train:
     raise ValueError(
         f"--batch-size {config.batch_size} is larger than the training set "
-        f"of {config.dataset} ({n_train} images)")
+        f"of {config.dataset} ({n_train} images)"
+    )
   if config.batch_size % num_devices:
     raise ValueError(
         f"--batch-size {config.batch_size} is not divisible by the "
-        f"{num_devices} devices the batch is split over")
+        f"{num_devices} devices the batch is split over"
+    )
   if len(dataset.test_images) == 0:
     raise ValueError(f"the test set of {config.dataset} is empty")
 
 
 def _validate_precise_stats(batches: int, steps: int) -> None:
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
-    raise ValueError(f"--precise-stats must be a whole number >= 0, got "
-                     f"{batches!r}")
+    raise ValueError(
+        f"--precise-stats must be a whole number >= 0, got " f"{batches!r}"
+    )
   if batches > steps:
-    raise ValueError(f"--precise-stats {batches} is more than the {steps} "
-                     "batches of an epoch")
+    raise ValueError(
+        f"--precise-stats {batches} is more than the {steps} "
+        "batches of an epoch"
+    )
 
 
 def _summary_line(row: dict[str, Any], epochs: int) -> str:
-  test = ("" if row["test_error"] is None else
-          f" test loss {row['test_loss']:.4f} error "
-          f"{100 * row['test_error']:.2f}%")
+  test = (
+      ""
+      if row["test_error"] is None
+      else f" test loss {row['test_loss']:.4f} error "
+      f"{100 * row['test_error']:.2f}%"
+  )
   if row.get("test_error_precise") is not None:
     test += f" (precise stats {100 * row['test_error_precise']:.2f}%)"
-  return (f"epoch {row['epoch']}/{epochs}: train loss "
-          f"{row['train_loss']:.4f} error {100 * row['train_error']:.2f}%"
-          f"{test} | {row['seconds']:.1f}s, "
-          f"{row['images_per_sec']:.0f} img/s, data "
-          f"{100 * row['data_seconds'] / row['seconds']:.1f}%")
+  return (
+      f"epoch {row['epoch']}/{epochs}: train loss "
+      f"{row['train_loss']:.4f} error {100 * row['train_error']:.2f}%"
+      f"{test} | {row['seconds']:.1f}s, "
+      f"{row['images_per_sec']:.0f} img/s, data "
+      f"{100 * row['data_seconds'] / row['seconds']:.1f}%"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,12 +587,15 @@ _PROGRAM_CACHE: dict[Any, Program] = {}
 _PROGRAM_CACHE_SIZE = 4
 
 
-def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
-                    train_data: Placed, test_data: Placed,
-                    num_classes: int,
-                    record: ActivationRecording | None = None,
-                    precise_stats: int = 0
-                    ) -> tuple[Program, bool]:
+def compile_program(
+    config: configs.Config,
+    mesh: jax.sharding.Mesh,
+    train_data: Placed,
+    test_data: Placed,
+    num_classes: int,
+    record: ActivationRecording | None = None,
+    precise_stats: int = 0,
+) -> tuple[Program, bool]:
   """Compiles (or fetches from the in-process cache) a run's functions.
 
   Compiling ahead of time also keeps compilation out of the epoch times.
@@ -511,60 +608,103 @@ def compile_program(config: configs.Config, mesh: jax.sharding.Mesh,
   n_train, *image_shape = train_data.images.shape
   steps = n_train // config.batch_size  # the last partial batch is dropped
   donate = jax.default_backend() != "cpu"  # the CPU backend can't donate
-  key = (config.replace(seed=0, epochs=1, eval_every=1), n_train,
-         tuple(image_shape), test_data.images.shape, num_classes,
-         tuple(d.id for d in mesh.devices.flat), donate, record, precise_stats,
-         # The functions themselves, so that a patched one is recompiled.
-         create_train_state, prepare_epoch, train_step, eval_model,
-         precise_eval_model)
+  key = (
+      config.replace(seed=0, epochs=1, eval_every=1),
+      n_train,
+      tuple(image_shape),
+      test_data.images.shape,
+      num_classes,
+      tuple(d.id for d in mesh.devices.flat),
+      donate,
+      record,
+      precise_stats,
+      # The functions themselves, so that a patched one is recompiled.
+      create_train_state,
+      prepare_epoch,
+      train_step,
+      eval_model,
+      precise_eval_model,
+  )
   if key in _PROGRAM_CACHE:
     return _PROGRAM_CACHE[key], True
 
   replicated = NamedSharding(mesh, P())
   batched = NamedSharding(mesh, P(None, DATA_AXIS))
   model = create_model(config, num_classes)
-  init = jax.jit(functools.partial(
-      create_train_state, model=model, image_shape=tuple(image_shape),
-      tx=create_optimizer(config)), out_shardings=replicated)
+  init = jax.jit(
+      functools.partial(
+          create_train_state,
+          model=model,
+          image_shape=tuple(image_shape),
+          tx=create_optimizer(config),
+      ),
+      out_shardings=replicated,
+  )
   sample_key = jax.random.key(0)
   state = jax.eval_shape(init, sample_key)
   init = init.lower(sample_key).compile()
   state = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-      state)
+      state,
+  )
   prepare = jax.jit(
-      functools.partial(prepare_epoch, steps=steps,
-                        batch_size=config.batch_size, augment=config.augment),
-      out_shardings=(batched, batched))
-  prepare = prepare.lower(train_data.images, train_data.labels,
-                          sample_key).compile()
+      functools.partial(
+          prepare_epoch,
+          steps=steps,
+          batch_size=config.batch_size,
+          augment=config.augment,
+      ),
+      out_shardings=(batched, batched),
+  )
+  prepare = prepare.lower(
+      train_data.images, train_data.labels, sample_key
+  ).compile()
   batches = (
-      jax.ShapeDtypeStruct((steps, config.batch_size, *image_shape),
-                           jnp.uint8, sharding=batched),
-      jax.ShapeDtypeStruct((steps, config.batch_size), jnp.int32,
-                           sharding=batched))
-  step = jax.jit(functools.partial(train_step, dataset=config.dataset,
-                                   record=record),
-                 out_shardings=(replicated, replicated),
-                 donate_argnums=(0,) if donate else ())
-  step = step.lower(state, *batches,
-                    jax.ShapeDtypeStruct((), jnp.int32)).compile()
-  evaluate = jax.jit(functools.partial(eval_model, dataset=config.dataset),
-                     out_shardings=replicated)
-  evaluate = evaluate.lower(state, test_data.images, test_data.labels,
-                            test_data.mask).compile()
+      jax.ShapeDtypeStruct(
+          (steps, config.batch_size, *image_shape), jnp.uint8, sharding=batched
+      ),
+      jax.ShapeDtypeStruct(
+          (steps, config.batch_size), jnp.int32, sharding=batched
+      ),
+  )
+  step = jax.jit(
+      functools.partial(train_step, dataset=config.dataset, record=record),
+      out_shardings=(replicated, replicated),
+      donate_argnums=(0,) if donate else (),
+  )
+  step = step.lower(
+      state, *batches, jax.ShapeDtypeStruct((), jnp.int32)
+  ).compile()
+  evaluate = jax.jit(
+      functools.partial(eval_model, dataset=config.dataset),
+      out_shardings=replicated,
+  )
+  evaluate = evaluate.lower(
+      state, test_data.images, test_data.labels, test_data.mask
+  ).compile()
   precise = None
   if precise_stats:
     plain = create_model(config.replace(renorm=False), num_classes)
-    precise = jax.jit(functools.partial(precise_eval_model,
-                                        dataset=config.dataset,
-                                        batches=precise_stats,
-                                        apply_fn=plain.apply),
-                      out_shardings=replicated)
-    precise = precise.lower(state, batches[0], test_data.images,
-                            test_data.labels, test_data.mask).compile()
-  program = Program(init=init, prepare=prepare, step=step, evaluate=evaluate,
-                    steps=steps, precise=precise)
+    precise = jax.jit(
+        functools.partial(
+            precise_eval_model,
+            dataset=config.dataset,
+            batches=precise_stats,
+            apply_fn=plain.apply,
+        ),
+        out_shardings=replicated,
+    )
+    precise = precise.lower(
+        state, batches[0], test_data.images, test_data.labels, test_data.mask
+    ).compile()
+  program = Program(
+      init=init,
+      prepare=prepare,
+      step=step,
+      evaluate=evaluate,
+      steps=steps,
+      precise=precise,
+  )
   while len(_PROGRAM_CACHE) >= _PROGRAM_CACHE_SIZE:
     del _PROGRAM_CACHE[next(iter(_PROGRAM_CACHE))]
   _PROGRAM_CACHE[key] = program
@@ -623,10 +763,15 @@ def train_and_evaluate(
     input_pipeline.DataNotFoundError: The dataset files are missing.
   """
   config = resolve(config)
-  if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
-      or checkpoint_every < 1):
-    raise ValueError(f"checkpoint_every must be a positive integer, got "
-                     f"{checkpoint_every!r}")
+  if (
+      isinstance(checkpoint_every, bool)
+      or not isinstance(checkpoint_every, int)
+      or checkpoint_every < 1
+  ):
+    raise ValueError(
+        f"checkpoint_every must be a positive integer, got "
+        f"{checkpoint_every!r}"
+    )
   workdir = Path(workdir)
   primary = jax.process_index() == 0
   if not primary:  # one host reports for all
@@ -634,29 +779,43 @@ def train_and_evaluate(
   elif log is None:
     log = lambda line: tqdm.tqdm.write(line, file=sys.stderr)
   # Refuse an incompatible workdir before spending time on data.
-  checkpointing.prepare_workdir(workdir, config, overwrite=overwrite,
-                                is_primary=primary)
+  checkpointing.prepare_workdir(
+      workdir, config, overwrite=overwrite, is_primary=primary
+  )
   if dataset is None:
     dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
   mesh = make_mesh(data_parallel_devices(config.batch_size))
   _validate_sizes(config, dataset, mesh.size)
-  _validate_precise_stats(precise_stats,
-                          len(dataset.train_images) // config.batch_size)
+  _validate_precise_stats(
+      precise_stats, len(dataset.train_images) // config.batch_size
+  )
   train_data = place_train(dataset, mesh)
   test_data = place_test(dataset, mesh, config.batch_size)
   t0 = time.perf_counter()
-  program, cached = compile_program(config, mesh, train_data, test_data,
-                                    dataset.num_classes, record,
-                                    precise_stats)
+  program, cached = compile_program(
+      config,
+      mesh,
+      train_data,
+      test_data,
+      dataset.num_classes,
+      record,
+      precise_stats,
+  )
   n_train = len(dataset.train_images)
   dropped = n_train - program.steps * config.batch_size
   batches = f"{program.steps} batches of {config.batch_size}" + (
-      f", the last {dropped} dropped" if dropped else "")
-  log(f"{config.model}/{config.norm} on {config.dataset}: {n_train} train "
+      f", the last {dropped} dropped" if dropped else ""
+  )
+  log(
+      f"{config.model}/{config.norm} on {config.dataset}: {n_train} train "
       f"images ({batches}), "
       f"{len(dataset.test_images)} test images, {mesh.size} device(s); "
-      + ("compiled program reused" if cached else
-         f"compiled in {time.perf_counter() - t0:.1f}s"))
+      + (
+          "compiled program reused"
+          if cached
+          else f"compiled in {time.perf_counter() - t0:.1f}s"
+      )
+  )
   log(f"data: {dataset.source}")
   state = program.init(init_key(config.seed))
 
@@ -675,13 +834,25 @@ def train_and_evaluate(
     if primary and record is not None:
       _keep_activations(workdir, last or 0)
     if primary and (last or 0) < config.epochs:
-      checkpointing.append_data_source(workdir, (last or 0) + 1,
-                                       dataset.source)
-    _train_epochs(config, workdir, program, train_data, test_data, state,
-                  history, checkpointer, start=(last or 0) + 1,
-                  progress=progress, log=log, primary=primary, record=record,
-                  on_first_epoch=on_first_epoch, devices=list(mesh.devices.flat),
-                  checkpoint_every=checkpoint_every)
+      checkpointing.append_data_source(workdir, (last or 0) + 1, dataset.source)
+    _train_epochs(
+        config,
+        workdir,
+        program,
+        train_data,
+        test_data,
+        state,
+        history,
+        checkpointer,
+        start=(last or 0) + 1,
+        progress=progress,
+        log=log,
+        primary=primary,
+        record=record,
+        on_first_epoch=on_first_epoch,
+        devices=list(mesh.devices.flat),
+        checkpoint_every=checkpoint_every,
+    )
   finally:
     checkpointer.close()
   return history
@@ -691,35 +862,58 @@ def _keep_activations(workdir: Path, last_epoch: int) -> None:
   """Drops recorded rows of epochs after the checkpoint resumed from."""
   path = workdir / ACTIVATIONS_FILE
   if path.exists():
-    rows = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["epoch"] <= last_epoch]
+    rows = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["epoch"] <= last_epoch
+    ]
     path.write_text("".join(line + "\n" for line in rows))
 
 
-def _append_activations(workdir: Path, record: ActivationRecording, epoch: int,
-                        recorded: Sequence[tuple[int, jax.Array, jax.Array]]
-                        ) -> None:
+def _append_activations(
+    workdir: Path,
+    record: ActivationRecording,
+    epoch: int,
+    recorded: Sequence[tuple[int, jax.Array, jax.Array]],
+) -> None:
   values = jax.device_get([(before, after) for _, before, after in recorded])
   with open(workdir / ACTIVATIONS_FILE, "a") as f:
     for (step, _, _), (before, after) in zip(recorded, values):
-      f.write(json.dumps({
-          "step": step, "epoch": epoch, "layer": record.layer,
-          "feature": record.feature,
-          "percentiles": list(record.percentiles),
-          "before": [float(v) for v in before],
-          "after": [float(v) for v in after]}) + "\n")
+      f.write(
+          json.dumps(
+              {
+                  "step": step,
+                  "epoch": epoch,
+                  "layer": record.layer,
+                  "feature": record.feature,
+                  "percentiles": list(record.percentiles),
+                  "before": [float(v) for v in before],
+                  "after": [float(v) for v in after],
+              }
+          )
+          + "\n"
+      )
 
 
-def _train_epochs(config: configs.Config, workdir: Path, program: Program,
-                  train_data: Placed, test_data: Placed, state: TrainState,
-                  history: list[dict[str, Any]],
-                  checkpointer: checkpointing.Checkpointer, *, start: int,
-                  progress: bool, log: Callable[[str], None],
-                  primary: bool,
-                  record: ActivationRecording | None = None,
-                  on_first_epoch: Callable[..., Sequence[str]] | None = None,
-                  devices: Sequence[jax.Device] = (),
-                  checkpoint_every: int = 1) -> None:
+def _train_epochs(
+    config: configs.Config,
+    workdir: Path,
+    program: Program,
+    train_data: Placed,
+    test_data: Placed,
+    state: TrainState,
+    history: list[dict[str, Any]],
+    checkpointer: checkpointing.Checkpointer,
+    *,
+    start: int,
+    progress: bool,
+    log: Callable[[str], None],
+    primary: bool,
+    record: ActivationRecording | None = None,
+    on_first_epoch: Callable[..., Sequence[str]] | None = None,
+    devices: Sequence[jax.Device] = (),
+    checkpoint_every: int = 1,
+) -> None:
   """Runs epochs ``start..config.epochs``, appending rows to ``history``."""
   steps = program.steps
   elapsed = history[-1]["elapsed_seconds"] if history else 0.0
@@ -727,15 +921,21 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
   last_good = start - 1 if start > 1 else None
   for epoch in range(start, config.epochs + 1):
     t_start = time.perf_counter()
-    images, labels = program.prepare(train_data.images, train_data.labels,
-                                     epoch_key(config.seed, epoch))
+    images, labels = program.prepare(
+        train_data.images, train_data.labels, epoch_key(config.seed, epoch)
+    )
     jax.block_until_ready((images, labels))
     data_seconds = time.perf_counter() - t_start
 
     losses, errors, recorded = [], [], []
-    bar = tqdm.tqdm(total=steps, desc=f"epoch {epoch}/{config.epochs}",
-                    file=sys.stderr, leave=False, disable=not progress,
-                    dynamic_ncols=True)
+    bar = tqdm.tqdm(
+        total=steps,
+        desc=f"epoch {epoch}/{config.epochs}",
+        file=sys.stderr,
+        leave=False,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     with bar:
       for step in range(steps):
         state, metrics = program.step(state, images, labels, np.int32(step))
@@ -761,8 +961,11 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
     test_loss = test_error = None
     t_eval = time.perf_counter()
     if epoch % config.eval_every == 0 or epoch == config.epochs:
-      result = jax.device_get(program.evaluate(
-          state, test_data.images, test_data.labels, test_data.mask))
+      result = jax.device_get(
+          program.evaluate(
+              state, test_data.images, test_data.labels, test_data.mask
+          )
+      )
       count = int(result["count"])
       test_loss = float(result["loss_sum"]) / count
       test_error = int(result["errors"]) / count
@@ -776,12 +979,20 @@ def _train_epochs(config: configs.Config, workdir: Path, program: Program,
       t_precise = time.perf_counter()
       precise = {"test_loss_precise": None, "test_error_precise": None}
       if test_error is not None:
-        result = jax.device_get(program.precise(
-            state, images, test_data.images, test_data.labels,
-            test_data.mask))
+        result = jax.device_get(
+            program.precise(
+                state,
+                images,
+                test_data.images,
+                test_data.labels,
+                test_data.mask,
+            )
+        )
         count = int(result["count"])
-        precise = {"test_loss_precise": float(result["loss_sum"]) / count,
-                   "test_error_precise": int(result["errors"]) / count}
+        precise = {
+            "test_loss_precise": float(result["loss_sum"]) / count,
+            "test_error_precise": int(result["errors"]) / count,
+        }
       precise["precise_seconds"] = time.perf_counter() - t_precise
     row = {
         "epoch": epoch,

@@ -67,20 +67,19 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from gbn_jax._selection import common, radix
-from gbn_jax._selection.common import (
-    I32,
-    INT_MAX,
-    INT_MIN,
-    Comm,
-    merged_keys,
-    replicate_explicit,
-    take_rows,
-)
+from gbn_jax._selection import common
+from gbn_jax._selection import radix
+from gbn_jax._selection.common import I32
+from gbn_jax._selection.common import INT_MAX
+from gbn_jax._selection.common import INT_MIN
+from gbn_jax._selection.common import Comm
+from gbn_jax._selection.common import merged_keys
+from gbn_jax._selection.common import replicate_explicit
+from gbn_jax._selection.common import take_rows
 
 Array = jax.Array
 
@@ -129,7 +128,9 @@ def sample_rows(n_rows: int) -> np.ndarray:
   start = i * n_rows // s  # integer strata: widths >= 1, no rounding overlap
   width = np.diff(start)
   jitter = np.modf(i[:-1] * _GOLDEN + 0.5)[0]
-  idx = start[:-1] + np.minimum(np.floor(jitter * width).astype(np.int64), width - 1)
+  idx = start[:-1] + np.minimum(
+      np.floor(jitter * width).astype(np.int64), width - 1
+  )
   return idx.astype(np.int32)
 
 
@@ -174,8 +175,12 @@ def _bracket(rows, mask, k, n, comm):
   i_lo = jnp.floor(t - half).astype(I32) - 1
   i_hi = jnp.ceil(t + half).astype(I32)
   size = ordered.shape[0]
-  lo = jnp.where(i_lo < 0, INT_MIN, take_rows(ordered, jnp.clip(i_lo, 0, size - 1)))
-  hi = jnp.where(i_hi >= m, INT_MAX, take_rows(ordered, jnp.clip(i_hi, 0, size - 1)))
+  lo = jnp.where(
+      i_lo < 0, INT_MIN, take_rows(ordered, jnp.clip(i_lo, 0, size - 1))
+  )
+  hi = jnp.where(
+      i_hi >= m, INT_MAX, take_rows(ordered, jnp.clip(i_hi, 0, size - 1))
+  )
   return lo, jnp.maximum(lo, hi)
 
 
@@ -197,9 +202,13 @@ def _compact(keys, interior, buffer, unique=None):
   if unique is None:
     unique = 2 * n_rows * n_cols <= np.iinfo(np.int32).max
   dropped = (n_rows + row) * n_cols + col if unique else buffer * n_cols
-  flat = jnp.where(interior & (position < buffer), position * n_cols + col, dropped)
+  flat = jnp.where(
+      interior & (position < buffer), position * n_cols + col, dropped
+  )
   out = jnp.full((buffer * n_cols,), INT_MAX, I32)
-  out = out.at[flat.reshape(-1)].set(keys.reshape(-1), mode="drop", unique_indices=unique)
+  out = out.at[flat.reshape(-1)].set(
+      keys.reshape(-1), mode="drop", unique_indices=unique
+  )
   return out.reshape(buffer, n_cols), count
 
 
@@ -234,11 +243,13 @@ def bracket_kth_smallest(
   is_lo = inside & (keys == lo[None])
   is_hi = inside & (keys == hi[None]) & (hi != lo)[None]
   interior = inside & (keys > lo[None]) & (keys < hi[None])
-  local_counts = jnp.stack([
-      jnp.sum(inside & (keys < lo[None]), axis=0, dtype=I32),
-      jnp.sum(is_lo, axis=0, dtype=I32),
-      jnp.sum(is_hi, axis=0, dtype=I32),
-  ])
+  local_counts = jnp.stack(
+      [
+          jnp.sum(inside & (keys < lo[None]), axis=0, dtype=I32),
+          jnp.sum(is_lo, axis=0, dtype=I32),
+          jnp.sum(is_hi, axis=0, dtype=I32),
+      ]
+  )
   local_buf, local_in = _compact(keys, interior, buffer)
   below, eq_lo, eq_hi = comm.psum(local_counts)
   n_in = comm.psum(local_in)
@@ -257,9 +268,14 @@ def bracket_kth_smallest(
     middle = take_rows(pooled, index)
     answer = jnp.where(on_lo, lo, jnp.where(on_hi, hi, middle))
     local_ties = jnp.where(
-        on_lo, local_counts[1], jnp.where(
-            on_hi, local_counts[2],
-            jnp.sum(local_buf == middle[None], axis=0, dtype=I32)))
+        on_lo,
+        local_counts[1],
+        jnp.where(
+            on_hi,
+            local_counts[2],
+            jnp.sum(local_buf == middle[None], axis=0, dtype=I32),
+        ),
+    )
     return answer, local_ties
 
   def from_radix(_):
@@ -267,7 +283,9 @@ def bracket_kth_smallest(
     return sel.keys, sel.local_ties
 
   answer, local_ties = lax.cond(missed, from_radix, from_bracket, None)
-  return BracketSelection(keys=answer, n=n, local_ties=local_ties, missed=missed)
+  return BracketSelection(
+      keys=answer, n=n, local_ties=local_ties, missed=missed
+  )
 
 
 def kth_smallest_bracket(
@@ -292,5 +310,12 @@ def kth_smallest_bracket(
   *this device's* rows have the answer's key (``None`` for float64 input).
   """
   return radix.drop_in_selection(
-      bracket_kth_smallest, x, k, axis, where=where, axis_name=axis_name,
-      axis_index_groups=axis_index_groups, return_ties=return_ties)
+      bracket_kth_smallest,
+      x,
+      k,
+      axis,
+      where=where,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      return_ties=return_ties,
+  )

@@ -13,14 +13,14 @@ first and flattened, masked-out elements replaced by ``+inf``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+import math
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 Array = jax.Array
 AxisIndexGroups = Any
@@ -65,8 +65,9 @@ def float_to_key(v: Array) -> Array:
 def key_to_float(key: Array) -> Array:
   """Inverse of :func:`float_to_key`."""
   if key.dtype == jnp.int64:
-    return lax.bitcast_convert_type(key ^ ((key >> 63) & jnp.int64(_FLIP64)),
-                                    jnp.float64)
+    return lax.bitcast_convert_type(
+        key ^ ((key >> 63) & jnp.int64(_FLIP64)), jnp.float64
+    )
   return lax.bitcast_convert_type(key ^ ((key >> 31) & I32(_FLIP)), F32)
 
 
@@ -111,7 +112,9 @@ def check_sorted_axes(ndim: int, axis: Sequence[int]) -> tuple[int, ...]:
   return axes
 
 
-def reduction_axes(ndim: int, axis: int | Sequence[int] | None) -> tuple[int, ...]:
+def reduction_axes(
+    ndim: int, axis: int | Sequence[int] | None
+) -> tuple[int, ...]:
   """A user's reduction axes as sorted, deduplicated, non-negative ones.
 
   ``None`` means every axis. Raises ``ValueError`` for out-of-range or empty
@@ -139,7 +142,9 @@ def check_input(x: Any) -> Array:
   """``x`` as an array; ``TypeError`` unless it is floating point."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"kth_smallest needs a floating-point array, got {x.dtype}.")
+    raise TypeError(
+        f"kth_smallest needs a floating-point array, got {x.dtype}."
+    )
   return x
 
 
@@ -175,7 +180,9 @@ def to_rows(x: Array, axes: tuple[int, ...], where: Array | None):
   rows = jnp.transpose(x, perm).reshape(n_rows, n_cols)
   mask = None
   if where is not None:
-    mask = jnp.transpose(jnp.broadcast_to(where, x.shape), perm).reshape(n_rows, n_cols)
+    mask = jnp.transpose(jnp.broadcast_to(where, x.shape), perm).reshape(
+        n_rows, n_cols
+    )
     rows = jnp.where(mask, rows, jnp.inf)
   return rows, mask, kept_shape
 
@@ -198,7 +205,9 @@ def replicate_explicit(a: Array) -> Array:
   explicit = jax.sharding.AxisType.Explicit
   if explicit not in getattr(sharding.mesh, "axis_types", ()):
     return a
-  replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  replicated = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec()
+  )
   return jax.sharding.reshard(a, replicated)
 
 
@@ -232,7 +241,9 @@ def axis_size(axis_name: str | None, groups: AxisIndexGroups) -> int:
   return int(lax.psum(1, axis_name))
 
 
-def global_sum(value: Any, axis_name: str | None, groups: AxisIndexGroups) -> Any:
+def global_sum(
+    value: Any, axis_name: str | None, groups: AxisIndexGroups
+) -> Any:
   """``psum`` of a pytree over ``axis_name``; ``value`` itself without one."""
   if axis_name is None:
     return value

@@ -11,17 +11,26 @@ select without sorting the batch. This module validates, lays the input out
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
-from gbn_jax._selection import bracket, common, config, loop, native, radix, sort
-from gbn_jax._selection.common import F32, I32, AxisIndexGroups, check_element_count
+from gbn_jax._selection import bracket
+from gbn_jax._selection import common
+from gbn_jax._selection import config
+from gbn_jax._selection import loop
+from gbn_jax._selection import native
+from gbn_jax._selection import radix
+from gbn_jax._selection import sort
+from gbn_jax._selection.common import F32
+from gbn_jax._selection.common import I32
+from gbn_jax._selection.common import AxisIndexGroups
+from gbn_jax._selection.common import check_element_count
 
 Array = jax.Array
 
@@ -49,7 +58,9 @@ _BACKENDS = {
 #: bracket (``bracket``).
 METHODS = ("native",) + loop.METHODS + ("sort",) + tuple(_BACKENDS)
 
-_ADAPTIVE_MIN_ROWS = 16384  # default method: "bisect" below this many rows (CPU)
+_ADAPTIVE_MIN_ROWS = (
+    16384  # default method: "bisect" below this many rows (CPU)
+)
 # Default at least that many rows on a GPU/TPU: no data-dependent loop, so no
 # host sync per pass (the adaptive loop's cost there). Measured on an H100
 # (results/h100_methods.json, h100_radix.json): the sampled bracket's sqd
@@ -93,13 +104,17 @@ def selection_config(
   if method is _UNSET:
     method = current.method
   elif method is not None and method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS} or None, got {method!r}.")
+    raise ValueError(
+        f"method must be one of {METHODS} or None, got {method!r}."
+    )
   if bracket_sigmas is _UNSET:
     bracket_sigmas = current.bracket_sigmas
   else:
     bracket_sigmas = float(bracket_sigmas)
     if not bracket_sigmas >= 0.0 or math.isinf(bracket_sigmas):
-      raise ValueError(f"bracket_sigmas must be finite and >= 0, got {bracket_sigmas!r}.")
+      raise ValueError(
+          f"bracket_sigmas must be finite and >= 0, got {bracket_sigmas!r}."
+      )
   new = config.SelectionConfig(method=method, bracket_sigmas=bracket_sigmas)
   with config.scope(new):
     yield new
@@ -120,7 +135,10 @@ def default_method(n_rows: int) -> str:
 
 
 def fused_sums_backend(
-    x: Array, axes: tuple[int, ...], where: Array | None, axis_name: str | None,
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None,
+    axis_name: str | None,
     axis_index_groups: AxisIndexGroups,
 ) -> str | None:
   """Which backend gives a superquantile's sums in its selection's sweep.
@@ -138,7 +156,9 @@ def fused_sums_backend(
   method = config.current().method
   if method is None:
     rows = math.prod(x.shape[a] for a in axes)
-    method = default_method(rows * common.axis_size(axis_name, axis_index_groups))
+    method = default_method(
+        rows * common.axis_size(axis_name, axis_index_groups)
+    )
   return "accelerator" if method == "accelerator" else None
 
 
@@ -200,7 +220,12 @@ def kth_smallest(
   if method == "sort" or x.dtype != F32:
     # Other dtypes (the caller upcasts half precision) take the exact sort.
     value = sort.kth_smallest_reference(
-        x, k, axes, where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
+        x,
+        k,
+        axes,
+        where=where,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
     )
     return (value, None) if return_ties else value
   comm = common.Comm(axis_name, axis_index_groups)
@@ -211,8 +236,14 @@ def kth_smallest(
   method = method or default_method(n_total)
   if method in _BACKENDS:
     result = _BACKENDS[method](
-        x, k, axes, where=where, axis_name=axis_name,
-        axis_index_groups=axis_index_groups, return_ties=return_ties)
+        x,
+        k,
+        axes,
+        where=where,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
+        return_ties=return_ties,
+    )
     if return_ties and not common.compares_keep_denormals():
       # Its integer counts tell denormals from zero; XLA:CPU's float compares
       # (which the caller's tie split uses) do not: let the caller count.
@@ -226,7 +257,9 @@ def kth_smallest(
   else:
     n = comm.psum(jnp.sum(mask, axis=0, dtype=I32))
   if method == "native":
-    return native.kth_smallest_native(rows, mask, k, n, n_total, kept_shape, return_ties)
+    return native.kth_smallest_native(
+        rows, mask, k, n, n_total, kept_shape, return_ties
+    )
   value = loop.kth_smallest_loop(
       x, axes, where, rows, mask, k, n, kept_shape, comm, method=method
   )

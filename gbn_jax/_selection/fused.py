@@ -11,15 +11,21 @@ quantile's tangent split among its ties, the excess's over the elements not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from gbn_jax._selection import common, dispatch, native, radix
-from gbn_jax._selection.reductions import count_true, element_count, expand, quantile_rank
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
+from gbn_jax._selection import native
+from gbn_jax._selection import radix
+from gbn_jax._selection.reductions import count_true
+from gbn_jax._selection.reductions import element_count
+from gbn_jax._selection.reductions import expand
+from gbn_jax._selection.reductions import quantile_rank
 
 Array = jax.Array
 
@@ -64,13 +70,18 @@ def _native_parts_jvp(alpha, axes, primals, tangents):
   q, known_ties, mean, mean_excess, known_above = _native_sums(alpha, axes, x)
   n = math.prod(x.shape[a] for a in axes)
   selected = lambda: x == expand(q, axes)
-  above = lambda: ~(x <= expand(q, axes))  # as in the unfused path: NaN is above
+  above = lambda: ~(
+      x <= expand(q, axes)
+  )  # as in the unfused path: NaN is above
   ties = known_or_counted(known_ties, selected, axes)
   n_above = known_or_counted(known_above, above, axes)
-  q_dot = jnp.sum(jnp.where(selected(), x_dot, 0), axes) / jnp.maximum(ties, 1).astype(x.dtype)
+  q_dot = jnp.sum(jnp.where(selected(), x_dot, 0), axes) / jnp.maximum(
+      ties, 1
+  ).astype(x.dtype)
   mean_dot = jnp.sum(x_dot, axes) / n
   excess_dot = (
-      jnp.sum(jnp.where(above(), x_dot, 0), axes) - q_dot * n_above.astype(x.dtype)
+      jnp.sum(jnp.where(above(), x_dot, 0), axes)
+      - q_dot * n_above.astype(x.dtype)
   ) / n
   return (q, mean, mean_excess), (q_dot, mean_dot, excess_dot)
 
@@ -85,20 +96,29 @@ def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
     # The rank from the radix's own pooled count: no pass over the mask here.
     k = functools.partial(quantile_rank, alpha)
   return radix.kth_smallest_with_sums_accelerator(
-      x, k, axes, where=where, axis_name=axis_name, axis_index_groups=groups,
+      x,
+      k,
+      axes,
+      where=where,
+      axis_name=axis_name,
+      axis_index_groups=groups,
       return_count=True,
   )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _accelerator_parts(alpha, axes, axis_name, groups, x, where) -> tuple[Array, Array, Array]:
+def _accelerator_parts(
+    alpha, axes, axis_name, groups, x, where
+) -> tuple[Array, Array, Array]:
   """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from the radix passes and one sums pass.
 
   ``x`` float32 or half precision (selected and summed in float32: ``q`` and
   the excess are float32, the mean has ``x``'s dtype, as in the unfused path),
   masked by ``where`` and pooled over ``axis_name``.
   """
-  q, _, mean, mean_excess, _, _ = _accelerator_sums(alpha, axes, axis_name, groups, x, where)
+  q, _, mean, mean_excess, _, _ = _accelerator_sums(
+      alpha, axes, axis_name, groups, x, where
+  )
   return q, mean.astype(x.dtype), mean_excess
 
 
@@ -133,7 +153,9 @@ def _accelerator_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
     # the tangent sums (a lax.cond counting only for such q, as
     # known_or_counted does, would cost a host sync per step on a TPU).
     sums += (count_true(selected, axes), count_true(above, axes))
-    moved, above_dot, total_dot, ties, n_above = common.global_sum(sums, axis_name, groups)
+    moved, above_dot, total_dot, ties, n_above = common.global_sum(
+        sums, axis_name, groups
+    )
   count = n.astype(jnp.float32)
   q_dot = moved / jnp.maximum(ties, 1).astype(jnp.float32)
   # The fraction above first: qbar's q-derivative 1 - fraction / (1 - alpha)
@@ -145,7 +167,9 @@ def _accelerator_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
   return primal_out, (q_dot, mean_dot.astype(x.dtype), excess_dot)
 
 
-def superquantile_parts(x, alpha, axes, where, axis_name, groups) -> tuple[Array, ...] | None:
+def superquantile_parts(
+    x, alpha, axes, where, axis_name, groups
+) -> tuple[Array, ...] | None:
   """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from a fused backend, or ``None``.
 
   ``x``: a prepared float array; ``groups``: hashable axis index groups.

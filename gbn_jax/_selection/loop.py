@@ -33,40 +33,45 @@ fold is one reduction instead of a loop over blocks.
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from gbn_jax._selection import common, sort
-from gbn_jax._selection.common import (
-    F32,
-    I32,
-    INT_MAX,
-    INT_MIN,
-    KEY_BEYOND,
-    KEY_NEG_INF,
-    KEY_POS_INF,
-    Comm,
-    float_to_key,
-    key_midpoint,
-    key_to_float,
-    key_to_output,
-    replicate_explicit,
-    take_rows,
-    varying_like,
-)
+from gbn_jax._selection import common
+from gbn_jax._selection import sort
+from gbn_jax._selection.common import F32
+from gbn_jax._selection.common import I32
+from gbn_jax._selection.common import INT_MAX
+from gbn_jax._selection.common import INT_MIN
+from gbn_jax._selection.common import KEY_BEYOND
+from gbn_jax._selection.common import KEY_NEG_INF
+from gbn_jax._selection.common import KEY_POS_INF
+from gbn_jax._selection.common import Comm
+from gbn_jax._selection.common import float_to_key
+from gbn_jax._selection.common import key_midpoint
+from gbn_jax._selection.common import key_to_float
+from gbn_jax._selection.common import key_to_output
+from gbn_jax._selection.common import replicate_explicit
+from gbn_jax._selection.common import take_rows
+from gbn_jax._selection.common import varying_like
 
 Array = jax.Array
 
 #: Methods this module implements.
 METHODS = ("adaptive", "bisect")
 
-_SAMPLE_ROWS = 1024  # rows sampled (over all devices) to place the first bracket
+_SAMPLE_ROWS = (
+    1024  # rows sampled (over all devices) to place the first bracket
+)
 _SAMPLE_FRACTION = 8  # ... but at most one row in this many
-_SAMPLE_Z = 3.0  # half-width of the first bracket, in sample standard deviations
+_SAMPLE_Z = (
+    3.0  # half-width of the first bracket, in sample standard deviations
+)
 _INTERP_EPS = 1.0  # later brackets: +-eps*sqrt(width) ranks around the target
 _FIRST_INTERP_EPS = 5.0  # first interpolation: the CDF's curvature still shows
-_FOLD_MAX_WIDTH = 128  # fold once at most this many elements remain in a bracket
+_FOLD_MAX_WIDTH = (
+    128  # fold once at most this many elements remain in a bracket
+)
 _MAX_PASSES = 96  # >= 2 * 33 bisections; beyond it the sort fallback runs
 _CHUNK_ELEMENTS = 1 << 18  # elements per chunk of a CPU counting pass
 # Thresholds per adaptive counting pass: each costs a compare-and-add per
@@ -99,7 +104,9 @@ def _reduce_chunks(rows: Array, chunk: int, fn, combine):
     acc = lax.fori_loop(
         1,
         n_full,
-        lambda i, a: combine(a, fn(lax.dynamic_slice_in_dim(rows, i * chunk, chunk))),
+        lambda i, a: combine(
+            a, fn(lax.dynamic_slice_in_dim(rows, i * chunk, chunk))
+        ),
         acc,
     )
   if tail:
@@ -107,7 +114,9 @@ def _reduce_chunks(rows: Array, chunk: int, fn, combine):
   return acc
 
 
-def _count_pass(rows: Array, thresholds: Array, chunk: int, comm: Comm) -> Array:
+def _count_pass(
+    rows: Array, thresholds: Array, chunk: int, comm: Comm
+) -> Array:
   """``#{key(x) < t}`` per threshold key, ``(T, F)`` int32, pooled over devices.
 
   Masked-out elements are ``+inf`` and no threshold exceeds its key, so they
@@ -137,7 +146,12 @@ def _count_pass(rows: Array, thresholds: Array, chunk: int, comm: Comm) -> Array
 
 
 def _fold_pass(
-    rows: Array, lo: Array, hi: Array, buckets: int, comm: Comm, loop: bool = True
+    rows: Array,
+    lo: Array,
+    hi: Array,
+    buckets: int,
+    comm: Comm,
+    loop: bool = True,
 ):
   """Folds the keys in ``[lo, hi)`` into buckets; also counts keys below ``lo``.
 
@@ -183,7 +197,10 @@ def _fold_pass(
         ),
         (I32(INT_MAX), I32(INT_MIN), I32(0), I32(0)),
         lambda a, b: (
-            jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1]), a[2] + b[2], a[3] + b[3]
+            jnp.minimum(a[0], b[0]),
+            jnp.maximum(a[1], b[1]),
+            a[2] + b[2],
+            a[3] + b[3],
         ),
         (0,),
     )
@@ -195,14 +212,19 @@ def _fold_pass(
     acc = lax.fori_loop(
         1,
         n_full,
-        lambda i, a: update(a, lax.dynamic_slice_in_dim(rows, i * buckets, buckets)),
+        lambda i, a: update(
+            a, lax.dynamic_slice_in_dim(rows, i * buckets, buckets)
+        ),
         acc,
     )
   if tail:
     head = update(
-        tuple(a[:tail] for a in acc[:3]) + (acc[3],), lax.slice_in_dim(rows, n_full * buckets, n)
+        tuple(a[:tail] for a in acc[:3]) + (acc[3],),
+        lax.slice_in_dim(rows, n_full * buckets, n),
     )
-    acc = tuple(a.at[:tail].set(h) for a, h in zip(acc[:3], head[:3])) + (head[3],)
+    acc = tuple(a.at[:tail].set(h) for a, h in zip(acc[:3], head[:3])) + (
+        head[3],
+    )
   mn, mx, cnt, below = acc
   return (comm.pmin(mn), comm.pmax(mx), comm.psum(cnt)), comm.psum(below)
 
@@ -211,7 +233,9 @@ def _fold_pass(
 # Sample.
 
 
-def _sorted_sample(rows: Array, mask: Array | None, per_device: int, comm: Comm):
+def _sorted_sample(
+    rows: Array, mask: Array | None, per_device: int, comm: Comm
+):
   """Sorted strided sample of keys, ``(m, F)``, and its masked-in counts.
 
   Masked-out elements (``+inf``) sort last. Sorting int32 keys is exact and,
@@ -237,7 +261,9 @@ def _sorted_sample(rows: Array, mask: Array | None, per_device: int, comm: Comm)
 
 def _interpolate(klo, khi, clo, chi, rank):
   """Key where the count is predicted to reach ``rank`` (linear in value)."""
-  frac = jnp.clip((rank - clo) / jnp.maximum(chi - clo, 1).astype(F32), 0.0, 1.0)
+  frac = jnp.clip(
+      (rank - clo) / jnp.maximum(chi - clo, 1).astype(F32), 0.0, 1.0
+  )
   vlo = key_to_float(klo)
   vhi = key_to_float(jnp.minimum(khi, KEY_POS_INF))
   span = vhi - vlo
@@ -245,7 +271,9 @@ def _interpolate(klo, khi, clo, chi, rank):
   use_value = jnp.isfinite(vlo) & jnp.isfinite(vhi) & jnp.isfinite(span)
   # Outside finite values the value scale is useless; interpolate keys.
   flo = klo.astype(F32)
-  by_key = jnp.clip(flo + (khi.astype(F32) - flo) * frac, float(INT_MIN), 2.0e9).astype(I32)
+  by_key = jnp.clip(
+      flo + (khi.astype(F32) - flo) * frac, float(INT_MIN), 2.0e9
+  ).astype(I32)
   return jnp.where(use_value, by_value, by_key)
 
 
@@ -265,7 +293,9 @@ def _adaptive_proposals(state, k, sample, sample_valid, n_thresholds):
   s_lo = jnp.sum(sample < klo, axis=0, dtype=I32)
   s_hi = jnp.minimum(jnp.sum(sample < khi, axis=0, dtype=I32), sample_valid)
   s_in = jnp.maximum(s_hi - s_lo, 0).astype(F32)
-  rel = jnp.clip((kf - 0.5 - clo.astype(F32)) / jnp.maximum(width, 1.0), 0.0, 1.0)
+  rel = jnp.clip(
+      (kf - 0.5 - clo.astype(F32)) / jnp.maximum(width, 1.0), 0.0, 1.0
+  )
   centre = s_lo.astype(F32) + s_in * rel
   last = jnp.maximum(s_hi - 1, 0)
 
@@ -278,7 +308,9 @@ def _adaptive_proposals(state, k, sample, sample_valid, n_thresholds):
   first = sample_key(centre + half * spread)
   first = first.at[-1].add(1)  # the top sample value itself falls inside
   # (2) Later passes: interpolate the counts linearly in value.
-  eps = jnp.where(state["passes"] == 1, _FIRST_INTERP_EPS, _INTERP_EPS) * jnp.sqrt(width)
+  eps = jnp.where(
+      state["passes"] == 1, _FIRST_INTERP_EPS, _INTERP_EPS
+  ) * jnp.sqrt(width)
   interp = _interpolate(klo, khi, clo, chi, kf + (0.5 + eps) * spread)
   # An atom (a value repeated in the sample, e.g. the zeros after a ReLU) at
   # the target: test that value exactly (<v and <=v). Two equal samples can
@@ -308,7 +340,9 @@ def _bisect_proposals(state):
 # The selection loop.
 
 
-def _weighted_kth(keys: Array, weights: Array, rank: Array) -> tuple[Array, Array]:
+def _weighted_kth(
+    keys: Array, weights: Array, rank: Array
+) -> tuple[Array, Array]:
   """The ``rank``-th smallest of a small weighted multiset, per row.
 
   ``keys``/``weights``: ``(F, C)``; returns the key and whether it exists.
@@ -316,7 +350,10 @@ def _weighted_kth(keys: Array, weights: Array, rank: Array) -> tuple[Array, Arra
   keys, weights = lax.sort((keys, weights), dimension=1, num_keys=1)
   hit = jnp.cumsum(weights, axis=1) >= rank[:, None]
   found = jnp.any(hit, axis=1)
-  return jnp.take_along_axis(keys, jnp.argmax(hit, axis=1)[:, None], axis=1)[:, 0], found
+  return (
+      jnp.take_along_axis(keys, jnp.argmax(hit, axis=1)[:, None], axis=1)[:, 0],
+      found,
+  )
 
 
 def _resolve_from_fold(fold, lo, hi, below, k):
@@ -344,8 +381,12 @@ def _resolve_from_fold(fold, lo, hi, below, k):
   size = min(keys.shape[1], _FOLD_MAX_WIDTH)
   _, idx = lax.top_k(jnp.where(weights > 0, 1.0, 0.0), size)
   picked_weights = jnp.take_along_axis(weights, idx, axis=1)
-  picked_keys = jnp.where(picked_weights > 0, jnp.take_along_axis(keys, idx, axis=1), INT_MAX)
-  answer, found = _weighted_kth(picked_keys, picked_weights, (k - below).astype(F32))
+  picked_keys = jnp.where(
+      picked_weights > 0, jnp.take_along_axis(keys, idx, axis=1), INT_MAX
+  )
+  answer, found = _weighted_kth(
+      picked_keys, picked_weights, (k - below).astype(F32)
+  )
   complete = jnp.sum(weights, axis=1) == jnp.sum(picked_weights, axis=1)
   resolved = inside & ~ambiguous & complete & found
   # Without that, a target at either end of the bracket is its min or max.
@@ -402,7 +443,9 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, on_cpu):
   ``+inf`` with ``chi = n``), plus flags steering the proposals.
   """
   n_cols = rows.shape[1]
-  n_thresholds = _COUNT_THRESHOLDS_CPU if on_cpu else _COUNT_THRESHOLDS_ACCELERATOR
+  n_thresholds = (
+      _COUNT_THRESHOLDS_CPU if on_cpu else _COUNT_THRESHOLDS_ACCELERATOR
+  )
   bad_k = (k < 1) | (k > n)
   state = dict(
       klo=jnp.full((n_cols,), KEY_NEG_INF, I32),
@@ -420,14 +463,18 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, on_cpu):
   if comm.axis_name is None:
     state = varying_like(state, rows)
   if method == "adaptive":
-    total = max(1, min(_SAMPLE_ROWS, rows.shape[0] * comm.size() // _SAMPLE_FRACTION))
+    total = max(
+        1, min(_SAMPLE_ROWS, rows.shape[0] * comm.size() // _SAMPLE_FRACTION)
+    )
     per_device = max(1, total // comm.size())
     sample, sample_valid = _sorted_sample(rows, mask, per_device, comm)
 
   def count_step(state):
     klo, khi = state["klo"], state["khi"]
     if method == "adaptive":
-      keys, tied = _adaptive_proposals(state, k, sample, sample_valid, n_thresholds)
+      keys, tied = _adaptive_proposals(
+          state, k, sample, sample_valid, n_thresholds
+      )
     else:
       keys, tied = _bisect_proposals(state), jnp.zeros_like(state["stalled"])
     keys = jnp.clip(keys, klo + 1, jnp.maximum(khi - 1, klo + 1))
@@ -447,15 +494,23 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, on_cpu):
     lo = jnp.where(current, klo, jnp.min(keys, axis=0))
     hi = jnp.where(current, khi, jnp.maximum(jnp.max(keys, axis=0), lo + 1))
     fold, below = _fold_pass(rows, lo, hi, buckets, comm, loop=on_cpu)
-    resolved, answer, inside, width, bmin, bmax = _resolve_from_fold(fold, lo, hi, below, k)
+    resolved, answer, inside, width, bmin, bmax = _resolve_from_fold(
+        fold, lo, hi, below, k
+    )
     # The bracket ends double as two counted thresholds.
-    state = _narrow(state, k, jnp.stack([lo, hi]), jnp.stack([below, below + width]))
+    state = _narrow(
+        state, k, jnp.stack([lo, hi]), jnp.stack([below, below + width])
+    )
     known = state["known"]
     return dict(
         state,
         # Inside, the bracket shrinks to its exact extremes.
-        klo=jnp.where(inside & ~known, jnp.maximum(state["klo"], bmin), state["klo"]),
-        khi=jnp.where(inside & ~known, jnp.minimum(state["khi"], bmax + 1), state["khi"]),
+        klo=jnp.where(
+            inside & ~known, jnp.maximum(state["klo"], bmin), state["klo"]
+        ),
+        khi=jnp.where(
+            inside & ~known, jnp.minimum(state["khi"], bmax + 1), state["khi"]
+        ),
         known=known | resolved,
         answer=jnp.where(known, state["answer"], answer),
         # A fold that failed (bucket collisions) is retried only on a bracket
@@ -490,12 +545,13 @@ def _select_loop(rows, mask, k, n, comm, *, method, chunk, buckets, on_cpu):
   return state["answer"], state["known"]
 
 
-
 # --------------------------------------------------------------------------
 # Entry point.
 
 
-def kth_smallest_loop(x, axes, where, rows, mask, k, n, kept_shape, comm, *, method):
+def kth_smallest_loop(
+    x, axes, where, rows, mask, k, n, kept_shape, comm, *, method
+):
   """The k-th smallest keys' floats ``(F,)`` of prepared float32 ``rows``.
 
   ``x``, ``axes``, ``where``: the caller's input (for the sort fallback);
@@ -510,16 +566,30 @@ def kth_smallest_loop(x, axes, where, rows, mask, k, n, kept_shape, comm, *, met
   chunk = _chunk_rows(n_rows, n_cols, _CHUNK_ELEMENTS if on_cpu else None)
   buckets = _chunk_rows(n_rows, n_cols, _FOLD_ELEMENTS)
   answer, known = _select_loop(
-      rows, mask, k, n, comm, method=method, chunk=chunk, buckets=buckets, on_cpu=on_cpu
+      rows,
+      mask,
+      k,
+      n,
+      comm,
+      method=method,
+      chunk=chunk,
+      buckets=buckets,
+      on_cpu=on_cpu,
   )
 
   def fallback(_):
     ref = sort.kth_smallest_reference(
-        x, k.reshape(kept_shape), axes, where=where, axis_name=comm.axis_name,
+        x,
+        k.reshape(kept_shape),
+        axes,
+        where=where,
+        axis_name=comm.axis_name,
         axis_index_groups=comm.groups,
     ).reshape(-1)
     # pmax of identical values: types the all-gathered result device-invariant
     # under shard_map, like the other branch.
     return jnp.where(known, key_to_output(answer), comm.pmax(ref))
 
-  return lax.cond(jnp.all(known), lambda _: key_to_output(answer), fallback, None)
+  return lax.cond(
+      jnp.all(known), lambda _: key_to_output(answer), fallback, None
+  )

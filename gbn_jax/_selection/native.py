@@ -23,11 +23,12 @@ import importlib.util
 import os
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from gbn_jax._selection import common, config
+from gbn_jax._selection import common
+from gbn_jax._selection import config
 from gbn_jax._selection.common import F32
 
 Array = jax.Array
@@ -59,14 +60,21 @@ def _library() -> ctypes.CDLL | None:
     return None
   try:
     library = ctypes.CDLL(path)
-    handlers = {_TARGET: library.GbnKthSmallestF32, _SUMS_TARGET: library.GbnKthSmallestSumsF32}
+    handlers = {
+        _TARGET: library.GbnKthSmallestF32,
+        _SUMS_TARGET: library.GbnKthSmallestSumsF32,
+    }
     library.GbnKthCountsAlwaysKnown.restype = ctypes.c_int
   except (OSError, AttributeError) as e:
     if os.environ.get(LIBRARY_ENV):
-      raise ImportError(f"{LIBRARY_ENV}={path!r} is not a loadable gbn_jax kernel: {e}") from e
+      raise ImportError(
+          f"{LIBRARY_ENV}={path!r} is not a loadable gbn_jax kernel: {e}"
+      ) from e
     return None
   for target, handler in handlers.items():
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(handler), platform="cpu"
+    )
   return library
 
 
@@ -90,7 +98,13 @@ def counts_always_known() -> bool:
 #: Values of the kernel's per-column ``path`` output. ``"histogram"``: the
 #: bracket held the target but more keys than the sweep may gather (a large
 #: atom), so histogram passes over the column selected it.
-PATHS = ("whole_column", "single_key", "gathered", "missed_bracket", "histogram")
+PATHS = (
+    "whole_column",
+    "single_key",
+    "gathered",
+    "missed_bracket",
+    "histogram",
+)
 
 
 def kth_smallest_keys(
@@ -108,8 +122,12 @@ def kth_smallest_keys(
   each column was solved. CPU only; call :func:`available` first.
   """
   out = jax.ShapeDtypeStruct(k.shape, jnp.int32)
-  none = (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((0,), jnp.int32),)
-  call = jax.ffi.ffi_call(_TARGET, (out, out, out) + none, vmap_method="sequential")
+  none = (jax.ShapeDtypeStruct((0,), jnp.float32),) * 2 + (
+      jax.ShapeDtypeStruct((0,), jnp.int32),
+  )
+  call = jax.ffi.ffi_call(
+      _TARGET, (out, out, out) + none, vmap_method="sequential"
+  )
   return call(rows, k, bracket_sigmas=_bracket_sigmas(bracket_sigmas))[:3]
 
 
@@ -180,15 +198,21 @@ def kth_smallest_native(rows, mask, k, n, n_total, kept_shape, return_ties):
   # kernel counted them among the ties of a +inf answer.
   answer, ties, _ = kth_smallest_keys(common.replicate_explicit(rows), k)
   if mask is not None:
-    masked_inf = (answer == common.float_to_key(jnp.float32(jnp.inf))) & (ties >= 0)
+    masked_inf = (answer == common.float_to_key(jnp.float32(jnp.inf))) & (
+        ties >= 0
+    )
     ties = jnp.where(masked_inf, ties - (n_total - n), ties)
-  value = jnp.where(bad_k, jnp.nan, common.key_to_output(answer)).reshape(kept_shape)
+  value = jnp.where(bad_k, jnp.nan, common.key_to_output(answer)).reshape(
+      kept_shape
+  )
   if return_ties:
     return value, ties.astype(F32).reshape(kept_shape)
   return value
 
 
-def kth_smallest_with_sums(x: Array, k: int, axis: tuple[int, ...]) -> tuple[Array, ...]:
+def kth_smallest_with_sums(
+    x: Array, k: int, axis: tuple[int, ...]
+) -> tuple[Array, ...]:
   """The ``k``-th smallest and a superquantile's sums, in one native sweep.
 
   For unmasked float32 ``x`` where :func:`sums_apply`; ``1 <= k <= n``.
@@ -207,4 +231,6 @@ def kth_smallest_with_sums(x: Array, k: int, axis: tuple[int, ...]) -> tuple[Arr
       common.replicate_explicit(rows), k
   )
   value = common.key_to_output(keys)
-  return tuple(a.reshape(kept_shape) for a in (value, ties, mean, mean_excess, above))
+  return tuple(
+      a.reshape(kept_shape) for a in (value, ties, mean, mean_excess, above)
+  )

@@ -55,27 +55,26 @@ Histogram kernels (``histogram=``):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from gbn_jax._selection import common, sort
-from gbn_jax._selection.common import (
-    Comm,
-    check_element_count,
-    check_input,
-    check_sorted_axes,
-    key_to_output,
-    merged_keys,
-    prepare_k,
-    replicate_explicit,
-    to_rows,
-)
+from gbn_jax._selection import common
+from gbn_jax._selection import sort
+from gbn_jax._selection.common import Comm
+from gbn_jax._selection.common import check_element_count
+from gbn_jax._selection.common import check_input
+from gbn_jax._selection.common import check_sorted_axes
+from gbn_jax._selection.common import key_to_output
+from gbn_jax._selection.common import merged_keys
+from gbn_jax._selection.common import prepare_k
+from gbn_jax._selection.common import replicate_explicit
+from gbn_jax._selection.common import to_rows
 
 Array = jax.Array
 
@@ -105,13 +104,16 @@ def default_histogram() -> tuple[str, int]:
   return ("scatter", 8) if jax.default_backend() == "cpu" else ("compare", 4)
 
 
-def _resolve_histogram(histogram: str | None, digit_bits: int | None) -> tuple[str, int]:
+def _resolve_histogram(
+    histogram: str | None, digit_bits: int | None
+) -> tuple[str, int]:
   default_kind, default_bits = default_histogram()
   if histogram is None:
     histogram = default_kind
   if digit_bits is None:
     digit_bits = default_bits if histogram == default_kind else 8
   return histogram, digit_bits
+
 
 _I32 = jnp.int32
 _F32 = jnp.float32
@@ -145,7 +147,9 @@ def _histogram_scatter(digit: Array, match: Array, n_bins: int) -> Array:
   spread = lax.broadcasted_iota(_I32, digit.shape, 0) & _I32(n_bins - 1)
   ids = jnp.where(match, digit, spread) * _I32(n_cols) + col
   counts = jax.ops.segment_sum(
-      match.astype(_I32).reshape(-1), ids.reshape(-1), num_segments=n_bins * n_cols
+      match.astype(_I32).reshape(-1),
+      ids.reshape(-1),
+      num_segments=n_bins * n_cols,
   )
   return counts.reshape(n_bins, n_cols)
 
@@ -193,9 +197,13 @@ def radix_kth_smallest(
   """
   histogram, digit_bits = _resolve_histogram(histogram, digit_bits)
   if digit_bits not in (1, 2, 4, 8, 16):
-    raise ValueError(f"digit_bits must divide 32 (1, 2, 4, 8 or 16), got {digit_bits}.")
+    raise ValueError(
+        f"digit_bits must divide 32 (1, 2, 4, 8 or 16), got {digit_bits}."
+    )
   if histogram not in HISTOGRAMS:
-    raise ValueError(f"histogram must be one of {HISTOGRAMS}, got {histogram!r}.")
+    raise ValueError(
+        f"histogram must be one of {HISTOGRAMS}, got {histogram!r}."
+    )
   hist_fn = _HISTOGRAM_FNS[histogram]
   n_bins = 1 << digit_bits
   n_passes = 32 // digit_bits
@@ -209,7 +217,9 @@ def radix_kth_smallest(
     if p == 0:
       match = jnp.ones(rows.shape, bool) if mask is None else mask
     else:
-      match = lax.shift_right_logical(u, _I32(shift + digit_bits)) == prefix[None]
+      match = (
+          lax.shift_right_logical(u, _I32(shift + digit_bits)) == prefix[None]
+      )
       if mask is not None:
         match = match & mask
     local_hist = hist_fn(digit, match, n_bins)
@@ -220,16 +230,24 @@ def radix_kth_smallest(
       n, local_n = cum[-1], local_cum[-1]
       if callable(k):
         k = k(n)
-      rank = jnp.clip(k, 1, jnp.maximum(n, 1))  # remaining rank within the prefix
+      rank = jnp.clip(
+          k, 1, jnp.maximum(n, 1)
+      )  # remaining rank within the prefix
       below = jnp.zeros_like(n)
       local_below = jnp.zeros_like(local_n)
     # The chosen bin: the first whose inclusive count reaches the rank.
-    chosen = jnp.minimum(jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1)
-    in_bin, local_in_bin = common.take_rows(hist, chosen), common.take_rows(local_hist, chosen)
+    chosen = jnp.minimum(
+        jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1
+    )
+    in_bin, local_in_bin = common.take_rows(hist, chosen), common.take_rows(
+        local_hist, chosen
+    )
     before = common.take_rows(cum, chosen) - in_bin
     rank = rank - before
     below = below + before
-    local_below = local_below + common.take_rows(local_cum, chosen) - local_in_bin
+    local_below = (
+        local_below + common.take_rows(local_cum, chosen) - local_in_bin
+    )
     prefix = (prefix << digit_bits) | chosen
   keys = prefix ^ _SIGN
   return RadixSelection(
@@ -243,7 +261,9 @@ def radix_kth_smallest(
   )
 
 
-def radix_sums(rows: Array, mask: Array | None, keys: Array, n: Array, comm: Comm):
+def radix_sums(
+    rows: Array, mask: Array | None, keys: Array, n: Array, comm: Comm
+):
   """``(mean, mean_excess)`` per column: ``E[x]`` and ``E[(x - q)^+]``, ``q`` the answer.
 
   One fused reduction over the rows after the selection (a fifth pass: the
@@ -304,13 +324,24 @@ def kth_smallest_accelerator(
   its own ``psum``. Without ``axis_name`` that is the whole count. ``None``
   for float64 input.
   """
-  select = functools.partial(radix_kth_smallest, digit_bits=digit_bits, histogram=histogram)
-  return drop_in_selection(select, x, k, axis, where=where, axis_name=axis_name,
-                           axis_index_groups=axis_index_groups, return_ties=return_ties)
+  select = functools.partial(
+      radix_kth_smallest, digit_bits=digit_bits, histogram=histogram
+  )
+  return drop_in_selection(
+      select,
+      x,
+      k,
+      axis,
+      where=where,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      return_ties=return_ties,
+  )
 
 
-def drop_in_selection(select_rows, x, k, axis, *, where, axis_name, axis_index_groups,
-                      return_ties):
+def drop_in_selection(
+    select_rows, x, k, axis, *, where, axis_name, axis_index_groups, return_ties
+):
   """``dispatch.kth_smallest``'s contract around a rows selection.
 
   ``select_rows(rows, mask, k, comm)`` returns the answer's ``keys``, the
@@ -321,14 +352,23 @@ def drop_in_selection(select_rows, x, k, axis, *, where, axis_name, axis_index_g
   x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
   if x.dtype != _F32:
     value = sort.kth_smallest_reference(
-        x, k, axes, where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
+        x,
+        k,
+        axes,
+        where=where,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
     )
     return (value, None) if return_ties else value
   rows, mask, kept_shape = to_rows(x, axes, where)
   check_element_count(rows.shape[0] * comm.size())
   k = prepare_k(k, kept_shape)
   sel = select_rows(
-      replicate_explicit(rows), None if mask is None else replicate_explicit(mask), k, comm)
+      replicate_explicit(rows),
+      None if mask is None else replicate_explicit(mask),
+      k,
+      comm,
+  )
   bad_k = (k < 1) | (k > sel.n)
   value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys)).reshape(kept_shape)
   if return_ties:
@@ -374,8 +414,9 @@ def kth_smallest_with_sums_accelerator(
     rank_of = lambda n: k
   rows = replicate_explicit(rows)
   mask = None if mask is None else replicate_explicit(mask)
-  sel = radix_kth_smallest(rows, mask, rank_of, comm, digit_bits=digit_bits,
-                           histogram=histogram)
+  sel = radix_kth_smallest(
+      rows, mask, rank_of, comm, digit_bits=digit_bits, histogram=histogram
+  )
   mean, mean_excess = radix_sums(rows, mask, sel.keys, sel.n, comm)
   k = rank_of(sel.n)  # [F] arithmetic, the same as inside the selection
   bad_k = (k < 1) | (k > sel.n)

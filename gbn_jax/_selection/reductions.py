@@ -3,14 +3,17 @@ masked elements, pooled over a named device axis (no-ops without one)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import fractions
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from gbn_jax._selection.common import AxisIndexGroups, axis_size, global_sum, reduction_axes
+from gbn_jax._selection.common import AxisIndexGroups
+from gbn_jax._selection.common import axis_size
+from gbn_jax._selection.common import global_sum
+from gbn_jax._selection.common import reduction_axes
 
 Array = jax.Array
 Axis = int | Sequence[int] | None
@@ -98,7 +101,9 @@ def global_mean(
     axis_index_groups: AxisIndexGroups = None,
 ) -> Array:
   """Mean over ``axes`` of the masked-in elements, across devices if named."""
-  total = global_sum(jnp.sum(x, axes, where=where), axis_name, axis_index_groups)
+  total = global_sum(
+      jnp.sum(x, axes, where=where), axis_name, axis_index_groups
+  )
   return total / element_count(x, axes, where, axis_name, axis_index_groups)
 
 

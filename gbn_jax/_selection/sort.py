@@ -8,8 +8,8 @@ back to it for dtypes other than float32 (float64 keeps int64 keys).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from gbn_jax._selection import common
 from gbn_jax._selection.common import AxisIndexGroups

@@ -8,16 +8,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
 
-from gbn_jax import GBatchNorm, get_measure
+from gbn_jax import GBatchNorm
+from gbn_jax import get_measure
 
 NDEV = 4
 
 if jax.device_count() < NDEV:
-  pytest.fail(f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False)
+  pytest.fail(
+      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
+  )
 
 
 def _x(shape=(16, 3, 3, 5), seed=0):
@@ -25,30 +29,44 @@ def _x(shape=(16, 3, 3, 5), seed=0):
 
 
 def _close(a, b):
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-4), a, b)
+  jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-4), a, b
+  )
 
 
 def _step(module, variables, x, w, mask):
   """Output, running statistics and gradients of one training step."""
 
   def loss(params, inp):
-    y, upd = module.apply({**variables, "params": params}, inp, False, mask=mask,
-                          mutable=["batch_stats"])
+    y, upd = module.apply(
+        {**variables, "params": params},
+        inp,
+        False,
+        mask=mask,
+        mutable=["batch_stats"],
+    )
     return jnp.sum(jnp.sin(y) * w), (y, upd)
 
   (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      variables["params"], x)
+      variables["params"], x
+  )
   return y, upd, grads
 
 
 def _sharded_step(module, variables, x, w, mask=None):
   mesh = Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
   masks = () if mask is None else (mask,)
-  fn = jax.jit(jax.shard_map(
-      lambda p, s, v, wl, *m: _step(module, {"params": p, "batch_stats": s}, v, wl,
-                                    *(m or (None,))),
-      mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")) + (P("batch"),) * len(masks),
-      out_specs=(P("batch"), P(), (P(), P("batch")))))
+  fn = jax.jit(
+      jax.shard_map(
+          lambda p, s, v, wl, *m: _step(
+              module, {"params": p, "batch_stats": s}, v, wl, *(m or (None,))
+          ),
+          mesh=mesh,
+          in_specs=(P(), P(), P("batch"), P("batch"))
+          + (P("batch"),) * len(masks),
+          out_specs=(P("batch"), P(), (P(), P("batch"))),
+      )
+  )
   return fn(variables["params"], variables["batch_stats"], x, w, *masks)
 
 
@@ -57,7 +75,9 @@ def _sharded_step(module, variables, x, w, mask=None):
 def test_shard_map_calibrated_equals_single_device(measure, masked):
   x = _x()
   w = jax.random.normal(jax.random.key(1), x.shape)
-  mask = jax.random.bernoulli(jax.random.key(2), 0.7, x.shape) if masked else None
+  mask = (
+      jax.random.bernoulli(jax.random.key(2), 0.7, x.shape) if masked else None
+  )
   variables = GBatchNorm(measure=measure).init(jax.random.key(0), x, False)
   one = GBatchNorm(measure=measure, calibration="normal", momentum=0.0)
   want = _step(one, variables, x, w, mask)
@@ -69,7 +89,8 @@ def test_shard_map_calibrated_equals_single_device(measure, masked):
   ratio = raw[1]["batch_stats"]["var"] / got[1]["batch_stats"]["var"]
   if not masked:
     np.testing.assert_allclose(
-        ratio, get_measure(measure).normal_constant(x.size // 5) ** 2, rtol=1e-5)
+        ratio, get_measure(measure).normal_constant(x.size // 5) ** 2, rtol=1e-5
+    )
 
 
 def test_shard_map_without_calibration_is_bit_identical():
@@ -78,12 +99,21 @@ def test_shard_map_without_calibration_is_bit_identical():
   mask = jax.random.bernoulli(jax.random.key(5), 0.7, x.shape)
   for measure in ("sd", "rbd"):
     variables = GBatchNorm(measure=measure).init(jax.random.key(0), x, False)
-    a = _sharded_step(GBatchNorm(measure=measure, axis_name="batch"), variables, x, w, mask)
-    b = _sharded_step(GBatchNorm(measure=measure, axis_name="batch", calibration=None),
-                      variables, x, w, mask)
+    a = _sharded_step(
+        GBatchNorm(measure=measure, axis_name="batch"), variables, x, w, mask
+    )
+    b = _sharded_step(
+        GBatchNorm(measure=measure, axis_name="batch", calibration=None),
+        variables,
+        x,
+        w,
+        mask,
+    )
     jax.tree.map(np.testing.assert_array_equal, a, b)
   # sd's constant is 1: calibrated sd is uncalibrated sd, bit for bit.
   variables = GBatchNorm().init(jax.random.key(0), x, False)
   a = _sharded_step(GBatchNorm(axis_name="batch"), variables, x, w, mask)
-  b = _sharded_step(GBatchNorm(axis_name="batch", calibration="normal"), variables, x, w, mask)
+  b = _sharded_step(
+      GBatchNorm(axis_name="batch", calibration="normal"), variables, x, w, mask
+  )
   jax.tree.map(np.testing.assert_array_equal, a, b)

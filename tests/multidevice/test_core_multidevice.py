@@ -9,19 +9,24 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import gbn_jax
 from gbn_jax import GBatchNorm
+
 import reference as ref
 
 NDEV = 4
 MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 
 if jax.device_count() < NDEV:
-  pytest.fail(f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False)
+  pytest.fail(
+      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
+  )
 
 
 def _batch(shape=(16, 3, 3, 5), seed=0):
@@ -36,7 +41,9 @@ def _auto_mesh():
 def _close(a, b):
   # Same selected elements, float32 sums in another order; D = qbar - E[x]
   # cancels, which amplifies that rounding a little for the quantile measures.
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-3), a, b)
+  jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-3), a, b
+  )
 
 
 def _reference_step(measure, variables, x, w):
@@ -44,7 +51,9 @@ def _reference_step(measure, variables, x, w):
   module = GBatchNorm(measure=measure)
 
   def loss(params, inp):
-    y, upd = module.apply({**variables, "params": params}, inp, False, mutable=["batch_stats"])
+    y, upd = module.apply(
+        {**variables, "params": params}, inp, False, mutable=["batch_stats"]
+    )
     return jnp.sum(jnp.sin(y) * w), (y, upd)
 
   (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
@@ -56,7 +65,9 @@ def _reference_step(measure, variables, x, w):
 def _init(measure, x):
   variables = GBatchNorm(measure=measure).init(jax.random.key(0), x, False)
   keys = iter(jax.random.split(jax.random.key(1), 8))
-  return jax.tree.map(lambda a: a + 0.2 * jax.random.normal(next(keys), a.shape), variables)
+  return jax.tree.map(
+      lambda a: a + 0.2 * jax.random.normal(next(keys), a.shape), variables
+  )
 
 
 @pytest.mark.parametrize("measure", MEASURES)
@@ -70,18 +81,25 @@ def test_shard_map_axis_name_equals_single_device(measure):
 
   def local(params, stats, inp, wl):
     def loss(p, v):
-      y, upd = module.apply({"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"])
+      y, upd = module.apply(
+          {"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"]
+      )
       return jnp.sum(jnp.sin(y) * wl), (y, upd)
 
-    (_, (y, upd)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, inp)
+    (_, (y, upd)), (gp, gx) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True
+    )(params, inp)
     # Replicated params: shard_map's transpose already sums their cotangents.
     return y, upd, gp, gx
 
-  fn = jax.jit(jax.shard_map(
-      local, mesh=_auto_mesh(),
-      in_specs=(P(), P(), P("batch"), P("batch")),
-      out_specs=(P("batch"), P(), P(), P("batch")),
-  ))
+  fn = jax.jit(
+      jax.shard_map(
+          local,
+          mesh=_auto_mesh(),
+          in_specs=(P(), P(), P("batch"), P("batch")),
+          out_specs=(P("batch"), P(), P(), P("batch")),
+      )
+  )
   y, upd, gp, gx = fn(variables["params"], variables["batch_stats"], x, w)
   _close(y, y_ref)
   _close(upd, upd_ref)
@@ -101,6 +119,7 @@ def test_pmap_axis_name_equals_single_device(measure):
     def loss(v):
       y, upd = module.apply(variables, v, False, mutable=["batch_stats"])
       return jnp.sum(jnp.sin(y) * wl), (y, upd)
+
     (_, (y, upd)), gx = jax.value_and_grad(loss, has_aux=True)(inp)
     return y, upd, gx
 
@@ -115,15 +134,20 @@ def test_pmap_axis_name_equals_single_device(measure):
 
 def test_pmap_axis_index_groups():
   x = _batch(seed=5)
-  module = GBatchNorm(measure="sqd2", axis_name="i", axis_index_groups=[[0, 1], [2, 3]])
+  module = GBatchNorm(
+      measure="sqd2", axis_name="i", axis_index_groups=[[0, 1], [2, 3]]
+  )
   variables = _init("sqd2", x)
   y, _ = jax.pmap(
-      lambda v: module.apply(variables, v, False, mutable=["batch_stats"]), axis_name="i"
+      lambda v: module.apply(variables, v, False, mutable=["batch_stats"]),
+      axis_name="i",
   )(x.reshape((NDEV, -1) + x.shape[1:]))
   y = y.reshape(x.shape)
   half = x.shape[0] // 2
   for part in (slice(0, half), slice(half, None)):
-    want, _ = GBatchNorm(measure="sqd2").apply(variables, x[part], False, mutable=["batch_stats"])
+    want, _ = GBatchNorm(measure="sqd2").apply(
+        variables, x[part], False, mutable=["batch_stats"]
+    )
     _close(y[part], want)
 
 
@@ -140,7 +164,9 @@ def test_jit_over_batch_sharded_array_is_exact(measure, explicit):
   y_ref, upd_ref, g_ref = _reference_step(measure, variables, x, w)
   xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
   ws = jax.device_put(w, NamedSharding(mesh, P("batch")))
-  y, upd, grads = jax.jit(functools.partial(_reference_step, measure))(variables, xs, ws)
+  y, upd, grads = jax.jit(functools.partial(_reference_step, measure))(
+      variables, xs, ws
+  )
   _close(y, y_ref)
   _close(upd, upd_ref)
   _close(grads, g_ref)
@@ -156,7 +182,10 @@ def test_quantile_functions_with_axis_name_and_mask():
     return q, sq
 
   q, sq = jax.shard_map(
-      local, mesh=_auto_mesh(), in_specs=(P("batch"), P("batch")), out_specs=(P(), P())
+      local,
+      mesh=_auto_mesh(),
+      in_specs=(P("batch"), P("batch")),
+      out_specs=(P(), P()),
   )(x, mask)
   np.testing.assert_array_equal(q, gbn_jax.quantile(x, 0.3, 0, where=mask))
   _close(sq, gbn_jax.superquantile(x, 0.8, 0, where=mask))
@@ -168,11 +197,15 @@ def test_custom_measure_without_axis_name_sees_the_global_batch():
 
   x = _batch(seed=10)
   variables = GBatchNorm(measure=spread).init(jax.random.key(0), x, False)
-  want, _ = GBatchNorm(measure=spread).apply(variables, x, False, mutable=["batch_stats"])
+  want, _ = GBatchNorm(measure=spread).apply(
+      variables, x, False, mutable=["batch_stats"]
+  )
   module = GBatchNorm(measure=spread, axis_name="batch")
   y = jax.shard_map(
       lambda v: module.apply(variables, v, False, mutable=["batch_stats"])[0],
-      mesh=_auto_mesh(), in_specs=P("batch"), out_specs=P("batch"),
+      mesh=_auto_mesh(),
+      in_specs=P("batch"),
+      out_specs=P("batch"),
   )(x)
   _close(y, want)
 
@@ -184,10 +217,14 @@ def test_flax_batchnorm_and_sd_agree_across_devices():
   def run(module):
     return jax.shard_map(
         lambda v: module.apply(variables, v, False, mutable=["batch_stats"]),
-        mesh=_auto_mesh(), in_specs=P("batch"), out_specs=(P("batch"), P()),
+        mesh=_auto_mesh(),
+        in_specs=P("batch"),
+        out_specs=(P("batch"), P()),
     )(x)
 
-  _close(run(GBatchNorm(axis_name="batch")), run(nn.BatchNorm(axis_name="batch")))
+  _close(
+      run(GBatchNorm(axis_name="batch")), run(nn.BatchNorm(axis_name="batch"))
+  )
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
@@ -197,7 +234,9 @@ def test_large_sharded_batch_quantiles_are_exact(explicit):
   x = _batch((2048, 4, 4, 2), seed=12)
   xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
   f = jax.jit(lambda v: gbn_jax.superquantile(v, 0.3, (0, 1, 2)))
-  g = jax.jit(jax.grad(lambda v: gbn_jax.superquantile(v, 0.3, (0, 1, 2)).sum()))
+  g = jax.jit(
+      jax.grad(lambda v: gbn_jax.superquantile(v, 0.3, (0, 1, 2)).sum())
+  )
   q = jax.jit(lambda v: gbn_jax.quantile(v, 0.7, (0, 1, 2)))
   np.testing.assert_array_equal(q(xs), q(x))
   _close(f(xs), f(x))
@@ -212,20 +251,27 @@ RENORM = {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}}
 def _renorm_init(measure, x):
   # Running statistics away from (0, 1), so that r and d are non-trivial.
   variables = _init(measure, x)
-  return {**variables, "batch_stats": {
-      "mean": variables["batch_stats"]["mean"] + 0.3,
-      "var": jnp.abs(variables["batch_stats"]["var"]) + 0.5}}
+  return {
+      **variables,
+      "batch_stats": {
+          "mean": variables["batch_stats"]["mean"] + 0.3,
+          "var": jnp.abs(variables["batch_stats"]["var"]) + 0.5,
+      },
+  }
 
 
 def _renorm_reference(measure, variables, x, w):
   module = GBatchNorm(measure=measure, **RENORM)
 
   def loss(params, inp):
-    y, upd = module.apply({**variables, "params": params}, inp, False, mutable=["batch_stats"])
+    y, upd = module.apply(
+        {**variables, "params": params}, inp, False, mutable=["batch_stats"]
+    )
     return jnp.sum(jnp.sin(y) * w), (y, upd)
 
   (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      variables["params"], x)
+      variables["params"], x
+  )
   return y, upd, grads
 
 
@@ -239,17 +285,24 @@ def test_renorm_shard_map_axis_name_equals_single_device(measure):
 
   def local(params, stats, inp, wl):
     def loss(p, v):
-      y, upd = module.apply({"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"])
+      y, upd = module.apply(
+          {"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"]
+      )
       return jnp.sum(jnp.sin(y) * wl), (y, upd)
 
-    (_, (y, upd)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, inp)
+    (_, (y, upd)), (gp, gx) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True
+    )(params, inp)
     return y, upd, gp, gx
 
-  fn = jax.jit(jax.shard_map(
-      local, mesh=_auto_mesh(),
-      in_specs=(P(), P(), P("batch"), P("batch")),
-      out_specs=(P("batch"), P(), P(), P("batch")),
-  ))
+  fn = jax.jit(
+      jax.shard_map(
+          local,
+          mesh=_auto_mesh(),
+          in_specs=(P(), P(), P("batch"), P("batch")),
+          out_specs=(P("batch"), P(), P(), P("batch")),
+      )
+  )
   y, upd, gp, gx = fn(variables["params"], variables["batch_stats"], x, w)
   _close(y, y_ref)
   _close(upd, upd_ref)
@@ -268,7 +321,8 @@ def test_renorm_jit_over_batch_sharded_array_is_exact(measure):
   want = _renorm_reference(measure, variables, x, w)
   sharding = NamedSharding(_auto_mesh(), P("batch"))
   got = jax.jit(functools.partial(_renorm_reference, measure))(
-      variables, jax.device_put(x, sharding), jax.device_put(w, sharding))
+      variables, jax.device_put(x, sharding), jax.device_put(w, sharding)
+  )
   _close(got, want)
 
 
@@ -283,6 +337,7 @@ def test_renorm_pmap_equals_single_device():
     def loss(v):
       y, upd = module.apply(variables, v, False, mutable=["batch_stats"])
       return jnp.sum(jnp.sin(y) * wl), (y, upd)
+
     (_, (y, upd)), gx = jax.value_and_grad(loss, has_aux=True)(inp)
     return y, upd, gx
 
@@ -299,8 +354,14 @@ class _PreciseNet(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = nn.Conv(4, (2, 2))(x)
-    x = nn.relu(GBatchNorm(use_running_average=False, measure=self.measure, momentum=0.99)(x))
-    x = nn.BatchNorm(use_running_average=False, momentum=0.9)(nn.Conv(3, (2, 2))(x))
+    x = nn.relu(
+        GBatchNorm(
+            use_running_average=False, measure=self.measure, momentum=0.99
+        )(x)
+    )
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9)(
+        nn.Conv(3, (2, 2))(x)
+    )
     return x.mean((1, 2))
 
 
@@ -311,38 +372,64 @@ def test_precise_batch_stats_over_sharded_batches_equal_one_device(measure):
   variables = model.init(jax.random.key(0), batches[0])
   apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
   want = gbn_jax.precise_batch_stats(apply, variables, list(batches))
-  sharded = jax.device_put(batches, NamedSharding(_auto_mesh(), P(None, "batch")))
-  got = jax.jit(lambda v, b: gbn_jax.precise_batch_stats(apply, v, b))(variables, sharded)
+  sharded = jax.device_put(
+      batches, NamedSharding(_auto_mesh(), P(None, "batch"))
+  )
+  got = jax.jit(lambda v, b: gbn_jax.precise_batch_stats(apply, v, b))(
+      variables, sharded
+  )
   _close(got, want)
+
   # shard_map with axis_name: each device holds a quarter of every batch.
   def local(v, b):
     return gbn_jax.precise_batch_stats(
-        lambda vv, bb: _PreciseNetAxis(measure).apply(vv, bb, mutable=["batch_stats"]),
-        v, b, stacked=True)
+        lambda vv, bb: _PreciseNetAxis(measure).apply(
+            vv, bb, mutable=["batch_stats"]
+        ),
+        v,
+        b,
+        stacked=True,
+    )
 
-  got = jax.jit(jax.shard_map(local, mesh=_auto_mesh(), in_specs=(P(), P(None, "batch")),
-                              out_specs=P()))(variables, batches)
+  got = jax.jit(
+      jax.shard_map(
+          local,
+          mesh=_auto_mesh(),
+          in_specs=(P(), P(None, "batch")),
+          out_specs=P(),
+      )
+  )(variables, batches)
   _close(got, want)
 
 
 class _PreciseNetAxis(nn.Module):
   """_PreciseNet with axis_name='batch' in every norm."""
+
   measure: str
 
   @nn.compact
   def __call__(self, x):
     x = nn.Conv(4, (2, 2))(x)
-    x = nn.relu(GBatchNorm(use_running_average=False, measure=self.measure, momentum=0.99,
-                           axis_name="batch")(x))
-    x = nn.BatchNorm(use_running_average=False, momentum=0.9,
-                     axis_name="batch")(nn.Conv(3, (2, 2))(x))
+    x = nn.relu(
+        GBatchNorm(
+            use_running_average=False,
+            measure=self.measure,
+            momentum=0.99,
+            axis_name="batch",
+        )(x)
+    )
+    x = nn.BatchNorm(
+        use_running_average=False, momentum=0.9, axis_name="batch"
+    )(nn.Conv(3, (2, 2))(x))
     return x.mean((1, 2))
 
 
 def test_train_precise_evaluation_four_devices_equal_one():
   """The training loop's --precise-stats evaluation on a 4-device Auto mesh."""
-  from test_train import TINY, small_dataset  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
+
+  from test_train import TINY  # pylint: disable=g-import-not-at-top
+  from test_train import small_dataset  # pylint: disable=g-import-not-at-top
 
   ds = small_dataset()
   config = train.resolve(TINY.replace(norm="sqd1"))
@@ -351,14 +438,25 @@ def test_train_precise_evaluation_four_devices_equal_one():
     mesh = train.make_mesh(jax.devices()[:count])
     train_data = train.place_train(ds, mesh)
     test_data = train.place_test(ds, mesh, config.batch_size)
-    program, _ = train.compile_program(config, mesh, train_data, test_data,
-                                       ds.num_classes, precise_stats=2)
+    program, _ = train.compile_program(
+        config, mesh, train_data, test_data, ds.num_classes, precise_stats=2
+    )
     state = program.init(jax.random.key(0))
-    images, labels = program.prepare(train_data.images, train_data.labels,
-                                     train.epoch_key(config.seed, 1))
+    images, labels = program.prepare(
+        train_data.images, train_data.labels, train.epoch_key(config.seed, 1)
+    )
     state, _ = program.step(state, images, labels, np.int32(0))
-    results.append(jax.device_get(program.precise(
-        state, images, test_data.images, test_data.labels, test_data.mask)))
+    results.append(
+        jax.device_get(
+            program.precise(
+                state,
+                images,
+                test_data.images,
+                test_data.labels,
+                test_data.mask,
+            )
+        )
+    )
   one, four = results
   np.testing.assert_allclose(four["loss_sum"], one["loss_sum"], rtol=1e-4)
   assert abs(int(four["errors"]) - int(one["errors"])) <= 1

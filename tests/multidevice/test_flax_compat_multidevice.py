@@ -12,41 +12,51 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=4
 
 import functools
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
 
-import gbn_jax.nnx
-import reference as ref
 from gbn_jax import GBatchNorm
+import gbn_jax.nnx
+
+import reference as ref
 
 NDEV = 4
 MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 MOMENTUM = 0.9
 
 if jax.device_count() < NDEV:
-  pytest.fail(f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False)
+  pytest.fail(
+      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
+  )
 
 _close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-5)
 
 
 def _x(f=3, seed=0):
   # One example per device, distinct values so every measure is non-degenerate.
-  return jnp.asarray(np.random.default_rng(seed).normal(size=(NDEV, f)), jnp.float32)
+  return jnp.asarray(
+      np.random.default_rng(seed).normal(size=(NDEV, f)), jnp.float32
+  )
 
 
 def _params(f=3):
   k1, k2 = jax.random.split(jax.random.key(3))
-  return {"scale": 1 + 0.5 * jax.random.normal(k1, (f,)),
-          "bias": jax.random.normal(k2, (f,))}
+  return {
+      "scale": 1 + 0.5 * jax.random.normal(k1, (f,)),
+      "bias": jax.random.normal(k2, (f,)),
+  }
 
 
 def _reference(measure, x, params):
-  s, d = ref.per_feature(lambda v: ref.measure_1d(measure, v), np.asarray(x), (0,))
+  s, d = ref.per_feature(
+      lambda v: ref.measure_1d(measure, v), np.asarray(x), (0,)
+  )
   y = ref.normalize(x, s, d, (0,), params["scale"], params["bias"])
   return y, (1 - MOMENTUM) * s, MOMENTUM + (1 - MOMENTUM) * d**2
 
@@ -54,13 +64,16 @@ def _reference(measure, x, params):
 @pytest.mark.parametrize("measure", MEASURES)
 def test_linen_pmap_one_example_per_device(measure):
   x, params = _x(), _params()
-  variables = {"params": params,
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  variables = {
+      "params": params,
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
 
   def run(module):
     return jax.pmap(
         lambda v: module.apply(variables, v, mutable=["batch_stats"]),
-        axis_name="i")(x)
+        axis_name="i",
+    )(x)
 
   kw = dict(use_running_average=False, axis_name="i", momentum=MOMENTUM)
   y, upd = run(GBatchNorm(measure=measure, **kw))
@@ -89,20 +102,33 @@ def test_nnx_shard_map_one_example_per_device(measure):
       y = m(v[0])  # this device's example: only the feature axis is left
       return y[None], nnx.state(m, nnx.BatchStat)
 
-    y, stats = jax.jit(jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P("batch")),
-        out_specs=(P("batch"), P())))(state, x)
+    y, stats = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), P("batch")),
+            out_specs=(P("batch"), P()),
+        )
+    )(state, x)
     return y, stats["mean"][...], stats["var"][...]
 
-  y, mean, var = run(gbn_jax.nnx.GBatchNorm(
-      3, measure=measure, axis_name="batch", momentum=MOMENTUM, rngs=nnx.Rngs(0)))
+  y, mean, var = run(
+      gbn_jax.nnx.GBatchNorm(
+          3,
+          measure=measure,
+          axis_name="batch",
+          momentum=MOMENTUM,
+          rngs=nnx.Rngs(0),
+      )
+  )
   y_ref, mean_ref, var_ref = _reference(measure, x, params)
   _close(y, y_ref)
   _close(mean, mean_ref)
   _close(var, var_ref)
   if measure == "sd":
-    yf, meanf, varf = run(nnx.BatchNorm(3, axis_name="batch", momentum=MOMENTUM,
-                                        rngs=nnx.Rngs(0)))
+    yf, meanf, varf = run(
+        nnx.BatchNorm(3, axis_name="batch", momentum=MOMENTUM, rngs=nnx.Rngs(0))
+    )
     _close(y, yf)
     _close(mean, meanf)
     _close(var, varf)
@@ -114,20 +140,28 @@ def test_pmap_one_example_gradient_equals_batched(measure):
   # gradient is that of the single-device batched call on the same loss.
   x, params = _x(), _params()
   w = jax.random.normal(jax.random.key(4), x.shape)
-  variables = {"params": params,
-               "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}
+  variables = {
+      "params": params,
+      "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
+  }
 
   def loss(module, p, v, wl):
     y, _ = module.apply({**variables, "params": p}, v, mutable=["batch_stats"])
     return jnp.sum(jnp.sin(y) * wl)
 
-  per_device = GBatchNorm(use_running_average=False, axis_name="i", measure=measure)
+  per_device = GBatchNorm(
+      use_running_average=False, axis_name="i", measure=measure
+  )
   gp, gx = jax.pmap(
-      lambda v, wl: jax.grad(functools.partial(loss, per_device), argnums=(0, 1))(
-          params, v, wl), axis_name="i")(x, w)
+      lambda v, wl: jax.grad(
+          functools.partial(loss, per_device), argnums=(0, 1)
+      )(params, v, wl),
+      axis_name="i",
+  )(x, w)
   batched = GBatchNorm(use_running_average=False, measure=measure)
   gp_ref, gx_ref = jax.grad(functools.partial(loss, batched), argnums=(0, 1))(
-      params, x, w)
+      params, x, w
+  )
   tol = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5)
   tol(gx, gx_ref)
   jax.tree.map(lambda a, b: tol(a.sum(0), b), gp, gp_ref)

@@ -8,16 +8,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gbn_jax._selection import radix, sort
+from gbn_jax._selection import radix
+from gbn_jax._selection import sort
 
 NDEV = 4
 
 if jax.device_count() < NDEV:
-  pytest.fail(f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False)
+  pytest.fail(
+      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
+  )
 
 
 def _mesh():
@@ -41,8 +46,17 @@ def _data(kind, shape, seed):
   return x
 
 
-K = np.array([[1, 900, 1680], [2, 1000, 3000], [1500, 700, 4], [1, 2, 3], [3360, 17, 8],
-              [5, 6, 7]], np.int32)
+K = np.array(
+    [
+        [1, 900, 1680],
+        [2, 1000, 3000],
+        [1500, 700, 4],
+        [1, 2, 3],
+        [3360, 17, 8],
+        [5, 6, 7],
+    ],
+    np.int32,
+)
 
 
 @pytest.mark.parametrize("kind", ["normal", "halves", "relu"])
@@ -54,13 +68,21 @@ def test_shard_map_axis_name_equals_single_device(kind):
   def local(xs, ws):
     a = radix.kth_smallest_accelerator(xs, 1000, (0,), axis_name="b")
     b, ties = radix.kth_smallest_accelerator(
-        xs, jnp.asarray(k), (0,), where=ws, axis_name="b", return_ties=True)
+        xs, jnp.asarray(k), (0,), where=ws, axis_name="b", return_ties=True
+    )
     sums = radix.kth_smallest_with_sums_accelerator(
-        xs, jnp.asarray(k), (0,), where=ws, axis_name="b")
+        xs, jnp.asarray(k), (0,), where=ws, axis_name="b"
+    )
     return a, b, ties[None], sums
 
-  fn = jax.jit(jax.shard_map(
-      local, mesh=_mesh(), in_specs=(P("b"), P("b")), out_specs=(P(), P(), P("b"), P())))
+  fn = jax.jit(
+      jax.shard_map(
+          local,
+          mesh=_mesh(),
+          in_specs=(P("b"), P("b")),
+          out_specs=(P(), P(), P("b"), P()),
+      )
+  )
   a, b, ties, sums = fn(x, where)
   assert "while" not in str(jax.make_jaxpr(fn)(x, where))
   _check(a, sort.kth_smallest_reference(x, 1000, (0,)))
@@ -69,10 +91,15 @@ def test_shard_map_axis_name_equals_single_device(kind):
   # Local tie counts: each device's own rows (the quantile JVP psums them).
   parts = np.split(x, NDEV), np.split(where, NDEV)
   for d, (xd, wd) in enumerate(zip(*parts)):
-    np.testing.assert_array_equal(ties[d], ((xd == np.asarray(want_b)[None]) & wd).sum(0))
+    np.testing.assert_array_equal(
+        ties[d], ((xd == np.asarray(want_b)[None]) & wd).sum(0)
+    )
   # The sums entry point, pooled, against one device on the whole batch.
-  single = jax.jit(lambda v, w: radix.kth_smallest_with_sums_accelerator(
-      v, jnp.asarray(k), (0,), where=w))(x, where)
+  single = jax.jit(
+      lambda v, w: radix.kth_smallest_with_sums_accelerator(
+          v, jnp.asarray(k), (0,), where=w
+      )
+  )(x, where)
   _check(sums[0], single[0])
   for got, want in zip(sums[1:], single[1:]):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -84,7 +111,8 @@ def test_pmap_axis_index_groups():
   groups = [[0, 1], [2, 3]]
   g = jax.pmap(
       lambda xs: radix.kth_smallest_accelerator(
-          xs, 700, (0,), axis_name="b", axis_index_groups=groups),
+          xs, 700, (0,), axis_name="b", axis_index_groups=groups
+      ),
       axis_name="b",
   )(x.reshape(NDEV, 700, 6, 3))
   _check(g[0], sort.kth_smallest_reference(x[:1400], 700, (0,)))
@@ -100,10 +128,15 @@ def test_jit_over_batch_sharded_array(explicit):
   where = np.random.default_rng(4).random(x.shape) < 0.9
   sharding = NamedSharding(mesh, P("b"))
   xs, ws = jax.device_put(x, sharding), jax.device_put(where, sharding)
-  fn = jax.jit(functools.partial(radix.kth_smallest_accelerator, k=1500, axis=(0, 1, 2)))
+  fn = jax.jit(
+      functools.partial(radix.kth_smallest_accelerator, k=1500, axis=(0, 1, 2))
+  )
   _check(fn(xs), sort.kth_smallest_reference(x, 1500, (0, 1, 2)))
-  fn = jax.jit(lambda v, w: radix.kth_smallest_with_sums_accelerator(
-      v, 1000, (0, 1, 2), where=w))
+  fn = jax.jit(
+      lambda v, w: radix.kth_smallest_with_sums_accelerator(
+          v, 1000, (0, 1, 2), where=w
+      )
+  )
   got = fn(xs, ws)
   want = fn(x, where)
   _check(got[0], sort.kth_smallest_reference(x, 1000, (0, 1, 2), where=where))
