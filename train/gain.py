@@ -56,18 +56,9 @@ from train import train as train_lib
 
 _PROG = "python -m train.gain"
 GAIN_FILE = "gain.json"
-#: The built-in measures whose raw gain is reported for every run.
-RAW_MEASURES = (
-    "sd",
-    "mad",
-    "rsd",
-    "sqd1",
-    "sqd2",
-    "sqd3",
-    "rbd",
-    "wcd",
-    "bpoe",
-)
+#: The registered measures whose raw gain is reported for every run (``sqd``
+#: itself needs an ``alpha``: its named levels stand for it).
+RAW_MEASURES = tuple(name for name in gbn_jax.MEASURES if name != "sqd")
 
 
 def _module_path(module: nn.Module) -> str:
