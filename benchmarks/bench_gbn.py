@@ -13,19 +13,17 @@ medians. Timings on a shared machine are noisy: read the ratios, not the ms.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.machine import machine_info
 import gbn_jax
 from gbn_jax._selection import dispatch
 
@@ -61,11 +59,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
 def make_module(norm: str) -> nn.Module:
   if norm == "bn":
     return nn.BatchNorm(use_running_average=False)
-  if norm.startswith("sqd:"):
-    return gbn_jax.GBatchNorm(
-        use_running_average=False, measure="sqd", alpha=float(norm[4:])
-    )
-  return gbn_jax.GBatchNorm(use_running_average=False, measure=norm)
+  name, params = gbn_jax.parse_measure_name(norm)  # "sqd:0.05" too
+  return gbn_jax.GBatchNorm(use_running_average=False, measure=name, **params)
 
 
 def layer_step(module: nn.Module, x: jax.Array):
@@ -161,24 +156,6 @@ def interleaved_samples(
 
 def target_for(norm: str) -> float:
   return SQD_TARGET if norm.startswith("sqd") else TARGETS[norm]
-
-
-def machine_info() -> dict:
-  return {
-      "date": (
-          datetime.datetime.now(datetime.timezone.utc).isoformat(
-              timespec="seconds"
-          )
-      ),
-      "platform": platform.platform(),
-      "processor": platform.processor() or platform.machine(),
-      "cpu_count": __import__("os").cpu_count(),
-      "devices": [str(d) for d in jax.devices()],
-      "device_kind": jax.devices()[0].device_kind,
-      "backend": jax.default_backend(),
-      "jax": jax.__version__,
-      "flax": flax.__version__,
-  }
 
 
 def write_partial(path, run: dict, rows, steps, complete=False) -> dict:

@@ -34,9 +34,9 @@ import numpy as np
 from benchmarks.bench_gbn import DEFAULT_SHAPES
 from benchmarks.bench_gbn import interleaved_samples
 from benchmarks.bench_gbn import layer_step
-from benchmarks.bench_gbn import machine_info
 from benchmarks.bench_gbn import make_module
 from benchmarks.bench_gbn import parse_shape
+from benchmarks.machine import machine_info
 import gbn_jax
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import sort

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_gbn import DEFAULT_SHAPES
-from benchmarks.bench_gbn import machine_info
 from benchmarks.bench_gbn import parse_shape
 from benchmarks.bench_gbn import time_interleaved
+from benchmarks.machine import machine_info
 from gbn_jax._selection import bracket
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch

@@ -9,10 +9,12 @@ from flax.linen import module as linen_module
 import jax
 import jax.numpy as jnp
 
-from gbn_jax import _normalization
+from gbn_jax import _layer
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
+
+__all__ = ["BatchNorm", "GBatchNorm"]
 
 
 class GBatchNorm(nn.BatchNorm):
@@ -82,9 +84,12 @@ class GBatchNorm(nn.BatchNorm):
     measure: a name from :data:`gbn_jax.MEASURES` (``'sd'``, ``'mad'``,
       ``'rsd'``, ``'sqd'``, ``'sqd1'``..``'sqd3'``, ``'rbd'``, ``'wcd'``,
       ``'bpoe'``, or a registered one) or a callable
-      ``measure(x, axis) -> (S, D)``. A callable that also accepts ``where``
-      supports ``mask``; one that accepts ``axis_name``/``axis_index_groups``
-      pools devices itself, otherwise the batch is gathered across
+      ``measure(x, axis) -> (S, D)``. What a callable supports is declared,
+      never guessed from its signature: register it with
+      ``register_measure(name, fn, supports_mask=..., pools_devices=...)`` or
+      wrap it as ``gbn_jax.Measure(name, fn, supports_mask=True)``. Without
+      ``supports_mask`` a ``mask`` is refused with an error naming the
+      measure; without ``pools_devices`` the batch is gathered across
       ``axis_name`` for it.
     alpha: the probability level of ``'sqd'`` (strictly between 0 and 1).
     calibration: ``None`` (the default: the raw ``D``) or ``'normal'``: ``D``
@@ -120,14 +125,16 @@ class GBatchNorm(nn.BatchNorm):
   def __post_init__(self):
     # Fail at construction, not at the first call, for a bad measure, alpha,
     # calibration or clipping (kept hashable, like the module).
-    _normalization.bind_measure(
-        self.measure, self.alpha, self.use_fast_variance, self.calibration
-    )
     object.__setattr__(
         self,
         "renorm_clipping",
-        _normalization.freeze_renorm_clipping(
-            self.renorm, self.renorm_clipping
+        _layer.validate(
+            self.measure,
+            self.alpha,
+            self.use_fast_variance,
+            self.calibration,
+            self.renorm,
+            self.renorm_clipping,
         ),
     )
     super().__post_init__()
@@ -155,8 +162,7 @@ class GBatchNorm(nn.BatchNorm):
     use_running_average = linen_module.merge_param(
         "use_running_average", self.use_running_average, use_running_average
     )
-    feature_axes = _normalization.canonicalize_axes(x.ndim, self.axis)
-    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    feature_axes, reduction_axes = _layer.axes(x.ndim, self.axis)
     feature_shape = [x.shape[ax] for ax in feature_axes]
     stats_dtype = (
         jnp.float32 if self.force_float32_reductions else self.param_dtype
@@ -186,41 +192,26 @@ class GBatchNorm(nn.BatchNorm):
         bias = jnp.asarray(bias, self.param_dtype)
 
     if not use_running_average:
-      measure = _normalization.bind_measure(
-          self.measure, self.alpha, self.use_fast_variance, self.calibration
-      )
       initializing = self.is_initializing()
-      reduction = dict(
-          dtype=self.dtype,
-          epsilon=self.epsilon,
+      y, statistic, deviation_sq = _layer.normalize_training(
+          self,
+          x,
+          scale,
+          bias,
+          ra_mean.value,
+          ra_var.value,
+          reduction_axes,
+          feature_axes,
           mask=mask,
           axis_name=None if initializing else self.axis_name,
-          axis_index_groups=self.axis_index_groups,
           force_float32_reductions=self.force_float32_reductions,
       )
-      if self.renorm:
-        y, statistic, deviation_sq = _normalization.renormalize_batch(
-            measure,
-            x,
-            scale,
-            bias,
-            ra_mean.value,
-            ra_var.value,
-            reduction_axes,
-            feature_axes,
-            limits=_normalization.renorm_limits(self.renorm_clipping),
-            **reduction,
-        )
-      else:
-        y, statistic, deviation_sq = _normalization.normalize_batch(
-            measure, x, scale, bias, reduction_axes, feature_axes, **reduction
-        )
       if not initializing:
-        ra_mean.value = (
-            self.momentum * ra_mean.value + (1 - self.momentum) * statistic
+        ra_mean.value = _layer.running_average(
+            self.momentum, ra_mean.value, statistic
         )
-        ra_var.value = (
-            self.momentum * ra_var.value + (1 - self.momentum) * deviation_sq
+        ra_var.value = _layer.running_average(
+            self.momentum, ra_var.value, deviation_sq
         )
       return y
 
@@ -228,7 +219,8 @@ class GBatchNorm(nn.BatchNorm):
     if not self.force_float32_reductions:
       statistic = jnp.asarray(statistic, self.param_dtype)
       deviation_sq = jnp.asarray(deviation_sq, self.param_dtype)
-    return _normalization.normalize(
+    return _layer.normalize_inference(
+        self,
         x,
         statistic,
         deviation_sq,
@@ -236,8 +228,6 @@ class GBatchNorm(nn.BatchNorm):
         bias,
         reduction_axes,
         feature_axes,
-        self.dtype,
-        self.epsilon,
     )
 
 

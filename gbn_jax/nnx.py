@@ -1,30 +1,36 @@
-"""``GBatchNorm`` for flax.nnx: a drop-in for ``flax.nnx.BatchNorm``."""
+"""``GBatchNorm`` for flax.nnx: a drop-in for ``flax.nnx.BatchNorm``.
+
+Also :func:`precise_batch_stats`, the precise running statistics of
+:func:`gbn_jax.precise_batch_stats` for an nnx model, updated in place.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from flax import nnx
-from flax.nnx.module import first_from
 import jax
 import jax.numpy as jnp
 
-from gbn_jax import _normalization
+from gbn_jax import _layer
+from gbn_jax import precise
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
 
-__all__ = ["GBatchNorm"]
+__all__ = ["GBatchNorm", "precise_batch_stats"]
 
 
 class GBatchNorm(nnx.BatchNorm):
-  """Generalized Batch Normalization for nnx.
+  """Generalized Batch Normalization for nnx (Yuan et al., AAAI 2019).
 
   Same constructor, variables (``mean``/``var`` as ``nnx.BatchStat``, ``scale``
   and ``bias`` as ``nnx.Param``), ``train()``/``eval()`` behaviour and call as
-  ``nnx.BatchNorm``, plus ``measure``, ``alpha`` and ``calibration`` (see
-  :class:`gbn_jax.GBatchNorm`). ``mean`` holds the running statistic ``S`` and
+  ``nnx.BatchNorm``, plus ``measure``, ``alpha``, ``calibration``, ``renorm``
+  and ``renorm_clipping`` (see :class:`gbn_jax.GBatchNorm`, the linen layer,
+  which computes the same). ``mean`` holds the running statistic ``S`` and
   ``var`` the running ``D^2``; with ``measure='sd'`` it is BatchNorm.
 
     >>> import jax, jax.numpy as jnp
@@ -35,8 +41,7 @@ class GBatchNorm(nnx.BatchNorm):
     >>> float((jax.nn.relu(norm(x)) == 0).mean())  # a quarter at or below q_.25
     0.25
 
-  ``renorm=True`` turns on generalized batch renormalization in training
-  (``renorm_clipping`` as in :class:`gbn_jax.GBatchNorm`):
+  ``renorm=True`` turns on generalized batch renormalization in training:
 
     >>> renorm = gbn_jax.nnx.GBatchNorm(
     ...     3, measure='sqd1', renorm=True,
@@ -51,27 +56,96 @@ class GBatchNorm(nnx.BatchNorm):
       *,
       measure: str | MeasureFn = "sd",
       alpha: float | None = None,
+      calibration: str | None = None,
       renorm: bool = False,
       renorm_clipping: Mapping[str, float] | None = None,
-      calibration: str | None = None,
-      **kwargs: Any,
+      use_running_average: bool | None = False,
+      axis: int = -1,
+      momentum: float = 0.99,
+      epsilon: float = 1e-5,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      use_bias: bool = True,
+      use_scale: bool = True,
+      bias_init: Callable[..., Array] = nnx.initializers.zeros_init(),
+      scale_init: Callable[..., Array] = nnx.initializers.ones_init(),
+      axis_name: str | None = None,
+      axis_index_groups: Any = None,
+      use_fast_variance: bool = True,
+      promote_dtype: Callable[..., Any] | None = None,
+      rngs: nnx.Rngs,
+      bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+      scale_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
-    """Args: as ``nnx.BatchNorm``, plus ``measure``, ``alpha``, ``renorm``,
-    ``renorm_clipping`` and ``calibration`` (see
-    :class:`gbn_jax.GBatchNorm`)."""
-    use_fast_variance = kwargs.get("use_fast_variance", True)
-    # Validate before allocating anything: bad names/alpha/calibration/clipping
-    # fail here.
-    _normalization.bind_measure(measure, alpha, use_fast_variance, calibration)
-    renorm_clipping = _normalization.freeze_renorm_clipping(
-        renorm, renorm_clipping
+    """Builds the layer; bad GBN arguments fail here, before any allocation.
+
+    Args:
+      num_features: the number of input features.
+      measure: a name from :data:`gbn_jax.MEASURES` or a callable
+        ``measure(x, axis) -> (S, D)``, as :class:`gbn_jax.GBatchNorm`'s.
+      alpha: the probability level of ``'sqd'`` (strictly between 0 and 1).
+      calibration: ``None`` (the raw ``D``) or ``'normal'`` (``D`` is
+        ``sigma`` for Gaussian data), as :class:`gbn_jax.GBatchNorm`'s.
+      renorm: batch renormalization in training; inference and the running
+        statistics are unchanged.
+      renorm_clipping: ``None`` or a dict with keys ``'rmax'``, ``'rmin'``,
+        ``'dmax'``, as :class:`gbn_jax.GBatchNorm`'s; stored as a
+        ``FrozenDict``.
+      use_running_average: if true, normalize with the running ``S`` and
+        ``D^2`` instead of the batch's (``train()``/``eval()`` set it).
+      axis: the feature axis of the input.
+      momentum: the decay rate of the running statistics' moving average.
+      epsilon: added to ``D^2`` before the square root.
+      dtype: the dtype of the result (default: inferred from the input and
+        the parameters).
+      param_dtype: the dtype of ``scale`` and ``bias``.
+      use_bias: whether to add a learned ``bias``.
+      use_scale: whether to multiply by a learned ``scale``.
+      bias_init: the initializer of ``bias`` (zeros).
+      scale_init: the initializer of ``scale`` (ones).
+      axis_name: the named axis (``pmap``, ``shard_map``) whose devices pool
+        their batches into one for the statistics.
+      axis_index_groups: groups of indices along ``axis_name`` that pool
+        separately, e.g. ``[[0, 1], [2, 3]]``.
+      use_fast_variance: for ``'sd'``, flax's one-pass variance.
+      promote_dtype: promotes ``(x, mean, var, scale, bias)`` to a common
+        dtype, called with a ``dtype`` keyword; ``None`` is nnx's default.
+      rngs: the random number generators that initialize the parameters.
+      bias_metadata: metadata of the ``bias`` ``nnx.Param``.
+      scale_metadata: metadata of the ``scale`` ``nnx.Param``.
+    """
+    renorm_clipping = _layer.validate(
+        measure, alpha, use_fast_variance, calibration, renorm, renorm_clipping
     )
-    super().__init__(num_features, **kwargs)
+    # Left out when not given, so that nnx's own defaults apply.
+    optional = dict(
+        promote_dtype=promote_dtype,
+        bias_metadata=bias_metadata or None,
+        scale_metadata=scale_metadata or None,
+    )
+    super().__init__(
+        num_features,
+        use_running_average=use_running_average,
+        axis=axis,
+        momentum=momentum,
+        epsilon=epsilon,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        use_bias=use_bias,
+        use_scale=use_scale,
+        bias_init=bias_init,
+        scale_init=scale_init,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
+        use_fast_variance=use_fast_variance,
+        rngs=rngs,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
     self.measure = measure
     self.alpha = alpha
+    self.calibration = calibration
     self.renorm = renorm
     self.renorm_clipping = renorm_clipping
-    self.calibration = calibration
 
   def __call__(
       self,
@@ -80,64 +154,57 @@ class GBatchNorm(nnx.BatchNorm):
       *,
       mask: Array | None = None,
   ):
-    """Normalizes ``x``; arguments as ``nnx.BatchNorm.__call__``."""
-    use_running_average = first_from(
-        use_running_average,
-        self.use_running_average,
-        error_msg=(
-            "No `use_running_average` argument was provided to GBatchNorm:"
-            " pass it to the constructor or the call, or use .train()/.eval()."
-        ),
-    )
-    feature_axes = _normalization.canonicalize_axes(x.ndim, self.axis)
-    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    """Normalizes ``x`` with batch (or running) statistics.
+
+    Args:
+      x: the input.
+      use_running_average: if true, use the running ``S`` and ``D^2``
+        instead of the batch's; takes precedence over the attribute.
+      mask: boolean array broadcastable to ``x``; statistics are computed over
+        the masked-in elements only (all of ``x`` is normalized).
+
+    Returns:
+      The normalized input, of the shape of ``x``.
+
+    Raises:
+      ValueError: ``use_running_average`` is ``None`` here and on the layer.
+    """
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if use_running_average is None:
+      raise ValueError(
+          "No `use_running_average` argument was provided to GBatchNorm:"
+          " pass it to the constructor or the call, or use .train()/.eval()."
+      )
+    feature_axes, reduction_axes = _layer.axes(x.ndim, self.axis)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, statistic, deviation_sq, scale, bias = self.promote_dtype(
         (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
     )
     if not use_running_average:
-      measure = _normalization.bind_measure(
-          self.measure, self.alpha, self.use_fast_variance, self.calibration
-      )
-      reduction = dict(
-          dtype=self.dtype,
-          epsilon=self.epsilon,
+      y, statistic, deviation_sq = _layer.normalize_training(
+          self,
+          x,
+          scale,
+          bias,
+          statistic,
+          deviation_sq,
+          reduction_axes,
+          feature_axes,
           mask=mask,
           axis_name=self.axis_name,
-          axis_index_groups=self.axis_index_groups,
       )
-      if self.renorm:
-        y, statistic, deviation_sq = _normalization.renormalize_batch(
-            measure,
-            x,
-            scale,
-            bias,
-            statistic,
-            deviation_sq,
-            reduction_axes,
-            feature_axes,
-            limits=_normalization.renorm_limits(self.renorm_clipping),
-            **reduction,
+      for variable, batch in ((self.mean, statistic), (self.var, deviation_sq)):
+        _update(
+            variable,
+            jax.lax.stop_gradient(
+                _layer.running_average(self.momentum, variable[...], batch)
+            ),
         )
-      else:
-        y, statistic, deviation_sq = _normalization.normalize_batch(
-            measure, x, scale, bias, reduction_axes, feature_axes, **reduction
-        )
-      _update(
-          self.mean,
-          jax.lax.stop_gradient(
-              self.momentum * self.mean[...] + (1 - self.momentum) * statistic
-          ),
-      )
-      _update(
-          self.var,
-          jax.lax.stop_gradient(
-              self.momentum * self.var[...] + (1 - self.momentum) * deviation_sq
-          ),
-      )
       return y
-    return _normalization.normalize(
+    return _layer.normalize_inference(
+        self,
         x,
         statistic,
         deviation_sq,
@@ -145,8 +212,6 @@ class GBatchNorm(nnx.BatchNorm):
         bias,
         reduction_axes,
         feature_axes,
-        self.dtype,
-        self.epsilon,
     )
 
 
@@ -158,3 +223,100 @@ def _update(variable: nnx.Variable, value: Array) -> None:
     variable.set_value(value)
   else:
     variable[...] = value
+
+
+def _norm_layers(model: nnx.Module) -> list[tuple[str, nnx.BatchNorm]]:
+  """Every ``nnx.BatchNorm`` (GBN included) in ``model``, by path, once."""
+  return [
+      ("/".join(map(str, path)) or "<model>", node)
+      for path, node in nnx.iter_graph(model)
+      if isinstance(node, nnx.BatchNorm)
+  ]
+
+
+def precise_batch_stats(
+    model: nnx.Module,
+    batches: Iterable[Any] | Any,
+    *,
+    forward: Callable[[nnx.Module, Any], Any] | None = None,
+    stacked: bool = False,
+) -> None:
+  """Sets every norm layer's running statistics to their precise values.
+
+  :func:`gbn_jax.precise_batch_stats` for nnx: the running ``mean`` and
+  ``var`` of every ``nnx.BatchNorm`` in ``model`` (:class:`GBatchNorm` of
+  any measure included) become the equal-weight average over ``batches`` of
+  that layer's batch ``S`` and ``D^2``, with the parameters frozen
+  (PreciseBN, Wu & Johnson 2021). The model is updated in place; nothing
+  else in it changes.
+
+  The calls run on a copy of the model whose norm layers normalize with
+  their batch's statistics (``use_running_average=False``) whatever the
+  model's mode, so a model in ``eval()`` mode needs no ``train()``; the
+  rest of the model (dropout, say) runs in the mode it is in. How each
+  layer's batch statistic is read off its update, and what that needs of
+  the model, is as in :func:`gbn_jax.precise_batch_stats`.
+
+  Args:
+    model: the model; its norm layers' ``mean``/``var`` are replaced.
+    batches: an iterable of batches, each passed to ``forward`` as is; or,
+      with ``stacked=True`` (implied for a single array), one pytree whose
+      leaves stack the batches along their first axis, scanned with
+      ``jax.lax.scan``.
+    forward: ``forward(model, batch)``, one call of the model (its outputs
+      are compared between two probe calls); ``None`` calls
+      ``model(batch)``. It must not pass ``use_running_average=True``.
+    stacked: see ``batches``.
+
+  Raises:
+    ValueError: no norm layers; no batches; or, when not traced, a layer
+      that the call did not update, or an output that reads the running
+      statistics (``renorm=True``). Under ``nnx.jit`` those layers'
+      statistics become NaN instead.
+
+  Example: the statistics of two batches, with the layer in eval mode::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import gbn_jax.nnx
+    >>> norm = gbn_jax.nnx.GBatchNorm(1, measure='mad', momentum=0.99,
+    ...                               rngs=nnx.Rngs(0))
+    >>> norm.eval()
+    >>> batches = [jnp.arange(4.).reshape(4, 1) + shift for shift in (0, 10)]
+    >>> gbn_jax.nnx.precise_batch_stats(norm, batches)
+    >>> norm.mean[...], norm.var[...]  # means 1.5 and 11.5; MAD 1 both times
+    (Array([6.5], dtype=float32), Array([1.], dtype=float32))
+    >>> norm.use_running_average
+    True
+  """
+  layers = _norm_layers(model)
+  if not layers:
+    raise ValueError(
+        f"the model holds no nnx.BatchNorm layers (GBatchNorm included):"
+        f" no running statistics to recompute in {type(model).__name__}."
+    )
+  if forward is None:
+    forward = lambda m, batch: m(batch)
+  graphdef, state = nnx.split(model)
+
+  def run(stats, batch):
+    # Fresh Variables, made in this trace (lax.scan's body included).
+    copy = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    copy_layers = [layer for _, layer in _norm_layers(copy)]
+    for i, layer in enumerate(copy_layers):
+      layer.use_running_average = False
+      layer.mean[...], layer.var[...] = stats[2 * i], stats[2 * i + 1]
+    outputs = forward(copy, batch)
+    return outputs, [v[...] for layer in copy_layers for v in _pair(layer)]
+
+  old = [v[...] for _, layer in layers for v in _pair(layer)]
+  names = [f"{path}/{n}" for path, _ in layers for n in ("mean", "var")]
+  means = precise.average_batch_statistics(
+      run, old, batches, stacked=stacked, names=names
+  )
+  for i, (_, layer) in enumerate(layers):
+    layer.mean[...], layer.var[...] = means[2 * i], means[2 * i + 1]
+
+
+def _pair(layer: nnx.BatchNorm) -> tuple[nnx.Variable, nnx.Variable]:
+  return layer.mean, layer.var

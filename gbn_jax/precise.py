@@ -7,7 +7,9 @@ over many batches with the parameters frozen. It works on the variables
 pytree and a training-mode ``model_apply``, for :class:`gbn_jax.GBatchNorm`
 (any measure) and ``flax.linen.BatchNorm`` layers alike: every leaf named
 ``mean`` or ``var`` in ``batch_stats`` is taken as a norm layer's running
-``S`` or ``D^2``.
+``S`` or ``D^2``. ``gbn_jax.nnx.precise_batch_stats`` does the same for an
+nnx model, in place, on the framework-free core
+:func:`average_batch_statistics`.
 
 In training mode every layer normalizes with its own batch's statistics, so
 one pass over the batches serves all layers. Each layer's batch statistic
@@ -137,6 +139,8 @@ def precise_batch_stats(
 ) -> PyTree:
   """Equal-weight averages of every norm layer's batch ``S`` and ``D^2``.
 
+  For a linen model (for nnx, :func:`gbn_jax.nnx.precise_batch_stats`).
+
   Args:
     model_apply: ``model_apply(variables, batch) -> (outputs, mutated)``, as
       ``model.apply(variables, batch, mutable=['batch_stats'])`` returns it,
@@ -155,8 +159,9 @@ def precise_batch_stats(
 
   Raises:
     ValueError: no batches; no ``mean``/``var`` leaves; or, when not traced,
+      a statistic left unchanged by its update (a layer with momentum 1), or
       a model whose training-mode output reads its running statistics (see
-      below).
+      below). Under ``jit`` those statistics come back NaN.
 
   How the statistics are read: each layer updates ``new = m * old + (1 - m)
   * s`` with a momentum ``m`` this function is not told. The first batch is
@@ -195,18 +200,56 @@ def precise_batch_stats(
         "variables['batch_stats'] holds no 'mean'/'var' leaves: no norm"
         " layer statistics to recompute."
     )
-  old = _pick(batch_stats, paths)
-  zeros = _replace(batch_stats, paths, [jnp.zeros_like(v) for v in old])
-  probe_values = [_probe(jnp.result_type(v)) for v in old]
-  probes = _replace(
-      batch_stats,
-      paths,
-      [jnp.full_like(v, b) for v, b in zip(old, probe_values)],
-  )
 
   def run(stats, batch):
-    outputs, mutated = model_apply({**variables, "batch_stats": stats}, batch)
+    outputs, mutated = model_apply(
+        {**variables, "batch_stats": _replace(batch_stats, paths, stats)},
+        batch,
+    )
     return outputs, _pick(mutated["batch_stats"], paths)
+
+  means = average_batch_statistics(
+      run,
+      _pick(batch_stats, paths),
+      batches,
+      stacked=stacked,
+      names=["/".join(p) for p in paths],
+  )
+  return _replace(batch_stats, paths, means)
+
+
+def average_batch_statistics(
+    run: Callable[[list[Array], Any], tuple[Any, list[Array]]],
+    old: list[Array],
+    batches: Iterable[Any] | PyTree,
+    *,
+    stacked: bool,
+    names: list[str],
+) -> list[Array]:
+  """The framework-free core of the precise statistics (linen and nnx).
+
+  Args:
+    run: ``run(stats, batch) -> (outputs, new_stats)``: one training-mode
+      call with the norm layers' running statistics set to the list
+      ``stats`` (in the order of ``old``), returning the model's outputs and
+      the layers' updated statistics, in the same order.
+    old: the current running statistics (their shapes and dtypes).
+    batches: as :func:`precise_batch_stats`'s.
+    stacked: as :func:`precise_batch_stats`'s (implied for a single array).
+    names: a name for each statistic, for the error messages.
+
+  Returns:
+    The average over the batches of each statistic's batch value, in the
+    dtype of ``old``.
+
+  Raises:
+    ValueError: no batches; or, when not traced, a statistic that the calls
+      did not update, or outputs that depend on the running statistics (see
+      :func:`precise_batch_stats`). Under ``jit`` those statistics are NaN.
+  """
+  zeros = [jnp.zeros_like(v) for v in old]
+  probe_values = [_probe(jnp.result_type(v)) for v in old]
+  probes = [jnp.full_like(v, b) for v, b in zip(old, probe_values)]
 
   stacked = stacked or isinstance(batches, (jax.Array, np.ndarray))
   if stacked:
@@ -234,6 +277,7 @@ def precise_batch_stats(
       _complement((p - z) / b)
       for z, p, b in zip(new_zero, new_probe, probe_values)
   ]
+  _check_updated(complements, names)
 
   def statistics(new):
     return [n / c for n, c in zip(new, complements)]
@@ -266,4 +310,25 @@ def precise_batch_stats(
           " statistics (e.g. GBatchNorm(renorm=True)), so their batch"
           " statistics cannot be read off their updates."
       )
-  return _replace(batch_stats, paths, means)
+  return means
+
+
+def _check_updated(complements: list[Array], names: list[str]) -> None:
+  """Raises for statistics whose update left them unchanged (``m = 1``).
+
+  Such a statistic holds no batch value to back out: the layer ran with its
+  running statistics, or has momentum 1. Under ``jit`` it can't be told and
+  the backed-out statistic is ``0 / 0``, NaN.
+  """
+  try:
+    stale = [n for n, c in zip(names, complements) if bool((c == 0).any())]
+  except jax.errors.ConcretizationTypeError:
+    return
+  if stale:
+    raise ValueError(
+        "the running statistics "
+        + ", ".join(stale)
+        + " were not updated by the training-mode call (a layer that ran"
+        " with use_running_average=True, or momentum 1): no batch statistic"
+        " to read off them."
+    )

@@ -3,7 +3,10 @@
 Everything here is pure JAX (no Flax). The functions reduce over the given axes,
 optionally over masked-in elements only (``where``) and optionally over the
 union of all devices along a named axis (``axis_name``), which makes them exact
-for the global batch under ``jax.shard_map`` and ``jax.pmap``.
+for the global batch under ``jax.shard_map`` and ``jax.pmap``. With
+:func:`extreme` (max and min) and :func:`mean` they are what a custom measure
+is built from (see :func:`gbn_jax.register_measure`); all take the same
+arguments ``(x, ..., axis, *, where, axis_name, axis_index_groups)``.
 
 Conventions:
 
@@ -50,6 +53,8 @@ from gbn_jax._selection.reductions import quantile_rank
 Array = jax.Array
 
 __all__ = [
+    "extreme",
+    "mean",
     "quantile",
     "quantile_rank",
     "superquantile",
@@ -58,7 +63,17 @@ __all__ = [
 
 
 def validate_alpha(alpha: Any) -> float:
-  """Returns ``alpha`` as a float, or raises ``ValueError`` unless 0 < alpha < 1."""
+  """Checks a quantile level.
+
+  Args:
+    alpha: the level, a real number.
+
+  Returns:
+    ``alpha`` as a Python float.
+
+  Raises:
+    ValueError: ``alpha`` is not a real number strictly between 0 and 1.
+  """
   try:
     value = float(alpha)
   except (TypeError, ValueError):
@@ -68,6 +83,17 @@ def validate_alpha(alpha: Any) -> float:
   if isinstance(alpha, bool) or not 0.0 < value < 1.0:
     raise ValueError(f"alpha must lie strictly between 0 and 1, got {alpha!r}.")
   return value
+
+
+def _check_real(x: Any, function: str) -> None:
+  """A clear ``TypeError`` for complex input to an order statistic."""
+  if jnp.iscomplexobj(x):
+    raise TypeError(
+        f"gbn_jax.{function} is not defined for complex input"
+        f" ({jnp.result_type(x)}): it orders values, and complex numbers have"
+        " no order; apply it to the real part, the imaginary part or the"
+        " modulus (jnp.real, jnp.imag, jnp.abs)."
+    )
 
 
 def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
@@ -263,11 +289,16 @@ def quantile(
   Returns:
     The reduced array (``keepdims=False``).
 
+  Raises:
+    ValueError: ``alpha`` outside (0, 1).
+    TypeError: complex ``x`` (complex numbers have no order).
+
   >>> import jax.numpy as jnp
   >>> quantile(jnp.array([3., 1., 4., 1., 5.]), 0.5, axis=0)
   Array(3., dtype=float32)
   """
   alpha = validate_alpha(alpha)
+  _check_real(x, "quantile")
   x_in, axes, where = prepare_reduction(x, axis, where)
   x = x_in.astype(jnp.promote_types(x_in.dtype, jnp.float32))
   groups = _hashable_groups(axis_index_groups)
@@ -289,13 +320,31 @@ def superquantile(
 
   Exact for empirical distributions, atoms and ties included (unlike the mean
   of the top ``(1-alpha)N`` values, which is exact only when that is whole).
-  Arguments are those of :func:`quantile`. Reductions are in at least float32.
+  Reductions are in at least float32.
+
+  Args:
+    x: input array; the result has its floating dtype.
+    alpha: probability level, a Python float strictly between 0 and 1.
+    axis: axis or axes to reduce over (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis (``shard_map``/``pmap``) whose devices'
+      elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    The reduced array (``keepdims=False``).
+
+  Raises:
+    ValueError: ``alpha`` outside (0, 1).
+    TypeError: complex ``x`` (complex numbers have no order).
 
   >>> import jax.numpy as jnp
   >>> superquantile(jnp.array([1., 2., 3., 4.]), 0.5, axis=0)
   Array(3.5, dtype=float32)
   """
   alpha = validate_alpha(alpha)
+  _check_real(x, "superquantile")
   x_in, axes, where = prepare_reduction(x, axis, where)
   x = x_in.astype(jnp.promote_types(x_in.dtype, jnp.float32))
   groups = _hashable_groups(axis_index_groups)
@@ -318,17 +367,77 @@ def _select_extreme(x, where, *, largest, axes, axis_name, groups):
 
 def extreme(
     x: Array,
-    axes: tuple[int, ...],
+    axis: Axis = None,
     *,
     largest: bool,
     where: Array | None = None,
     axis_name: str | None = None,
     axis_index_groups: AxisIndexGroups = None,
 ) -> Array:
-  """Max (``largest``) or min over ``axes``, pooled across ``axis_name``.
+  """The maximum (``largest=True``) or minimum over ``axis``.
 
-  Differentiated like :func:`quantile`: the cotangent is split among ties.
+  Differentiated like :func:`quantile`: the cotangent is split equally among
+  the elements equal to the selected value (as ``jnp.max`` does).
+
+  Args:
+    x: input array (a non-floating one is cast to float32); the result is an
+      element of it, in its dtype.
+    axis: axis or axes to reduce over (``None``: all).
+    largest: the maximum if true, else the minimum.
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count (NaN where none does).
+    axis_name: optional named axis (``shard_map``/``pmap``) whose devices'
+      elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    The reduced array (``keepdims=False``).
+
+  Raises:
+    TypeError: complex ``x`` (complex numbers have no order).
+
+  >>> import jax.numpy as jnp
+  >>> extreme(jnp.array([[3., 1.], [4., 1.]]), 0, largest=True)
+  Array([4., 1.], dtype=float32)
   """
+  _check_real(x, "extreme")
+  x, axes, where = prepare_reduction(x, axis, where)
   groups = _hashable_groups(axis_index_groups)
   select = _selector("extreme", largest, axes, axis_name, groups)
   return _tie_split(select, axes, axis_name, groups, x, where)
+
+
+def mean(
+    x: Array,
+    axis: Axis = None,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> Array:
+  """The mean over ``axis`` of the masked-in elements of every device.
+
+  ``jnp.mean(x, axis, where=where)`` pooled over ``axis_name``: the sum and
+  the count of every device, then one division (exact for the global batch,
+  unlike a mean of per-device means when the devices' counts differ).
+
+  Args:
+    x: input array (a non-floating one is cast to float32; complex stays
+      complex); summed in its dtype.
+    axis: axis or axes to reduce over (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count (NaN where none does).
+    axis_name: optional named axis (``shard_map``/``pmap``) whose devices'
+      elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    The reduced array (``keepdims=False``).
+
+  >>> import jax.numpy as jnp
+  >>> x = jnp.array([[1., 2.], [3., 6.]])
+  >>> mean(x, 0, where=x < 5)
+  Array([2., 2.], dtype=float32)
+  """
+  x, axes, where = prepare_reduction(x, axis, where, allow_complex=True)
+  return global_mean(x, axes, where, axis_name, axis_index_groups)

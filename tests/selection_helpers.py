@@ -76,7 +76,21 @@ def rank_matrix(n, n_cols, seed=0):
   return np.concatenate([fixed, extra])[:n_cols].astype(np.int32)
 
 
-def data(kind, shape, seed=0):
+def data(kind, shape, seed=0, *, wide_log_range=(-87, 88)):
+  """Random float32 data of one of :data:`KINDS` (ties, infinities, denormals).
+
+  Args:
+    kind: One of :data:`KINDS`.
+    shape: The array's shape.
+    seed: The numpy generator's seed.
+    wide_log_range: ``kind="wide"``: magnitudes ``exp(U(lo, hi))``. The
+      default spans the normal float32 range; a narrower one keeps float32
+      means of ``|x|`` finite (``tests/test_select.py``'s superquantile
+      tests scale their tolerance by one).
+
+  Returns:
+    A float32 numpy array of ``shape``.
+  """
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape).astype(np.float32)
   if kind == "relu":  # half the data exactly zero
@@ -101,7 +115,8 @@ def data(kind, shape, seed=0):
     )
     x = rng.choice(pool, size=shape)
   elif kind == "wide":  # magnitudes over the whole float range
-    x = (np.sign(x) * np.exp(rng.uniform(-87, 88, shape))).astype(np.float32)
+    lo, hi = wide_log_range
+    x = (np.sign(x) * np.exp(rng.uniform(lo, hi, shape))).astype(np.float32)
   elif kind == "huge":
     big = np.float32(
         [np.finfo(np.float32).max, -np.finfo(np.float32).max, 3e38, -1e38]

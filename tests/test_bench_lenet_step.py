@@ -1,4 +1,4 @@
-"""benchmarks/bench_lenet_step.py: its model variants are exact reformulations.
+"""benchmarks/bench_lenet_step.py's pieces: its model variants are exact.
 
 Every variant the benchmark times must give the real LeNet's loss (the train
 step's), gradients and batch statistics up to float32 summation order
@@ -13,17 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import bench_lenet_step as bench
+from benchmarks import bench_lenet_step
+from benchmarks import lenet_children
+from benchmarks import lenet_profile
+from benchmarks import lenet_setup
+from benchmarks import lenet_variants
 
 pytestmark = pytest.mark.slow  # about 15-40 s in all (compilations)
 
 TOL = 1e-5
-VARIANTS = [v for v in bench.VARIANTS if v != "base"]
+VARIANTS = [v for v in lenet_variants.VARIANTS if v != "base"]
 
 
 @pytest.mark.parametrize("norm", ["bn", "sqd2"])
 def test_variants_match_the_real_model(norm):
-  rows = bench.check_variants(norm, VARIANTS, batch=8, seed=1)
+  rows = lenet_setup.check_variants(norm, VARIANTS, batch=8, seed=1)
   assert set(rows) == set(VARIANTS)
   for variant, diffs in rows.items():
     assert all(d <= TOL for d in diffs.values()), (variant, diffs)
@@ -37,8 +41,8 @@ def test_pools_agree_after_relu_even_on_ties():
   g = jax.random.normal(jax.random.key(0), (2, 3, 4, 3))
   pools = {
       "window": lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)),
-      "reshape": bench.max_pool_2x2,
-      "mask": bench.max_pool_2x2_mask,
+      "reshape": lenet_variants.max_pool_2x2,
+      "mask": lenet_variants.max_pool_2x2_mask,
   }
   outs, grads = {}, {}
   for name, pool in pools.items():
@@ -49,7 +53,7 @@ def test_pools_agree_after_relu_even_on_ties():
     np.testing.assert_allclose(grads[name], grads["reshape"], rtol=1e-6)
   # Without the ReLU, positive ties split the gradient (reduce_window gives
   # it all to one): the same total per window.
-  _, vjp = jax.vjp(bench.max_pool_2x2_mask, x)
+  _, vjp = jax.vjp(lenet_variants.max_pool_2x2_mask, x)
   _, vjp_w = jax.vjp(pools["window"], x)
   total = lambda d: d.reshape(2, 3, 2, 4, 2, 3).sum(axis=(2, 4))
   np.testing.assert_allclose(total(vjp(g)[0]), total(vjp_w(g)[0]), rtol=1e-6)
@@ -65,16 +69,16 @@ def test_conv_formulations_and_col2im():
   def run():
     out = []
     for fn in (
-        bench._conv_nhwc,
-        bench.conv_im2col_wgrad,
-        bench.conv_matmul_bwd,
+        lenet_variants._conv_nhwc,
+        lenet_variants.conv_im2col_wgrad,
+        lenet_variants.conv_matmul_bwd,
     ):
       y, vjp = jax.vjp(fn, x, k)
       out.append((y, *vjp(g)))
     # col2im is im2col's transpose: <im2col(x), dp> = <x, col2im(dp)>
     dots = (
-        jnp.vdot(bench.im2col(x, 5, 5), dp),
-        jnp.vdot(x, bench.col2im(dp, 5, 5)),
+        jnp.vdot(lenet_variants.im2col(x, 5, 5), dp),
+        jnp.vdot(x, lenet_variants.col2im(dp, 5, 5)),
     )
     return out, dots
 
@@ -86,7 +90,7 @@ def test_conv_formulations_and_col2im():
 
 
 def test_child_times_the_real_step_and_compares_variants():
-  result = bench.child_time(
+  result = lenet_children.child_time(
       {
           "norms": ["bn"],
           "variants": ["base", "pool_mask"],
@@ -103,13 +107,30 @@ def test_child_times_the_real_step_and_compares_variants():
 
 
 def test_profile_attributes_ops_to_layers():
-  setup = bench.Setup("bn", batch=8)
+  setup = lenet_setup.Setup("bn", batch=8)
   compiled, state, _ = setup.compile("base")
-  index = bench.hlo_index(compiled.as_text())
+  index = lenet_profile.hlo_index(compiled.as_text())
   parts = {info["part"] for info in index.values()}
   assert {"conv1", "conv2", "norm1", "fc1", "pool"} <= parts
-  prof = bench.profile_compiled(compiled, setup.runner(compiled, state), 1)
+  prof = lenet_profile.profile_compiled(
+      compiled, setup.runner(compiled, state), 1
+  )
   assert prof["op_wall_ms_per_step"] > 0
   assert abs(sum(v["share"] for v in prof["by_part"].values()) - 1) < 1e-6
   # the weight-gradient convolutions, which carry no op_name, are found
   assert any(p.startswith("conv2/backward") for p in prof["by_part"])
+
+
+def test_command_line_defaults_and_quick():
+  args = bench_lenet_step.parse_args([])
+  assert args.sections == ["variants", "profile", "flags", "final"]
+  assert (args.batch, args.runs, args.norms) == (1000, 7, ["bn", "sqd2"])
+  assert args.flag_sets == list(lenet_children.DEFAULT_FLAG_SETS)
+  quick = bench_lenet_step.parse_args(["--quick", "--devices", "1", "2"])
+  assert (quick.batch, quick.runs, quick.warmup, quick.devices) == (
+      64,
+      2,
+      1,
+      [2],
+  )
+  assert quick.flag_sets == ["ynn_off"]

@@ -38,10 +38,8 @@ def _restore_registry():
 
 
 def _measure(name, calibration=None):
-  if ":" in name:
-    base, alpha = name.split(":")
-    return get_measure(base, calibration=calibration, alpha=float(alpha))
-  return get_measure(name, calibration=calibration)
+  base, params = gbn_jax.parse_measure_name(name)
+  return get_measure(base, calibration=calibration, **params)
 
 
 # --- the constants against independent references --------------------------------
@@ -412,7 +410,11 @@ def test_user_constant_float_and_callable():
     return k * jnp.sqrt(jnp.asarray(n - 1, jnp.float32) / n)  # E-ish
 
   gbn_jax.register_measure(
-      "test_spread_c", spread, normal_scale=scale, overwrite=True
+      "test_spread_c",
+      spread,
+      normal_scale=scale,
+      supports_mask=True,
+      overwrite=True,
   )
   get_measure("test_spread_c", calibration="normal", k=3.0)(x, 0)
   assert seen[-1] == (10, 3.0)

@@ -118,11 +118,8 @@ def test_mask_matches_flax_for_sd():
 
 @pytest.mark.parametrize("name", BUILTIN + ["sqd:0.05", "sqd:0.97"])
 def test_every_measure_normalizes_per_definition(name):
-  measure, alpha = (
-      (name.split(":")[0], float(name.split(":")[1]))
-      if ":" in name
-      else (name, None)
-  )
+  measure, params = gbn_jax.parse_measure_name(name)
+  alpha = params.get("alpha")
   x = np.asarray(ref.relu_like(np.random.default_rng(2), (12, 3, 3, 4)) - 0.3)
   gbn = GBatchNorm(measure=measure, alpha=alpha, momentum=0.8)
   variables = _nonzero_params(gbn.init(jax.random.key(0), x, False))
@@ -312,11 +309,8 @@ def _autodiff_reference(name, alpha, x, scale, bias, mask=None, eps=1e-5):
 @pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
 @pytest.mark.parametrize("name", BUILTIN + ["sqd:0.05"])
 def test_fused_backward_equals_autodiff(name, masked):
-  measure, alpha = (
-      (name.split(":")[0], float(name.split(":")[1]))
-      if ":" in name
-      else (name, None)
-  )
+  measure, params = gbn_jax.parse_measure_name(name)
+  alpha = params.get("alpha")
   rng = np.random.default_rng(11)
   x = jnp.asarray(ref.relu_like(rng, (10, 3, 3, 4)) - 0.2)
   mask = jnp.asarray(rng.random(x.shape) < 0.7) if masked else None
@@ -386,3 +380,10 @@ def test_fused_backward_half_precision_and_no_params():
     assert (
         g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
     )
+
+
+def test_public_names():
+  import gbn_jax.linen  # pylint: disable=g-import-not-at-top
+
+  assert sorted(gbn_jax.linen.__all__) == ["BatchNorm", "GBatchNorm"]
+  assert gbn_jax.linen.GBatchNorm is GBatchNorm

@@ -56,10 +56,8 @@ def _tolerance(dtype: Any) -> float:
 
 def _parse(name: str) -> tuple[str, float | None]:
   """``'sqd:0.3'`` -> ``('sqd', 0.3)``; a plain name -> ``(name, None)``."""
-  if ":" in name:
-    measure, alpha = name.split(":")
-    return measure, float(alpha)
-  return name, None
+  measure, params = gbn_jax.parse_measure_name(name)
+  return measure, params.get("alpha")
 
 
 def _measure(name: str) -> gbn_jax.Measure:

@@ -40,10 +40,7 @@ class MeasureVariantsTest(chex.TestCase):
       name=BUILTIN + ["sqd:0.1", "sqd:0.93"],
   )
   def test_measure_matches_definition(self, name, kind):
-    params = {}
-    if ":" in name:
-      name, alpha = name.split(":")
-      params["alpha"] = float(alpha)
+    name, params = gbn_jax.parse_measure_name(name)
     x = _data(kind)
     measure = gbn_jax.get_measure(name, **params)
     s, d = self.variant(lambda v: measure(v, 0))(x)

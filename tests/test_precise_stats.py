@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import pytest
 import gbn_jax
 from gbn_jax import GBatchNorm
 from gbn_jax import precise_batch_stats
+import gbn_jax.nnx as gnnx
 from train import checkpointing
 from train import configs
 from train import input_pipeline
@@ -238,6 +240,18 @@ def test_errors():
     precise_batch_stats(forgetful, variables, batches)
 
 
+def test_statistics_that_do_not_move_are_refused():
+  # Momentum 1: the update keeps the running value, no batch value in it.
+  model = GBatchNorm(use_running_average=False, momentum=1.0, measure="mad")
+  x = _batches(count=2, shape=(8, 3))
+  variables = model.init(jax.random.key(0), x[0])
+  apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
+  with pytest.raises(ValueError, match="mean, var were not updated"):
+    precise_batch_stats(apply, variables, x)
+  traced = jax.jit(lambda v: precise_batch_stats(apply, v, x))(variables)
+  assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(traced))
+
+
 def test_renorm_models_are_refused():
   # Their training-mode output reads the running statistics.
   model = GBatchNorm(
@@ -252,6 +266,163 @@ def test_renorm_models_are_refused():
     precise_batch_stats(apply, variables, x)
   traced = jax.jit(lambda v: precise_batch_stats(apply, v, x))(variables)
   assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(traced))
+
+
+# --- nnx: gbn_jax.nnx.precise_batch_stats ---------------------------------------
+
+
+class NnxNet(nnx.Module):
+  """Net's twin in nnx: two GBN layers and an nnx.BatchNorm."""
+
+  def __init__(self, momentum=0.9, measure="sqd1", *, rngs):
+    norm = lambda cls, n, **kw: cls(n, momentum=momentum, rngs=rngs, **kw)
+    self.conv1 = nnx.Conv(2, 3, (2, 2), rngs=rngs)
+    self.gbn1 = norm(gnnx.GBatchNorm, 3, measure=measure)
+    self.conv2 = nnx.Conv(3, 4, (2, 2), rngs=rngs)
+    self.bn = norm(nnx.BatchNorm, 4)
+    self.gbn2 = norm(gnnx.GBatchNorm, 4, measure="rbd")
+
+  def __call__(self, x):
+    h = self.conv2(nnx.relu(self.gbn1(self.conv1(x))))
+    return self.gbn2(self.bn(h)).mean((1, 2))
+
+  def norm_inputs(self, x):
+    """Each norm layer's input in a training-mode pass (the layers' own)."""
+    inputs = {"gbn1": self.conv1(x)}
+    inputs["bn"] = self.conv2(
+        nnx.relu(self.gbn1(inputs["gbn1"], use_running_average=False))
+    )
+    inputs["gbn2"] = self.bn(inputs["bn"], use_running_average=False)
+    return inputs
+
+
+def _nnx_model(momentum=0.9, measure="sqd1"):
+  model = NnxNet(momentum, measure, rngs=nnx.Rngs(2))
+  for layer in (model.gbn1, model.bn, model.gbn2):
+    # Running statistics far from any batch's: they must not leak in.
+    layer.mean[...] = layer.mean[...] * 3 + 7
+    layer.var[...] = layer.var[...] * 3 + 7
+  model.eval()
+  return model
+
+
+def _nnx_reference(model, batches, measures):
+  """numpy: per-layer average over batches of the batch S and D^2."""
+  sums = {}
+  for batch in batches:
+    inputs = nnx.clone(model).norm_inputs(batch)
+    for name, x in inputs.items():
+      x = np.asarray(x, np.float64)
+      s, d = ref.per_feature(
+          lambda v: ref.measure_1d(measures[name], v), x, (0, 1, 2)
+      )
+      total = sums.setdefault(name, {"mean": 0.0, "var": 0.0})
+      total["mean"] = total["mean"] + s / len(batches)
+      total["var"] = total["var"] + d**2 / len(batches)
+  return sums
+
+
+def _nnx_stats(model):
+  return {
+      name: {"mean": layer.mean[...], "var": layer.var[...]}
+      for name, layer in (
+          ("gbn1", model.gbn1),
+          ("bn", model.bn),
+          ("gbn2", model.gbn2),
+      )
+  }
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0, 0.99])
+def test_nnx_equals_numpy_average_of_batch_statistics(momentum):
+  batches = _batches()
+  model = _nnx_model(momentum)
+  want = _nnx_reference(
+      model, batches, {"gbn1": "sqd1", "bn": "sd", "gbn2": "rbd"}
+  )
+  params = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+  gnnx.precise_batch_stats(model, list(batches))
+  _close(_nnx_stats(model), want)
+  # The parameters and the layers' mode are left as they were.
+  jax.tree.map(
+      np.testing.assert_array_equal, nnx.state(model, nnx.Param), params
+  )
+  assert model.gbn1.use_running_average and model.bn.use_running_average
+  # Stacked batches (one lax.scan) under nnx.jit, and a forward function.
+  again = _nnx_model(momentum)
+  nnx.jit(
+      lambda m, b: gnnx.precise_batch_stats(m, b, forward=lambda mm, bb: mm(bb))
+  )(again, batches)
+  _close(_nnx_stats(again), _nnx_stats(model), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("measure", ["sd", "mad", "sqd3", "wcd", "bpoe"])
+def test_nnx_measures(measure):
+  batches = _batches(count=2, seed=3)
+  model = _nnx_model(0.9, measure)
+  want = _nnx_reference(
+      model, batches, {"gbn1": measure, "bn": "sd", "gbn2": "rbd"}
+  )
+  gnnx.precise_batch_stats(model, iter(batches))
+  _close(_nnx_stats(model), want)
+
+
+def test_nnx_backed_out_statistic_is_the_layers_own():
+  # A layer with momentum 0 stores its batch statistic, bit for bit.
+  batches = _batches(count=3, seed=5)
+  per_batch = []
+  for batch in batches:
+    model = _nnx_model(0.99, "mad")
+    exact = nnx.clone(model)
+    for layer in (exact.gbn1, exact.bn, exact.gbn2):
+      layer.momentum = 0.0
+    exact.train()
+    exact(batch)
+    gnnx.precise_batch_stats(model, [batch])
+    got, want = _nnx_stats(model), _nnx_stats(exact)
+    assert max(jax.tree.leaves(jax.tree.map(_ulps, got, want))) <= 2
+    per_batch.append(want)
+  model = _nnx_model(0.99, "mad")
+  gnnx.precise_batch_stats(model, batches)  # one array: stacked
+  want = jax.tree.map(lambda *s: sum(s[1:], s[0]) / len(s), *per_batch)
+  assert max(jax.tree.leaves(jax.tree.map(_ulps, _nnx_stats(model), want))) <= 4
+
+
+def test_nnx_matches_linen():
+  # The same layers and weights in both frameworks give the same statistics.
+  batch = _batches(count=1, shape=(16, 3))
+  layer = gnnx.GBatchNorm(3, measure="sqd2", momentum=0.9, rngs=nnx.Rngs(0))
+  linen = GBatchNorm(use_running_average=False, measure="sqd2", momentum=0.9)
+  variables = {
+      "params": {"scale": layer.scale[...], "bias": layer.bias[...]},
+      "batch_stats": {"mean": layer.mean[...], "var": layer.var[...]},
+  }
+  want = precise_batch_stats(_apply(linen), variables, batch)
+  gnnx.precise_batch_stats(layer, batch)
+  np.testing.assert_array_equal(layer.mean[...], want["mean"])
+  np.testing.assert_array_equal(layer.var[...], want["var"])
+
+
+def test_nnx_errors():
+  batches = _batches(count=1)
+  model = _nnx_model()
+  with pytest.raises(ValueError, match="at least one batch"):
+    gnnx.precise_batch_stats(model, [])
+  with pytest.raises(ValueError, match="no nnx.BatchNorm layers"):
+    gnnx.precise_batch_stats(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), batches)
+  frozen = lambda m, b: m.gbn2(m.bn(m.conv2(m.conv1(b))), True)
+  with pytest.raises(ValueError, match="gbn2/mean, gbn2/var were not updated"):
+    gnnx.precise_batch_stats(model, batches, forward=frozen)
+  before = _nnx_stats(model)
+  renorm = gnnx.GBatchNorm(
+      3, renorm=True, renorm_clipping={"rmax": 3, "dmax": 5}, rngs=nnx.Rngs(0)
+  )
+  x = _batches(count=2, shape=(8, 3))
+  with pytest.raises(ValueError, match="depends on its running statistics"):
+    gnnx.precise_batch_stats(renorm, x)
+  nnx.jit(gnnx.precise_batch_stats)(renorm, x)
+  assert np.isnan(renorm.mean[...]).all() and np.isnan(renorm.var[...]).all()
+  jax.tree.map(np.testing.assert_array_equal, _nnx_stats(model), before)
 
 
 # --- the training loop and the CLI -----------------------------------------------

@@ -1,12 +1,14 @@
 """Tests of gbn_jax._selection (exact k-th smallest) against numpy sorts.
 
-The oracle is written from the definition: per feature, ``np.sort`` of the
-masked-in elements and take index ``k - 1``. Results must match bit for bit
+The oracle and the data are shared with the other backends' tests
+(``tests/selection_helpers.py``): per feature, ``np.sort`` of the masked-in
+elements and take index ``k - 1``. Results must match bit for bit
 (``-0.0`` is expected back as ``+0.0``). Every method runs every test.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -26,37 +28,21 @@ from gbn_jax._selection import native
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 
+import selection_helpers
+from selection_helpers import TINY
+from selection_helpers import assert_bitwise
+
 METHODS = dispatch.METHODS
-TINY = np.finfo(np.float32).tiny
+# The shared data kinds but "huge", and "wide" magnitudes below e**80: beyond
+# that, the float32 mean of |x| that scales the superquantile tests' tolerance
+# overflows, and their sums would be checked against an infinite tolerance.
+KINDS = [kind for kind in selection_helpers.KINDS if kind != "huge"]
+data = functools.partial(selection_helpers.data, wide_log_range=(-80, 80))
 
 
 def numpy_kth(x, k, axis, where=None):
-  """k-th smallest (1-based) per position of the kept axes, from np.sort."""
-  x = np.asarray(x, np.float32)
-  kept = [d for d in range(x.ndim) if d not in axis]
-  kept_shape = [x.shape[d] for d in kept]
-  cols = np.transpose(x, list(axis) + kept).reshape(
-      -1, int(np.prod(kept_shape))
-  )
-  mask = np.ones(cols.shape, bool)
-  if where is not None:
-    mask = np.transpose(
-        np.broadcast_to(where, x.shape), list(axis) + kept
-    ).reshape(cols.shape)
-  ks = np.broadcast_to(np.asarray(k), kept_shape).reshape(-1)
-  out = np.empty(cols.shape[1], np.float32)
-  for f in range(cols.shape[1]):
-    # np.sort orders denormals and -0.0 == 0.0 exactly (no flush to zero).
-    out[f] = np.sort(cols[mask[:, f], f])[ks[f] - 1]
-  out[out == 0] = 0.0  # the contract returns +0.0 for a zero
-  return out.reshape(kept_shape)
-
-
-def assert_bitwise(got, want):
-  got = np.asarray(got, np.float32)
-  want = np.asarray(want, np.float32)
-  assert got.shape == want.shape
-  np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+  """The shared oracle's k-th smallest per position of the kept axes."""
+  return selection_helpers.numpy_kth(x, k, axis, where)[0]
 
 
 @jax.jit(static_argnames=("axis", "method"))
@@ -83,49 +69,6 @@ def ranks(n):
           n,
       }
   )
-
-
-def data(kind, shape, seed=0):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape).astype(np.float32)
-  if kind == "relu":  # many exact zeros
-    x = np.maximum(x, 0)
-  elif kind == "halves":  # few distinct values
-    x = np.round(x * 2) / 2
-  elif kind == "tiny_set":
-    x = rng.choice(np.float32([-1.5, 0.0, 2.0, 7.0]), size=shape)
-  elif kind == "constant":
-    x = np.full(shape, 3.25, np.float32)
-  elif kind == "inf":
-    x[rng.random(shape) < 0.1] = np.inf
-    x[rng.random(shape) < 0.1] = -np.inf
-  elif kind == "signed_zero":
-    x = rng.choice(
-        np.float32([-0.0, 0.0, -1.0, 1.0]), size=shape, p=[0.3, 0.3, 0.2, 0.2]
-    )
-  elif kind == "denormal":
-    # Denormals of both signs among zeros and normals; XLA:CPU flushes them to
-    # zero in float compares, which must not change the answer.
-    pool = np.float32(
-        [-3e-39, -1e-45, -0.0, 0.0, 1e-45, 2e-45, 5e-39, TINY, -TINY, 1.0]
-    )
-    x = rng.choice(pool, size=shape)
-  elif kind == "wide":  # magnitudes over the whole float range
-    x = (np.sign(x) * np.exp(rng.uniform(-80, 80, shape))).astype(np.float32)
-  return x.astype(np.float32)
-
-
-KINDS = [
-    "normal",
-    "relu",
-    "halves",
-    "tiny_set",
-    "constant",
-    "inf",
-    "signed_zero",
-    "denormal",
-    "wide",
-]
 
 
 @pytest.mark.parametrize("method", METHODS)

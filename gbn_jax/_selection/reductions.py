@@ -19,10 +19,25 @@ Array = jax.Array
 Axis = int | Sequence[int] | None
 
 
-def prepare_reduction(x: Array, axis: Axis, where: Array | None):
-  """``(x, axes, where)`` ready to reduce: floating ``x``, canonical axes, full mask."""
+def prepare_reduction(
+    x: Array, axis: Axis, where: Array | None, *, allow_complex: bool = False
+) -> tuple[Array, tuple[int, ...], Array | None]:
+  """``(x, axes, where)`` ready to reduce: floating ``x``, canonical axes, full mask.
+
+  Integer and boolean ``x`` become float32. Complex ``x`` is kept as it is
+  with ``allow_complex``, and is otherwise a ``TypeError``: casting it to a
+  real dtype would silently drop the imaginary part.
+  """
   x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
+  if jnp.iscomplexobj(x):
+    if not allow_complex:
+      raise TypeError(
+          f"got complex input ({x.dtype}), for a reduction defined on real"
+          " numbers only (it orders values, and complex numbers have no"
+          " order); reduce the real and imaginary parts (or the modulus)"
+          " separately."
+      )
+  elif not jnp.issubdtype(x.dtype, jnp.floating):
     x = x.astype(jnp.float32)
   axes = reduction_axes(x.ndim, axis)
   if where is not None:
@@ -44,6 +59,14 @@ def quantile_rank(alpha: float, n: int | Array) -> int | Array:
   fraction ``p/q`` has ``p*q < 2**31``, e.g. any alpha with four decimals, and
   rounded in float32 otherwise). The rank is clipped to ``[1, n]`` (to 1 when
   ``n == 0``).
+
+  Args:
+    alpha: the quantile level, strictly between 0 and 1.
+    n: the number of values: a Python int, or an integer array of counts.
+
+  Returns:
+    ``ceil(alpha * n)`` clipped to ``[1, max(n, 1)]``: an int for an int
+    ``n``, else an int32 array.
 
   >>> quantile_rank(0.3, 10), quantile_rank(0.25, 7), quantile_rank(0.999, 4)
   (3, 2, 4)

@@ -1,0 +1,180 @@
+"""Generalized batch renormalization (Ioffe, 2017): pure helpers.
+
+The clipping a module is given (validated and frozen at construction), its
+limits, the constants ``(r, d)`` that correct the batch statistics towards
+the running ones, and the training-mode output built on them. The affine
+part is :func:`gbn_jax._normalization.normalize` with a correction, so that
+``r = 1, d = 0`` gives plain GBN bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import numbers
+from typing import Any, NamedTuple
+
+from flax.core import FrozenDict
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from gbn_jax import _normalization
+from gbn_jax import measures as measures_lib
+
+Array = jax.Array
+
+
+class RenormLimits(NamedTuple):
+  """Clipping limits of batch renormalization; ``None`` leaves a side open."""
+
+  rmin: float | None
+  rmax: float | None
+  dmax: float | None
+
+
+_RENORM_KEYS = ("rmax", "rmin", "dmax")
+
+
+def freeze_renorm_clipping(
+    renorm: bool, renorm_clipping: Mapping[str, float] | None
+) -> FrozenDict | None:
+  """Validates a module's ``renorm_clipping`` and returns it hashable.
+
+  The mapping takes Keras' keys: ``rmax`` (at least 1), ``rmin`` (in (0, 1],
+  default ``1 / rmax``) and ``dmax`` (at least 0); a key left out leaves that
+  side unclipped, and ``None`` clips nothing.
+
+  Raises:
+    ValueError: unknown keys, limits out of range, or clipping without
+      ``renorm=True``.
+    TypeError: not a mapping of real numbers.
+  """
+  if renorm_clipping is None:
+    return None
+  if not renorm:
+    raise ValueError(
+        "renorm_clipping only applies to batch renormalization; pass"
+        " renorm=True as well (or drop renorm_clipping)."
+    )
+  if not isinstance(renorm_clipping, Mapping):
+    raise TypeError(
+        "renorm_clipping must be a dict with keys 'rmax', 'rmin', 'dmax' or"
+        f" None, got {renorm_clipping!r}."
+    )
+  unknown = sorted(set(renorm_clipping) - set(_RENORM_KEYS), key=str)
+  if unknown:
+    raise ValueError(
+        f"renorm_clipping has unknown key(s) {unknown}; valid keys:"
+        " 'rmax', 'rmin', 'dmax'."
+    )
+  limits = {}
+  for key, value in renorm_clipping.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+      raise TypeError(
+          f"renorm_clipping[{key!r}] must be a real number, got {value!r}."
+      )
+    limits[key] = float(value)
+  rmax, rmin, dmax = (limits.get(k) for k in _RENORM_KEYS)
+  if rmax is not None and not rmax >= 1:
+    raise ValueError(f"renorm_clipping['rmax'] must be >= 1, got {rmax}.")
+  if rmin is not None and not 0 < rmin <= 1:
+    raise ValueError(f"renorm_clipping['rmin'] must be in (0, 1], got {rmin}.")
+  if dmax is not None and not dmax >= 0:
+    raise ValueError(f"renorm_clipping['dmax'] must be >= 0, got {dmax}.")
+  return FrozenDict(limits)
+
+
+def renorm_limits(renorm_clipping: Mapping[str, float] | None) -> RenormLimits:
+  """``(rmin, rmax, dmax)`` of a validated clipping; ``rmin`` is ``1/rmax``
+  unless given."""
+  if renorm_clipping is None:
+    return RenormLimits(None, None, None)
+  rmax = renorm_clipping.get("rmax")
+  rmin = renorm_clipping.get("rmin")
+  if rmin is None and rmax is not None:
+    rmin = 1 / rmax
+  return RenormLimits(rmin, rmax, renorm_clipping.get("dmax"))
+
+
+def renorm_correction(
+    statistic: Array,
+    deviation_sq: Array,
+    running_statistic: Array,
+    running_deviation_sq: Array,
+    epsilon: float,
+    limits: RenormLimits,
+) -> tuple[Array, Array]:
+  """Batch renormalization's ``(r, d)``, constants for autodiff.
+
+  ``r = clip(D_B / D_run, rmin, rmax)`` and ``d = clip((S_B - S_run) /
+  D_run, -dmax, dmax)`` with ``D = sqrt(D^2 + eps)`` for both (Ioffe, 2017).
+  """
+  dtype = jnp.result_type(statistic)
+  running_statistic = jnp.asarray(running_statistic, dtype)
+  running_deviation = jnp.sqrt(
+      jnp.asarray(running_deviation_sq, dtype) + epsilon
+  )
+  r = jnp.sqrt(deviation_sq + epsilon) / running_deviation
+  d = (statistic - running_statistic) / running_deviation
+  if limits.rmin is not None or limits.rmax is not None:
+    r = jnp.clip(r, limits.rmin, limits.rmax)
+  if limits.dmax is not None:
+    d = jnp.clip(d, -limits.dmax, limits.dmax)
+  return lax.stop_gradient(r), lax.stop_gradient(d)
+
+
+def renormalize_batch(
+    measure: measures_lib.MeasureFn,
+    x: Array,
+    scale: Array | None,
+    bias: Array | None,
+    running_statistic: Array,
+    running_deviation_sq: Array,
+    reduction_axes: tuple[int, ...],
+    feature_axes: tuple[int, ...],
+    *,
+    dtype: Any,
+    epsilon: float,
+    limits: RenormLimits,
+    mask: Array | None,
+    axis_name: str | None,
+    axis_index_groups: Any,
+    force_float32_reductions: bool = True,
+) -> tuple[Array, Array, Array]:
+  """Generalized batch renormalization in training: ``(y, S, D^2)``.
+
+  The batch's ``(S, D^2)``, corrected towards the running ones by the
+  constants ``(r, d)`` of :func:`renorm_correction`; gradients flow through
+  the measure by autodiff (with or without ``axis_name``).
+  """
+  if jnp.iscomplexobj(x):
+    raise TypeError(
+        "renorm=True is not defined for complex input: its correction d is"
+        " clipped to [-dmax, dmax], which has no meaning for complex numbers."
+    )
+
+  def correct(statistic, deviation_sq):
+    return renorm_correction(
+        statistic,
+        deviation_sq,
+        running_statistic,
+        running_deviation_sq,
+        epsilon,
+        limits,
+    )
+
+  return _normalization.normalize_with_batch_statistics(
+      measure,
+      x,
+      scale,
+      bias,
+      reduction_axes,
+      feature_axes,
+      correct=correct,
+      dtype=dtype,
+      epsilon=epsilon,
+      mask=mask,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      force_float32_reductions=force_float32_reductions,
+  )

@@ -1,0 +1,348 @@
+"""The built-in generalized deviation measures, as plain functions.
+
+Each returns ``(S, D)``: the statistic ``S`` that GBN centers on and the
+deviation ``D`` it divides by, one value per remaining (feature) position.
+Expectations are plain means over the reduced elements (1/N, no Bessel
+correction). Every built-in has the signature::
+
+  fn(x, axis, *, where=None, axis_name=None, axis_index_groups=None, **params)
+
+``where`` restricts the statistics to masked-in elements; ``axis_name`` pools
+the elements of every device along that named axis (exact global-batch
+statistics under ``shard_map``/``pmap``). The registry
+(:mod:`gbn_jax.measures`) names them and declares these capabilities; layers
+use them through :func:`gbn_jax.get_measure`.
+
+>>> import jax.numpy as jnp
+>>> sqd(jnp.array([[0.], [1.], [2.], [7.]]), 0, alpha=0.5)
+(Array([1.], dtype=float32), Array([2.], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gbn_jax import quantiles
+from gbn_jax._selection import reductions
+from gbn_jax._selection.common import AxisIndexGroups
+from gbn_jax._selection.common import global_sum
+from gbn_jax._selection.reductions import Axis
+from gbn_jax._selection.reductions import global_mean
+from gbn_jax._selection.reductions import prepare_reduction
+from gbn_jax.quantiles import extreme
+
+Array = jax.Array
+
+__all__ = [
+    "COMPLEX_OK",
+    "bpoe",
+    "check_real",
+    "mad",
+    "rbd",
+    "rsd",
+    "sd",
+    "sqd",
+    "wcd",
+]
+
+#: The built-ins defined for complex input, through the modulus: ``sd`` (mean
+#: and ``sqrt(E|x - E x|^2)``, flax's BatchNorm) and ``mad`` (``E|x - E x|``).
+#: The others order values (quantiles, extremes, the sign of ``x - E x``).
+COMPLEX_OK = ("sd", "mad")
+
+
+def check_real(x: Array, name: str) -> None:
+  """Raises ``TypeError`` if ``x`` is complex and measure ``name`` orders values.
+
+  Args:
+    x: the input.
+    name: the measure's name, for the message; names in :data:`COMPLEX_OK`
+      pass.
+  """
+  if jnp.iscomplexobj(x) and name not in COMPLEX_OK:
+    raise TypeError(
+        f"measure {name!r} is not defined for complex input ({jnp.result_type(x)}):"
+        " it orders values (a quantile, an extreme or the sign of x - mean),"
+        " and complex numbers have no order. Use measure='sd' (flax's"
+        " BatchNorm: mean and E|x - mean|^2) or 'mad' (E|x - mean|), or"
+        " normalize the real and imaginary parts as separate features."
+    )
+
+
+def _prepare(x, axis, where, name: str):
+  """``prepare_reduction`` that keeps complex ``x`` complex where ``name``
+  is defined for it, and raises where it is not (rather than dropping the
+  imaginary part)."""
+  check_real(jnp.asarray(x), name)
+  return prepare_reduction(x, axis, where, allow_complex=True)
+
+
+def _keep_nan(mean: Array, dev: Array) -> Array:
+  # One-sided deviations compare with the mean; NaN compares False, which
+  # alone would report a clean 0 deviation for a NaN batch.
+  return jnp.where(jnp.isnan(mean), jnp.nan, dev)
+
+
+def _centered(x: Array, center: Array, axes: tuple[int, ...]) -> Array:
+  return x - jnp.expand_dims(center, axes)
+
+
+def _abs_sq(x: Array) -> Array:
+  # |x|^2 as flax's BatchNorm takes it; jnp.square for real x (bit for bit).
+  if jnp.iscomplexobj(x):
+    return jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x))
+  return jnp.square(x)
+
+
+def sd(
+    x: Array,
+    axis: Axis,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+    fast_variance: bool = True,
+    squared: bool = False,
+) -> tuple[Array, Array]:
+  """Mean and standard deviation ``sqrt(E[(x - E x)^2])`` (BatchNorm's pair).
+
+  For complex ``x`` the mean is complex and the variance ``E|x - E x|^2``
+  real, as in flax.
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+    fast_variance: the variance as ``E[x^2] - E[x]^2`` clipped at zero, in
+      one pass (flax's ``use_fast_variance``); else two passes.
+    squared: return the variance itself, which is what normalization layers
+      use.
+
+  Returns:
+    ``(mean, std)``, or ``(mean, variance)`` if ``squared``.
+  """
+  x, axes, where = _prepare(x, axis, where, "sd")
+  # Square before the first mean, as flax does: XLA:CPU fuses the backward
+  # pass differently (and slower) when the mean comes first.
+  x_sq = _abs_sq(x) if fast_variance else None
+  mean = global_mean(x, axes, where, axis_name, axis_index_groups)
+  if fast_variance:
+    mean_sq = global_mean(x_sq, axes, where, axis_name, axis_index_groups)
+    var = jnp.maximum(0.0, mean_sq - _abs_sq(mean))
+  else:
+    var = global_mean(
+        _abs_sq(_centered(x, mean, axes)),
+        axes,
+        where,
+        axis_name,
+        axis_index_groups,
+    )
+  return mean, (var if squared else jnp.sqrt(var))
+
+
+def mad(
+    x: Array,
+    axis: Axis,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> tuple[Array, Array]:
+  """Mean and mean absolute deviation ``E|x - E x|``.
+
+  For complex ``x``, the modulus ``|x - E x|``.
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    ``(mean, mean absolute deviation)``.
+  """
+  x, axes, where = _prepare(x, axis, where, "mad")
+  mean = global_mean(x, axes, where, axis_name, axis_index_groups)
+  dev = global_mean(
+      jnp.abs(_centered(x, mean, axes)),
+      axes,
+      where,
+      axis_name,
+      axis_index_groups,
+  )
+  return mean, dev
+
+
+def rsd(
+    x: Array,
+    axis: Axis,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> tuple[Array, Array]:
+  """Mean and upper semideviation ``E[(x - E x)^+]``.
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    ``(mean, upper semideviation)``.
+  """
+  x, axes, where = _prepare(x, axis, where, "rsd")
+  mean = global_mean(x, axes, where, axis_name, axis_index_groups)
+  centered = _centered(x, mean, axes)
+  dev = global_mean(
+      jnp.where(centered > 0, centered, 0),
+      axes,
+      where,
+      axis_name,
+      axis_index_groups,
+  )
+  return mean, _keep_nan(mean, dev)
+
+
+def sqd(
+    x: Array,
+    axis: Axis,
+    *,
+    alpha: float,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> tuple[Array, Array]:
+  """Quantile ``q_alpha`` and superquantile deviation ``qbar_alpha - E[x]``.
+
+  Centering on ``q_alpha`` makes a following ReLU zero exactly a fraction
+  ``alpha`` of the batch (ties aside).
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+    alpha: the quantile level, strictly between 0 and 1.
+
+  Returns:
+    ``(q_alpha, qbar_alpha - mean)``, as :func:`gbn_jax.quantile` and
+    :func:`gbn_jax.superquantile` define them.
+  """
+  alpha = quantiles.validate_alpha(alpha)
+  x, axes, where = _prepare(x, axis, where, "sqd")
+  q, qbar, mean = quantiles._superquantile_and_mean(  # pylint: disable=protected-access
+      x, alpha, axes, where, axis_name, axis_index_groups
+  )
+  return q, qbar - mean
+
+
+def rbd(
+    x: Array,
+    axis: Axis,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> tuple[Array, Array]:
+  """Mid-range ``(max + min)/2`` and range ``max - min``.
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    ``(mid-range, range)``.
+  """
+  x, axes, where = _prepare(x, axis, where, "rbd")
+  kw = dict(
+      where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
+  )
+  hi = extreme(x, axes, largest=True, **kw)
+  lo = extreme(x, axes, largest=False, **kw)
+  return (hi + lo) / 2, hi - lo
+
+
+def wcd(
+    x: Array,
+    axis: Axis,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> tuple[Array, Array]:
+  """Maximum and worst-case deviation ``max - E[x]``.
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    ``(max, max - mean)``.
+  """
+  x, axes, where = _prepare(x, axis, where, "wcd")
+  hi = extreme(
+      x,
+      axes,
+      largest=True,
+      where=where,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+  )
+  return hi, hi - global_mean(x, axes, where, axis_name, axis_index_groups)
+
+
+def bpoe(
+    x: Array,
+    axis: Axis,
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: AxisIndexGroups = None,
+) -> tuple[Array, Array]:
+  """Mean and ``E[x - E x | x > E x]`` (0 when no element exceeds the mean).
+
+  This is SQD at the level where the quantile sits at the mean: GBN with it,
+  followed by ReLU, is the paper's empirical bPOE transform.
+
+  Args:
+    x: the batch (a non-floating one is cast to float32).
+    axis: the axis or axes to reduce (``None``: all).
+    where: optional boolean mask broadcastable to ``x``; only masked-in
+      elements count.
+    axis_name: optional named axis whose devices' elements are pooled.
+    axis_index_groups: optional groups of indices within ``axis_name``.
+
+  Returns:
+    ``(mean, conditional excess over the mean)``.
+  """
+  x, axes, where = _prepare(x, axis, where, "bpoe")
+  mean = global_mean(x, axes, where, axis_name, axis_index_groups)
+  centered = _centered(x, mean, axes)
+  above = centered > 0
+  if where is not None:
+    above = above & where
+  total = jnp.sum(jnp.where(above, centered, 0), axes)
+  count = reductions.count_true(above, axes)
+  total, count = global_sum((total, count), axis_name, axis_index_groups)
+  dev = jnp.where(count > 0, total / jnp.maximum(count, 1), 0)
+  return mean, _keep_nan(mean, dev)
