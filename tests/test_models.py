@@ -492,3 +492,105 @@ def test_bn_gain_is_batchnorm_with_another_measures_gaussian_d(
   np.testing.assert_allclose(updates["batch_stats"]["var"], d**2, rtol=1e-5)
   with pytest.raises(ValueError, match="neither a mask"):
     layer.apply(variables, x, mask=x > 0, mutable=["batch_stats"])
+
+
+# --- ResNet's convolutions on a CPU ------------------------------------------
+
+
+@pytest.mark.parametrize("strides", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (3, 9, 10, 5)])
+def test_im2col_same_and_strided_is_the_convolution(shape, strides):
+  x = jax.random.normal(jax.random.key(0), shape)
+  kernel = jax.random.normal(jax.random.key(1), (3, 3, shape[-1], 4))
+  got = models.im2col(x, 3, 3, strides=strides, padding="SAME") @ (
+      kernel.reshape(-1, 4)
+  )
+  want = jax.lax.conv_general_dilated(
+      x,
+      kernel,
+      (strides,) * 2,
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strides", [1, 2, (2, 2)])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 16), (3, 9, 7, 5)])
+def test_resnet_conv_equals_flax_conv(shape, strides):
+  x = jax.random.normal(jax.random.key(0), shape)
+  kwargs = dict(
+      strides=strides,
+      use_bias=False,
+      kernel_init=nn.initializers.kaiming_normal(),
+  )
+  conv = nn.Conv(6, (3, 3), **kwargs)
+  ours = models.ResNetConv(6, (3, 3), **kwargs)
+  params = conv.init(jax.random.key(1), x)
+  jax.tree.map(
+      np.testing.assert_array_equal, params, ours.init(jax.random.key(1), x)
+  )
+  want, want_vjp = jax.vjp(conv.apply, params, x)
+  got, got_vjp = jax.vjp(ours.apply, params, x)
+  np.testing.assert_array_equal(got, want)  # the same forward operation
+  g = jax.random.normal(jax.random.key(2), want.shape)
+  for a, b in zip(jax.tree.leaves(got_vjp(g)), jax.tree.leaves(want_vjp(g))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="no bias"):
+    models.ResNetConv(6, (3, 3), use_bias=True).init(jax.random.key(1), x)
+
+
+@pytest.mark.parametrize("norm", ["bn", "sqd2"])
+def test_resnet20_cpu_convs_are_the_same_model(norm):
+  x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
+  labels = jnp.arange(4) % 10
+  kwargs = dict(num_classes=10, norm=models.make_norm(norm))
+  flax_ops = models.ResNet20(conv=nn.Conv, **kwargs)
+  cpu_ops = models.ResNet20(conv=models.ResNetConv, **kwargs)
+  variables = flax_ops.init(jax.random.key(1), x, train=False)
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      variables,
+      cpu_ops.init(jax.random.key(1), x, train=False),
+  )
+
+  def loss_and_grads(model):
+    def loss(params):
+      logits, updates = model.apply(
+          {"params": params, "batch_stats": variables["batch_stats"]},
+          x,
+          train=True,
+          mutable=["batch_stats"],
+      )
+      ce = -jnp.take_along_axis(
+          jax.nn.log_softmax(logits), labels[:, None], axis=1
+      )
+      return jnp.mean(ce), (logits, updates["batch_stats"])
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+
+  (want_loss, (want_logits, want_stats)), want_grads = loss_and_grads(flax_ops)
+  (got_loss, (got_logits, got_stats)), got_grads = loss_and_grads(cpu_ops)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+  jax.tree.map(
+      functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+      got_stats,
+      want_stats,
+  )
+  assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+  for path, got in jax.tree_util.tree_flatten_with_path(got_grads)[0]:
+    want = functools.reduce(lambda t, k: t[k.key], path, want_grads)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(
+        got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path)
+    )
+  # The default follows the backend: ResNetConv on the CPU.
+  assert models.ResNet20(**kwargs).conv is None
+  default = models.ResNet20(**kwargs).apply(variables, x, train=False)
+  np.testing.assert_array_equal(
+      default,
+      (cpu_ops if jax.default_backend() == "cpu" else flax_ops).apply(
+          variables, x, train=False
+      ),
+  )

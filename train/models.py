@@ -22,7 +22,10 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   are He et al.'s option A: identity, and where the shape changes, spatial
   subsampling by 2 with zero-padded extra channels. Option A has no
   parameters, so "a norm after every conv" holds without a projection conv,
-  and the CIFAR-10 model has 0.27M parameters as in the paper.
+  and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
+  strided convolutions take their input gradient as a matmul and a col2im
+  (:class:`ResNetConv`): the same parameters, forward operations and
+  function (``benchmarks/bench_resnet_step.py``).
 
 Convolutions followed by a norm have no bias: every GBN statistic S is
 translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
@@ -40,11 +43,14 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from gbn_jax import MEASURES
 from gbn_jax import GBatchNorm
+from gbn_jax import Measure
 from gbn_jax import get_measure as gbn_get_measure
+from gbn_jax import parse_measure_name
 
 ModuleDef = Callable[..., nn.Module]
 
@@ -53,8 +59,6 @@ BASELINE_NORM = "bn"
 #: ``bn_gain:<measure>``: BatchNorm's statistics, with D scaled to the gain
 #: that ``<measure>`` gives a Gaussian feature (the gain without the shape).
 GAIN_NORM = "bn_gain"
-#: GBN measures that need an ``alpha`` (spelled ``sqd:<alpha>`` on the CLI).
-_ALPHA_MEASURES = ("sqd",)
 #: ``--calibration`` values: ``none``, or ``normal`` for GBatchNorm's
 #: ``calibration='normal'``.
 CALIBRATIONS = ("none", "normal")
@@ -80,8 +84,8 @@ class NormSpec:
 def norm_names() -> tuple[str, ...]:
   """Returns the accepted ``--norm`` spellings (``sqd`` as ``sqd:<alpha>``)."""
   names = [BASELINE_NORM]
-  for name in MEASURES:
-    names.append(f"{name}:<alpha>" if name in _ALPHA_MEASURES else name)
+  for name, spec in MEASURES.items():
+    names.append(f"{name}:<alpha>" if "alpha" in spec.required else name)
   names.append(f"{GAIN_NORM}:<norm>")
   return tuple(names)
 
@@ -101,45 +105,38 @@ def parse_norm(spec: str) -> NormSpec:
   """
   if not isinstance(spec, str):
     raise ValueError(f"norm must be a string, got {spec!r}")
-  name, sep, alpha_text = spec.strip().partition(":")
+  # The norm's own words (bn, bn_gain:<norm>) first; a measure's name and
+  # its alpha are read by gbn_jax.parse_measure_name.
+  head, sep, rest = spec.strip().partition(":")
   choices = ", ".join(norm_names())
-  if name == BASELINE_NORM and not sep:
+  if head == BASELINE_NORM and not sep:
     return NormSpec(measure=None)
-  if name == GAIN_NORM:
+  if head == GAIN_NORM:
     if not sep:
       raise ValueError(
-          f"norm {name!r} needs a norm whose gain to take: write "
-          f"{name}:<norm>, e.g. {name}:sqd1"
+          f"norm {head!r} needs a norm whose gain to take: write "
+          f"{head}:<norm>, e.g. {head}:sqd1"
       )
-    target = parse_norm(alpha_text)
+    target = parse_norm(rest)
     if target.measure is None or target.gain_of is not None:
       raise ValueError(
           f"{spec!r}: the gain must be that of a GBN measure "
-          f"(not {alpha_text!r}); choose one of: {choices}"
+          f"(not {rest!r}); choose one of: {choices}"
       )
     return NormSpec(measure="sd", gain_of=target)
-  if name not in MEASURES:
+  if head not in MEASURES:
     raise ValueError(f"unknown norm {spec!r}; choose one of: {choices}")
-  if name not in _ALPHA_MEASURES:
-    if sep:
-      raise ValueError(
-          f"norm {name!r} takes no alpha (got {spec!r}); "
-          f"choose one of: {choices}"
-      )
-    return NormSpec(measure=name)
-  if not sep:
+  try:
+    name, params = parse_measure_name(spec)
+  except ValueError as e:
+    raise ValueError(f"norm {spec!r}: {e} Choose one of: {choices}") from None
+  if "alpha" in MEASURES[name].required and "alpha" not in params:
     raise ValueError(
         f"norm {name!r} needs a quantile level: write {name}:<alpha> with "
         f"0 < alpha < 1, e.g. {name}:0.9 (sqd1/sqd2/sqd3 are alpha "
         "0.25/0.5/0.75)"
     )
-  try:
-    alpha = float(alpha_text)
-  except ValueError:
-    raise ValueError(f"alpha in {spec!r} is not a number") from None
-  if not 0.0 < alpha < 1.0:  # also rejects nan
-    raise ValueError(f"alpha in {spec!r} must be strictly between 0 and 1")
-  return NormSpec(measure=name, alpha=alpha)
+  return NormSpec(measure=name, alpha=params.get("alpha"))
 
 
 def make_norm(
@@ -203,16 +200,23 @@ def make_norm(
 
 
 @functools.lru_cache(maxsize=None)
-def gain_measure(
-    target: NormSpec,
-) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def gain_measure(target: NormSpec) -> Measure:
   """BatchNorm's ``(mean, sigma)`` with ``sigma`` times ``target``'s Gaussian ``D``.
 
   For Gaussian data this layer has the gain of ``target`` and BatchNorm's
   shape (centering on the mean, a symmetric deviation). The constant is
   ``gbn_jax.get_measure(target).normal_constant(n)`` for the ``n`` values
-  per statistic (static: no mask, no cross-device pooling). One function per
-  target (cached), so that jit reuses its traces.
+  per statistic, a static count. The measure declares mask support only to
+  refuse a mask with that reason; it does not pool devices, so under
+  ``axis_name`` the layer gathers the global batch for it (and ``n`` is the
+  global count). One measure per target (cached), so that jit reuses its
+  traces.
+
+  Args:
+    target: the norm whose Gaussian ``D`` gives the gain.
+
+  Returns:
+    The measure, for ``GBatchNorm(measure=...)``.
 
   >>> import numpy as np
   >>> x = jnp.asarray(np.random.default_rng(0).standard_normal((4000, 2)))
@@ -226,18 +230,21 @@ def gain_measure(
       **({} if target.alpha is None else {"alpha": target.alpha}),
   )
 
-  def measure(x, axis, *, where=None, axis_name=None, axis_index_groups=None):
-    if where is not None or axis_name is not None:
+  def measure(x, axis, *, where=None):
+    if where is not None:
       raise ValueError(
-          f"{GAIN_NORM}:{target.measure} supports neither a mask "
-          "nor axis_name (its constant needs a static count)"
+          f"{GAIN_NORM}:{target.measure} supports neither a mask nor any "
+          "other traced count: its constant needs the static number of values"
       )
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     n = math.prod(x.shape[a] for a in axes)
     mean, sigma = sd(x, axes)
     return mean, sigma * reference.normal_constant(n)
 
-  return measure
+  name = f"{GAIN_NORM}:{target.measure}"
+  if target.alpha is not None:
+    name += f":{target.alpha}"
+  return Measure(name, measure, supports_mask=True)
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
@@ -261,16 +268,33 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
   return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
 
 
-def im2col(x: jax.Array, kh: int, kw: int) -> jax.Array:
-  """VALID ``kh x kw`` patches ``(n, oh, ow, kh*kw*c)`` of NHWC ``x``.
+def im2col(
+    x: jax.Array,
+    kh: int,
+    kw: int,
+    *,
+    strides: int = 1,
+    padding: str = "VALID",
+) -> jax.Array:
+  """``kh x kw`` patches ``(n, oh, ow, kh*kw*c)`` of NHWC ``x``.
 
-  Ordered like a flattened HWIO kernel, so ``im2col(x, kh, kw) @
-  kernel.reshape(-1, features)`` is the VALID convolution.
+  Ordered like a flattened HWIO kernel, so ``im2col(x, kh, kw, strides=s,
+  padding=p) @ kernel.reshape(-1, features)`` is ``lax.conv_general_dilated``
+  with window strides ``(s, s)`` and padding ``p`` (``'VALID'`` or
+  ``'SAME'``, as in ``nn.Conv``).
   """
+  if padding != "VALID":
+    pads = lax.padtype_to_pads(x.shape[1:3], (kh, kw), (strides,) * 2, padding)
+    x = jnp.pad(x, ((0, 0), *pads, (0, 0)))
   _, h, w, _ = x.shape
-  oh, ow = h - kh + 1, w - kw + 1
+  oh, ow = (h - kh) // strides + 1, (w - kw) // strides + 1
+  rows, cols = strides * (oh - 1) + 1, strides * (ow - 1) + 1
   return jnp.concatenate(
-      [x[:, i : i + oh, j : j + ow, :] for i in range(kh) for j in range(kw)],
+      [
+          x[:, i : i + rows : strides, j : j + cols : strides, :]
+          for i in range(kh)
+          for j in range(kw)
+      ],
       axis=-1,
   )
 
@@ -303,6 +327,97 @@ class PatchConv(nn.Module):
         jnp.float32,
     )
     return im2col(x, kh, kw) @ kernel.reshape(-1, self.features)
+
+
+def conv_same(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
+  """``nn.Conv``'s SAME convolution of NHWC ``x`` with an HWIO kernel."""
+  return lax.conv_general_dilated(
+      x,
+      kernel,
+      (strides, strides),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def conv_col2im_dgrad(
+    x: jax.Array, kernel: jax.Array, strides: int
+) -> jax.Array:
+  """:func:`conv_same` whose input gradient is a matmul and a col2im.
+
+  The forward pass and the kernel gradient are XLA's. The input gradient is
+  ``col2im(g @ kernel^T)`` (the transpose of :func:`im2col`: each patch's
+  gradient summed back into place) instead of XLA's transposed convolution,
+  which for ``strides > 1`` convolves a zero-dilated gradient (4 times the
+  positions at stride 2) and ran slower on XLA:CPU.
+  """
+  return conv_same(x, kernel, strides)
+
+
+def _col2im_dgrad_fwd(x, kernel, strides):
+  return conv_same(x, kernel, strides), (x, kernel)
+
+
+def _col2im_dgrad_bwd(strides, res, g):
+  x, kernel = res
+  kh, kw, _, features = kernel.shape
+  _, kernel_vjp = jax.vjp(lambda k: conv_same(x, k, strides), kernel)
+  dpatches = lax.dot_general(
+      g, kernel.reshape(-1, features), (((3,), (1,)), ((), ()))
+  )
+  _, col2im = jax.vjp(
+      lambda v: im2col(v, kh, kw, strides=strides, padding="SAME"), x
+  )
+  return col2im(dpatches)[0], kernel_vjp(g)[0]
+
+
+conv_col2im_dgrad.defvjp(_col2im_dgrad_fwd, _col2im_dgrad_bwd)
+
+
+class ResNetConv(nn.Module):
+  """``nn.Conv(features, kernel_size, strides, use_bias=False)`` for XLA:CPU.
+
+  The same parameter (``kernel``, HWIO, from ``kernel_init``: the same
+  values from the same key), the same SAME padding and the same forward
+  operation; strided convolutions take their input gradient from
+  :func:`conv_col2im_dgrad` (equal up to float32 summation order). ResNet's
+  formulation on a CPU (``benchmarks/bench_resnet_step.py``).
+
+  Attributes:
+    features: Output channels.
+    kernel_size: ``(height, width)`` of the kernel.
+    strides: Stride of both spatial dimensions (an int or an equal pair).
+    use_bias: Must be False (nn.Conv's argument, accepted for its
+      signature).
+    kernel_init: The kernel's initializer (``nn.Conv``'s default).
+  """
+
+  features: int
+  kernel_size: tuple[int, int]
+  strides: int | tuple[int, int] = 1
+  use_bias: bool = False
+  kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.use_bias:
+      raise ValueError("ResNetConv has no bias")
+    strides = self.strides
+    if not isinstance(strides, int):
+      if len(set(strides)) != 1:
+        raise ValueError(f"unequal strides {strides!r}")
+      strides = strides[0]
+    kh, kw = self.kernel_size
+    kernel = self.param(
+        "kernel",
+        self.kernel_init,
+        (kh, kw, x.shape[-1], self.features),
+        jnp.float32,
+    )
+    if strides == 1:
+      return conv_same(x, kernel, 1)
+    return conv_col2im_dgrad(x, kernel, strides)
 
 
 class LeNet(nn.Module):
@@ -358,16 +473,18 @@ class BasicBlock(nn.Module):
     features: Output channels.
     strides: Stride of the first convolution (and of the shortcut).
     norm: Norm factory with ``use_running_average`` already bound.
+    conv: The convolution module (``nn.Conv`` or :class:`ResNetConv`).
   """
 
   features: int
   strides: int
   norm: ModuleDef
+  conv: ModuleDef = nn.Conv
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     conv = functools.partial(
-        nn.Conv,
+        self.conv,
         self.features,
         (3, 3),
         use_bias=False,
@@ -388,17 +505,25 @@ class ResNet(nn.Module):
     norm: Norm factory from :func:`make_norm`.
     blocks_per_stage: n (3 for ResNet20).
     stage_features: Channels of the three stages.
+    conv: The convolution module, called like ``nn.Conv`` (features,
+      kernel size, ``strides``, ``use_bias``, ``kernel_init``, ``name``).
+      ``None`` (default): :class:`ResNetConv` where the default backend is
+      the CPU, else ``nn.Conv``: the same parameters and function.
   """
 
   num_classes: int
   norm: ModuleDef
   blocks_per_stage: int = 3
   stage_features: Sequence[int] = (16, 32, 64)
+  conv: ModuleDef | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     norm = functools.partial(self.norm, use_running_average=not train)
-    x = nn.Conv(
+    conv = self.conv
+    if conv is None:
+      conv = ResNetConv if jax.default_backend() == "cpu" else nn.Conv
+    x = conv(
         self.stage_features[0],
         (3, 3),
         use_bias=False,
@@ -410,7 +535,11 @@ class ResNet(nn.Module):
       for block in range(self.blocks_per_stage):
         strides = 2 if stage > 0 and block == 0 else 1
         x = BasicBlock(
-            features, strides, norm, name=f"stage{stage + 1}_block{block + 1}"
+            features,
+            strides,
+            norm,
+            conv,
+            name=f"stage{stage + 1}_block{block + 1}",
         )(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, name="fc")(x)

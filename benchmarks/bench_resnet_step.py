@@ -1,0 +1,699 @@
+"""Where the ResNet20 train step's time goes on XLA:CPU, and what makes it faster.
+
+Times the training suite's real jitted step (``train.train.train_step`` and
+the state, optimizer, mesh and shardings ``train`` builds) on random
+CIFAR-10-shaped data (``train.cifar``'s defaults: batch 256, 32x32x3, plain
+SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
+
+1. ``convs``: ResNet20's six convolution shapes alone, forward and
+   forward+backward, in each exact formulation (:data:`FORMULATIONS`),
+   interleaved; weighted by each shape's count, the step's conv time.
+2. ``variants``: the whole model with each formulation (:data:`VARIANTS`),
+   interleaved with the real model (``base``: ``train.models.ResNetConv`` on
+   a CPU) and ``flax`` (``nn.Conv``); ``loss_rel``/``update_rel`` against
+   ``base`` on the same batch (with a quantile norm, im2col's other forward
+   rounding can move a quantile to another element, and its gradient).
+3. ``profile``: a traced step of ``base`` and ``flax``: XLA op time by kind
+   (conv forward, input and kernel gradients, transposes, reductions,
+   elementwise), by phase and by stage, and the top ops.
+4. ``flags``: XLA:CPU flag sets (``bench_lenet_step``'s), a process each,
+   timing ``base`` against default-flag processes first and last.
+5. ``final``: 1 vs 2 host devices (the batch split as the CLI does) x
+   default vs the best exact flag set, ``base`` and ``flax``.
+6. ``--torch-python``: ``peers/torch_resnet20.py`` (BatchNorm2d, NCHW and
+   channels_last; kthvalue SQD2 with ``--torch-sqd``) first and last; steps
+   as ratios to PyTorch's best BatchNorm step (target: 1.3).
+
+Medians after warm-up; on a shared machine read only the ratios within one
+process. Run it on idle cores (about 25 minutes on 2 cores):
+
+  python -m benchmarks.bench_resnet_step --out results/resnet20_step_cpu.json \\
+      --torch-python /tmp/torchvenv/bin/python
+  python -m benchmarks.bench_resnet_step --quick      # smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from collections.abc import Callable, Sequence
+import functools
+import json
+import math
+import os
+from pathlib import Path
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from benchmarks.bench_lenet_step import Report
+from benchmarks.lenet_children import FLAG_SETS
+from benchmarks.lenet_children import INEXACT_FLAG_SETS
+from benchmarks.lenet_profile import hlo_index
+from benchmarks.lenet_profile import profile_compiled
+from benchmarks.lenet_setup import compare_outputs
+from benchmarks.lenet_setup import summarize
+from benchmarks.lenet_setup import time_interleaved
+from benchmarks.machine import machine_info
+from train import configs
+from train import train as trainlib
+from train.models import conv_col2im_dgrad
+from train.models import conv_same
+from train.models import im2col
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PEER = REPO / "peers" / "torch_resnet20.py"
+DATASET = "cifar10"
+IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = 10
+TARGET = 1.3  # issue 20: each step at most 1.3x PyTorch's best BatchNorm step
+_RESULT = "RESULT "
+_MODULE = "benchmarks.bench_resnet_step"
+
+# --- Exact formulations of nn.Conv(features, (3, 3), strides, use_bias=False):
+# fn(x, kernel, strides) on NHWC x and an HWIO kernel.
+
+
+def _patches(x, kernel, strides):
+  kh, kw = kernel.shape[:2]
+  return im2col(x, kh, kw, strides=strides, padding="SAME")
+
+
+def conv_im2col(x, kernel, strides):
+  """Patches times the flattened kernel; autodiff gives matmul gradients."""
+  flat = kernel.reshape(-1, kernel.shape[-1])
+  return lax.dot_general(
+      _patches(x, kernel, strides), flat, (((3,), (0,)), ((), ()))
+  )
+
+
+def _kernel_grad_mm(x, kernel, strides, g):
+  """``patches^T @ g``: the kernel gradient as one matmul."""
+  dk = lax.dot_general(
+      _patches(x, kernel, strides), g, (((0, 1, 2), (0, 1, 2)), ((), ()))
+  )
+  return dk.reshape(kernel.shape)
+
+
+def _input_grad_col2im(x, kernel, strides, g):
+  flat = kernel.reshape(-1, kernel.shape[-1])
+  dp = lax.dot_general(g, flat, (((3,), (1,)), ((), ())))
+  return jax.vjp(lambda v: _patches(v, kernel, strides), x)[1](dp)[0]
+
+
+def _input_grad_xla(x, kernel, strides, g):
+  return jax.vjp(lambda v: conv_same(v, kernel, strides), x)[1](g)[0]
+
+
+def _custom(input_grad, kernel_grad):
+  """XLA's forward convolution with the given gradient formulations."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+  def conv(x, kernel, strides):
+    return conv_same(x, kernel, strides)
+
+  def fwd(x, kernel, strides):
+    return conv_same(x, kernel, strides), (x, kernel)
+
+  def bwd(strides, res, g):
+    x, kernel = res
+    return input_grad(x, kernel, strides, g), kernel_grad(x, kernel, strides, g)
+
+  conv.defvjp(fwd, bwd)
+  return conv
+
+
+def _per_stride(strided, plain=conv_same):
+  return lambda x, k, s: (strided if s > 1 else plain)(x, k, s)
+
+
+def conv_nchw(x, kernel, strides):
+  """XLA's convolution on NCHW activations (transposed in and out here)."""
+  x = jnp.transpose(x, (0, 3, 1, 2))
+  dims = ("NCHW", "HWIO", "NCHW")
+  y = lax.conv_general_dilated(
+      x, kernel, (strides,) * 2, "SAME", None, None, dims
+  )
+  return jnp.transpose(y, (0, 2, 3, 1))
+
+
+#: Formulation -> fn(x, kernel, strides). ``flax`` is nn.Conv's; ``resnet``
+#: train.models.ResNetConv's (the CPU default).
+FORMULATIONS: dict[str, Callable[..., jax.Array]] = {
+    "flax": conv_same,
+    "resnet": _per_stride(conv_col2im_dgrad),
+    "im2col": conv_im2col,
+    "im2col_strided": _per_stride(conv_im2col),
+    "mm_bwd": _custom(_input_grad_col2im, _kernel_grad_mm),
+    "wgrad_mm": _custom(_input_grad_xla, _kernel_grad_mm),
+    "dgrad_col2im": conv_col2im_dgrad,
+    "nchw": conv_nchw,
+}
+
+
+class FormulationConv(nn.Module):
+  """``nn.Conv`` (no bias, SAME) computed by ``FORMULATIONS[method]``."""
+
+  features: int
+  kernel_size: tuple[int, int]
+  strides: int = 1
+  use_bias: bool = False
+  kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
+  method: str = "flax"
+
+  @nn.compact
+  def __call__(self, x):
+    kh, kw = self.kernel_size
+    shape = (kh, kw, x.shape[-1], self.features)
+    kernel = self.param("kernel", self.kernel_init, shape, jnp.float32)
+    return FORMULATIONS[self.method](x, kernel, self.strides)
+
+
+#: Variant -> ResNet ``conv`` (``base``: the real model as train builds it).
+VARIANTS: dict[str, Any] = {"base": None, "flax": nn.Conv} | {
+    f: functools.partial(FormulationConv, method=f)
+    for f in FORMULATIONS
+    if f not in ("flax", "resnet", "nchw")
+}
+DEFAULT_FLAG_SETS = tuple(
+    "ynn_off ynn_no_conv ynn_no_dot onednn_dot eigen_1thread "
+    "no_concurrency_sched nproc1".split()
+)
+#: ResNet20's convolutions: (height, in, out, stride, how many per step).
+# fmt: off
+CONV_SHAPES = ((32, 3, 16, 1, 1), (32, 16, 16, 1, 6), (32, 16, 32, 2, 1),
+               (16, 32, 32, 1, 5), (16, 32, 64, 2, 1), (8, 64, 64, 1, 5))
+# fmt: on
+
+# --- The real step.
+
+
+class Setup:
+  """The real train step's inputs for one norm, laid out as in training."""
+
+  def __init__(self, norm: str, batch: int, *, seed: int = 0, steps: int = 1):
+    self.config = trainlib.resolve(
+        configs.CIFAR.replace(dataset=DATASET, norm=norm, batch_size=batch)
+    )
+    self.mesh = trainlib.make_mesh(trainlib.data_parallel_devices(batch))
+    replicated = NamedSharding(self.mesh, P())
+    batched = NamedSharding(self.mesh, P(None, trainlib.DATA_AXIS))
+    self.model = trainlib.create_model(self.config, NUM_CLASSES)
+    init = jax.jit(
+        functools.partial(
+            trainlib.create_train_state,
+            model=self.model,
+            image_shape=IMAGE_SHAPE,
+            tx=trainlib.create_optimizer(self.config),
+        ),
+        out_shardings=replicated,
+    )
+    self.state = init(jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+    self.images = jax.device_put(
+        rng.integers(0, 256, (steps, batch, *IMAGE_SHAPE), dtype=np.uint8),
+        batched,
+    )
+    self.labels = jax.device_put(
+        rng.integers(0, NUM_CLASSES, (steps, batch)).astype(np.int32), batched
+    )
+    self.step = jax.jit(
+        functools.partial(trainlib.train_step, dataset=self.config.dataset),
+        out_shardings=(replicated, replicated),
+    )
+
+  def state_for(self, variant: str):
+    """The initial state with ``variant``'s apply_fn (same parameters)."""
+    if VARIANTS[variant] is None:
+      return self.state
+    model = self.model.clone(conv=VARIANTS[variant])  # the same tree
+    return self.state.replace(apply_fn=model.apply)
+
+  def compile(self, variant: str):
+    """``(compiled step, its state, compile seconds)``."""
+    state = self.state_for(variant)
+    t = time.perf_counter()
+    args = (state, self.images, self.labels, np.int32(0))
+    return self.step.lower(*args).compile(), state, time.perf_counter() - t
+
+  def runner(self, compiled, state) -> Callable[[], Any]:
+    """One dispatch of the step on the first batch per call, not blocked."""
+    return functools.partial(
+        compiled, state, self.images, self.labels, np.int32(0)
+    )
+
+
+# --- Profile: op time by kind, phase and stage.
+
+_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
+_KERNEL_MAX = 9 * 64 * 64  # the largest kernel gradient's size
+_KINDS = (
+    ({"reduce"}, "reduce (norm stats, mean)"),
+    ({"transpose", "copy"}, "transpose/copy"),
+    ({"sort", "while", "custom-call"}, "sort/loop/custom-call"),
+    ({"concatenate", "slice", "pad", "dynamic-slice"}, "data movement"),
+)
+
+
+def _sizes(text: str) -> dict[str, int]:
+  dims = {m[1]: m[2] for m in map(_SHAPE.match, text.splitlines()) if m}
+  return {
+      k: math.prod(int(d) for d in v.split(",") if d) for k, v in dims.items()
+  }
+
+
+def op_kind(info: dict[str, Any], size: int) -> str:
+  """What an XLA op does, from its opcodes, phase and output size."""
+  if info["opcodes"] & {"convolution", "dot"}:
+    grad = "kernel grad" if size <= _KERNEL_MAX else "input grad"
+    return "conv/dot " + ("forward" if info["phase"] == "forward" else grad)
+  for opcodes, kind in _KINDS:
+    if info["opcodes"] & opcodes:
+      return kind
+  return "elementwise"
+
+
+def _stage(op_name: str | None) -> str:
+  m = re.search(r"(stage\d)_block\d|/(conv1|norm1)/", op_name or "")
+  if m:
+    return m[1] or "stem"
+  return "head/loss/update" if op_name else "unattributed"
+
+
+def profile_step(compiled, run, steps: int, top: int = 20) -> dict[str, Any]:
+  """``profile_compiled``'s op times, regrouped for ResNet."""
+  prof = profile_compiled(compiled, run, steps, top=10**9)
+  if "top_ops" not in prof:
+    return prof
+  prof.pop("by_part", None)  # LeNet's layers
+  text = compiled.as_text()
+  index, sizes = hlo_index(text), _sizes(text)
+  groups = {k: collections.Counter() for k in ("kind", "phase", "stage")}
+  rows = []
+  for op in prof.pop("top_ops"):
+    info = index[op["op"]]
+    kind = op_kind(info, sizes.get(op["op"], 0))
+    keys = (kind, info["phase"], _stage(info["op_name"]))
+    for group, key in zip(groups.values(), keys):
+      group[key] += op["wall_ms"]
+    rows.append(dict(op, kind=kind, stage=keys[2]))
+  total = sum(groups["kind"].values()) or 1.0
+  for name, group in groups.items():
+    prof[f"by_{name}"] = {
+        k: {"wall_ms": round(v, 2), "share": round(v / total, 4)}
+        for k, v in group.most_common()
+    }
+  prof["top_ops"] = rows[:top]
+  return prof
+
+
+# --- Child processes.
+
+
+def child_convs(spec: dict[str, Any]) -> dict[str, Any]:
+  """Each conv shape alone, every formulation, fwd and fwd+bwd (interleaved)."""
+  out = {"machine": machine_info(), "shapes": [], "totals_ms": {}}
+  names = spec["formulations"]
+  totals = collections.Counter()
+  for hw, cin, cout, strides, count in CONV_SHAPES:
+    keys = jax.random.split(jax.random.key(hw * cin + cout), 3)
+    x = jax.random.normal(keys[0], (spec["batch"], hw, hw, cin))
+    kernel = jax.random.normal(keys[1], (3, 3, cin, cout))
+    cot = jax.random.normal(
+        keys[2], (spec["batch"], hw // strides, hw // strides, cout)
+    )
+    argnums = 1 if cin == 3 else (0, 1)  # the stem needs no input gradient
+    fns, grads, row = {}, {}, {"shape": [hw, cin, cout, strides, count]}
+    for name in names:
+      f = lambda x, k, fn=FORMULATIONS[name], s=strides: fn(x, k, s)
+      fwd = jax.jit(f)
+      bwd = jax.jit(jax.grad(lambda x, k: jnp.vdot(f(x, k), cot), argnums))
+      grads[name] = bwd(x, kernel)
+      fns[f"{name}/fwd"] = functools.partial(fwd, x, kernel)
+      fns[f"{name}/fwd+bwd"] = functools.partial(bwd, x, kernel)
+    samples = time_interleaved(fns, spec["runs"], spec["warmup"])
+    for name in names:
+      ms = {
+          p: statistics.median(samples[f"{name}/{p}"]) * 1e3
+          for p in ("fwd", "fwd+bwd")
+      }
+      pairs = zip(
+          jax.tree.leaves(grads[name]), jax.tree.leaves(grads[names[0]])
+      )
+      rel = max(
+          float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in pairs
+      )
+      row[name] = dict(ms, grad_rel=rel)
+      totals[name] += ms["fwd+bwd"] * count
+    out["shapes"].append(row)
+  out["totals_ms"] = {k: round(v, 2) for k, v in totals.items()}
+  return out
+
+
+def child_time(spec: dict[str, Any]) -> dict[str, Any]:
+  """Times ``spec['variants']`` for each norm in one process (interleaved).
+
+  With ``spec['steps']``: profiles each (``profiles``) instead.
+  """
+  out = {"machine": machine_info(), "norms": {}, "profiles": {}}
+  for norm in spec["norms"]:
+    setup = Setup(norm, spec["batch"])
+    row = {"devices": setup.mesh.size, "variants": {}}
+    fns, outs = {}, {}
+    for name in spec["variants"]:
+      try:
+        compiled, state, seconds = setup.compile(name)
+        fns[name] = setup.runner(compiled, state)
+        outs[name] = jax.device_get(fns[name]())
+        row["variants"][name] = {
+            "compile_s": round(seconds, 2),
+            "loss": float(outs[name][1]["loss"]),
+        }
+        if spec.get("steps"):
+          time_interleaved({name: fns[name]}, 0, spec["warmup"])
+          prof = profile_step(compiled, fns[name], spec["steps"])
+          out["profiles"][f"{norm}/{name}"] = prof
+      except Exception as e:  # pylint: disable=broad-except
+        row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    for name in outs:
+      if name != "base" and "base" in outs:
+        row["variants"][name].update(
+            compare_outputs(setup.state, outs["base"], outs[name])
+        )
+    samples = time_interleaved(fns, spec.get("runs", 0), spec["warmup"])
+    for name, s in samples.items():
+      if s and samples.get("base"):
+        ratio = statistics.median(s) / statistics.median(samples["base"])
+        row["variants"][name].update(summarize(s), ratio_to_base=ratio)
+    out["norms"][norm] = row
+  return out
+
+
+def _run_json(cmd: list[str], env=None, timeout: float = 1800) -> dict:
+  """Runs ``cmd``; its ``RESULT`` line's JSON (plus ``wall_s``), or an error."""
+  t = time.perf_counter()
+  try:
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return {"error": f"{type(e).__name__}: {e}"}
+  wall = round(time.perf_counter() - t, 1)
+  for line in proc.stdout.splitlines():
+    if line.startswith(_RESULT):
+      return dict(json.loads(line[len(_RESULT) :]), wall_s=wall)
+  return {"error": f"exited {proc.returncode}: {proc.stderr[-2000:]}"}
+
+
+def run_child(kind: str, spec: dict, *, devices: int, flag_set="default"):
+  """Runs ``kind`` (``convs`` or ``time``) in a fresh interpreter."""
+  flags, env_extra = FLAG_SETS[flag_set]
+  drop = ("XLA_FLAGS", "PJRT_NPROC", "NPROC")
+  env = {k: v for k, v in os.environ.items() if k not in drop}
+  count = f"--xla_force_host_platform_device_count={devices}"
+  env.update(env_extra, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{count} {flags}")
+  cmd = [sys.executable, "-m", _MODULE, "--child", kind, json.dumps(spec)]
+  return dict(_run_json(cmd, env), flag_set=flag_set)
+
+
+def run_torch(args, channels_last: bool) -> dict[str, Any]:
+  """The peer's ResNet20 step in ``args.torch_python`` (one layout)."""
+  norms = "bn,sqd" if args.torch_sqd else "bn"
+  cmd = [args.torch_python, str(args.torch_peer), "--json"] + (
+      f"--threads {args.torch_threads} --runs {args.torch_runs} "
+      f"--batch {args.batch} --norms {norms}".split()
+  )
+  return _run_json(cmd + (["--channels-last"] if channels_last else []))
+
+
+# --- The parent.
+
+
+def _ms(result: dict, norm: str, variant: str) -> float | None:
+  row = result.get("norms", {}).get(norm, {}).get("variants", {})
+  return row.get(variant, {}).get("median_ms")
+
+
+def _fmt(ms: float | None) -> str:
+  return "   failed" if ms is None else f"{ms:8.1f} ms"
+
+
+def torch_best_bn(runs: Sequence[dict]) -> tuple[float | None, str | None]:
+  """PyTorch's best BatchNorm step: the faster layout's median over runs."""
+  by_layout = collections.defaultdict(list)
+  for r in runs:
+    if "bn_ms" in r:
+      layout = "channels_last" if r["channels_last"] else "nchw"
+      by_layout[layout].append(r["bn_ms"])
+  medians = {k: statistics.median(v) for k, v in by_layout.items()}
+  best = min(medians, key=medians.get, default=None)
+  return medians.get(best), best
+
+
+def _print_time(result: dict) -> None:
+  if "error" in result:
+    print("  " + result["error"][:500])
+  for norm, row in result.get("norms", {}).items():
+    for name, v in row["variants"].items():
+      v = collections.defaultdict(lambda: float("nan"), v)
+      print(
+          f"  {norm:>5} {name:<16} {_fmt(v.get('median_ms'))}  x"
+          f"{v['ratio_to_base']:.2f} of base  loss_rel {v['loss_rel']:.1e} "
+          f"update_rel {v['update_rel']:.1e} {v.get('error', '')[:200]}",
+          flush=True,
+      )
+
+
+def _print_convs(result: dict, names: Sequence[str]) -> None:
+  for row in result.get("shapes", []):
+    cells = [f"{n} {row[n]['fwd']:.1f}/{row[n]['fwd+bwd']:.1f}" for n in names]
+    print(f"  {str(row['shape']):<20} " + " ".join(cells))
+  totals = result.get("totals_ms", {})
+  for name, ms in totals.items():
+    ratio = ms / totals[names[0]]
+    print(f"  the step's convs, {name:<16} {ms:8.1f} ms  x{ratio:.2f}")
+  print("  " + result.get("error", "")[:500])
+
+
+def _print_profile(result: dict) -> None:
+  if "error" in result:
+    print("  " + result["error"][:500])
+  for key, prof in result.get("profiles", {}).items():
+    if "by_kind" not in prof:
+      print(f"  {key}: {prof}")
+      continue
+    print(
+        f"  {key}: traced step {prof['traced_step_ms']:.0f} ms, ops "
+        f"{prof['op_wall_ms_per_step']:.0f} ms; shares of op time:"
+    )
+    for group in ("kind", "phase", "stage"):
+      shares = prof[f"by_{group}"].items()
+      print(
+          f"    by {group}: "
+          + ", ".join(f"{k} {100 * v['share']:.0f}%" for k, v in shares)
+      )
+    for o in prof["top_ops"][:8]:
+      name = (o["op_name"] or "")[-60:]
+      print(
+          f"    {o['op'][:30]:<30} {o['wall_ms']:6.1f} ms {o['kind']:<24} {name}"
+      )
+
+
+def _flags(report, args, common) -> str:
+  """The flags section; returns the fastest exact flag set (or default)."""
+  norm = args.norms[0]
+  print(f"flags (1 device, {norm}, base, {args.runs} runs)...", flush=True)
+  spec = dict(common, norms=[norm], variants=["base"], runs=args.runs)
+  results, ms, loss = [], collections.defaultdict(list), {}
+  for flag_set in ["default", *args.flag_sets, "default"]:
+    results.append(run_child("time", spec, devices=1, flag_set=flag_set))
+    report.put("flags", results)
+    row = results[-1].get("norms", {}).get(norm, {"variants": {}})
+    v = row["variants"].get("base", {})
+    if "median_ms" in v:
+      ms[flag_set].append(v["median_ms"])
+      loss.setdefault(flag_set, v["loss"])
+    ratio = v.get("median_ms", np.nan) / (ms["default"] or [np.nan])[0]
+    print(
+        f"  {flag_set:<22} {_fmt(v.get('median_ms'))} x{ratio:.2f}  loss "
+        f"{v.get('loss')} {results[-1].get('error', '')[:300]}",
+        flush=True,
+    )
+  ref = statistics.median(ms.pop("default", [np.nan]))
+  report.data["flags_summary"] = summary = {
+      f: dict(median_ms=m[0], ratio_to_default=m[0] / ref, loss=loss[f])
+      for f, m in ms.items()
+  }
+  exact = {f: v for f, v in summary.items() if f not in INEXACT_FLAG_SETS}
+  best = min(exact, key=lambda f: exact[f]["median_ms"], default=None)
+  return best if best and exact[best]["ratio_to_default"] < 1 else "default"
+
+
+def _summary(report, args, torch_runs) -> list[dict[str, Any]]:
+  tbn, layout = torch_best_bn(torch_runs)
+  best = f" (PyTorch's best BatchNorm step: {tbn:.1f} ms, {layout})"
+  print("summary" + (best if tbn else "") + ":")
+  report.data["torch_best_bn"] = {"ms": tbn, "layout": layout}
+  sources = [(1, "default", report.data.get("variants", {}))]
+  sources += [
+      (r["devices"], r["flag_set"], r) for r in report.data.get("final", [])
+  ]
+  rows = []
+  for devices, flag_set, r in sources:
+    for norm in args.norms:
+      for variant in r.get("norms", {}).get(norm, {}).get("variants", {}):
+        ms = _ms(r, norm, variant)
+        if ms is None:
+          continue
+        ratio = ms / tbn if tbn else None
+        met = None if ratio is None else ratio <= TARGET
+        keys = ("devices flags norm variant median_ms ratio_to_torch_bn "
+                "meets_target").split()  # fmt: skip
+        values = (devices, flag_set, norm, variant, ms, ratio, met)
+        rows.append(dict(zip(keys, values)))
+        extra = f"  = {ratio:.2f}x PyTorch BN" if ratio else ""
+        label = f"{norm} {variant}, {devices} dev, {flag_set}"
+        print(f"  {label:<40} {_fmt(ms)}{extra}")
+  sq = [r["sqd_ms"] for r in torch_runs if "sqd_ms" in r]
+  if sq:
+    print(f"  PyTorch kthvalue-SQD2 step {statistics.median(sq):.1f} ms")
+  return rows
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  cpus = os.cpu_count() or 1
+  for flag, default, text in (
+      ("--runs", 7, "timed steps or calls per case (median)"),
+      ("--warmup", 2, "untimed calls first"),
+      ("--batch", 256, "the train step's batch"),
+      ("--profile-steps", 2, "traced steps"),
+      ("--torch-runs", 11, "the peer's timed steps"),
+      ("--torch-threads", cpus, "the peer's torch threads"),
+  ):
+    parser.add_argument(flag, type=int, default=default, help=text)
+  sections = ["convs", "variants", "profile", "flags", "final"]
+  for flag, default, choices in (
+      ("--norms", ["bn", "sqd2"], None),
+      ("--sections", sections, sections),
+      ("--formulations", list(FORMULATIONS), list(FORMULATIONS)),
+      ("--variants", list(VARIANTS), list(VARIANTS)),
+      ("--flag-sets", list(DEFAULT_FLAG_SETS), list(FLAG_SETS)),
+  ):
+    parser.add_argument(flag, nargs="+", default=default, choices=choices)
+  parser.add_argument("--devices", type=int, nargs="+", default=[1, cpus])
+  parser.add_argument(
+      "--best-flags",
+      choices=list(FLAG_SETS),
+      help="the final section's flag set (default: the fastest exact one)",
+  )
+  parser.add_argument("--torch-python", help="python of a venv with torch")
+  parser.add_argument("--torch-peer", type=Path, default=DEFAULT_PEER)
+  parser.add_argument(
+      "--torch-sqd", action="store_true", help="also the peer's kthvalue SQD2"
+  )
+  parser.add_argument(
+      "--quick",
+      action="store_true",
+      help="smoke check: batch 32, 2 runs, few formulations and flag sets",
+  )
+  parser.add_argument(
+      "--out",
+      default=os.path.join(tempfile.gettempdir(), "bench_resnet_step.json"),
+      help="the JSON results (default: %(default)s)",
+  )
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.batch, args.runs, args.warmup, args.torch_runs = 32, 2, 1, 2
+    args.profile_steps = 1
+    args.formulations = ["flax", "resnet", "im2col"]
+    args.variants = ["base", "flax", "im2col"]
+    args.flag_sets = ["ynn_off"]
+    args.devices = [max(args.devices)]
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["--child"]:
+    child = child_convs if argv[1] == "convs" else child_time
+    result = child(json.loads(argv[2]))
+    print(_RESULT + json.dumps(result), flush=True)
+    return result
+  args = parse_args(argv)
+  report = Report(args, argv)
+  report.data["command"] = " ".join([f"python -m {_MODULE}", *argv])
+  t_start = time.perf_counter()
+  common = dict(batch=args.batch, warmup=args.warmup)
+  torch_runs = []
+
+  def torch_round(label):
+    print(f"PyTorch peer ({args.torch_peer.name}), {label}...", flush=True)
+    for channels_last in (False, True):
+      torch_runs.append(dict(run_torch(args, channels_last), round=label))
+      report.put("torch", torch_runs)
+      print(f"  {torch_runs[-1]}", flush=True)
+
+  if args.torch_python:
+    torch_round("first")
+  if "convs" in args.sections:
+    print(f"convs (each shape alone, batch {args.batch}; fwd/fwd+bwd ms)...")
+    spec = dict(common, formulations=args.formulations, runs=args.runs)
+    report.put("convs", run_child("convs", spec, devices=1))
+    _print_convs(report.data["convs"], args.formulations)
+  if "variants" in args.sections:
+    print(f"variants (1 device, default flags, {args.runs} runs)...")
+    spec = dict(
+        common, norms=args.norms, variants=args.variants, runs=args.runs
+    )
+    report.put("variants", run_child("time", spec, devices=1))
+    _print_time(report.data["variants"])
+  pair = ["base", "flax"]
+  if "profile" in args.sections:
+    print("profile (1 device, default flags)...", flush=True)
+    spec = dict(common, norms=args.norms, variants=pair)
+    spec["steps"] = args.profile_steps
+    report.put("profile", run_child("time", spec, devices=1))
+    _print_profile(report.data["profile"])
+  best_flags = args.best_flags
+  if "flags" in args.sections and best_flags is None:
+    best_flags = _flags(report, args, common)
+  report.put("best_flags", best_flags or "default")
+  if "final" in args.sections:
+    print(f"final: devices {args.devices} x flags default/{best_flags}...")
+    spec = dict(common, norms=args.norms, variants=pair, runs=args.runs)
+    finals = []
+    for devices in dict.fromkeys(args.devices):
+      for flag_set in dict.fromkeys(["default", report.data["best_flags"]]):
+        if devices == 1 and flag_set == "default" and "variants" in report.data:
+          continue  # measured in the variants section
+        result = run_child("time", spec, devices=devices, flag_set=flag_set)
+        finals.append(dict(result, devices=devices))
+        report.put("final", finals)
+        _print_time(result)
+  if args.torch_python:
+    torch_round("last")
+  report.data["summary"] = _summary(report, args, torch_runs)
+  report.data["seconds"] = round(time.perf_counter() - t_start, 1)
+  report.data["complete"] = True
+  report.save()
+  print(f"done in {report.data['seconds']:.0f} s; results: {args.out}")
+  return report.data
+
+
+if __name__ == "__main__":
+  main()
