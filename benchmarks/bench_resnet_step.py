@@ -54,8 +54,6 @@ import flax.linen as nn
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from benchmarks.bench_lenet_step import Report
@@ -64,6 +62,7 @@ from benchmarks.lenet_children import INEXACT_FLAG_SETS
 from benchmarks.lenet_profile import hlo_index
 from benchmarks.lenet_profile import profile_compiled
 from benchmarks.lenet_setup import compare_outputs
+from benchmarks.lenet_setup import random_train_step
 from benchmarks.lenet_setup import summarize
 from benchmarks.lenet_setup import time_interleaved
 from benchmarks.machine import machine_info
@@ -208,30 +207,17 @@ class Setup:
         configs.CIFAR.replace(dataset=DATASET, norm=norm, batch_size=batch)
     )
     self.mesh = trainlib.make_mesh(trainlib.data_parallel_devices(batch))
-    replicated = NamedSharding(self.mesh, P())
-    batched = NamedSharding(self.mesh, P(None, trainlib.DATA_AXIS))
     self.model = trainlib.create_model(self.config, NUM_CLASSES)
-    init = jax.jit(
-        functools.partial(
-            trainlib.create_train_state,
-            model=self.model,
-            image_shape=IMAGE_SHAPE,
-            tx=trainlib.create_optimizer(self.config),
-        ),
-        out_shardings=replicated,
-    )
-    self.state = init(jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    self.images = jax.device_put(
-        rng.integers(0, 256, (steps, batch, *IMAGE_SHAPE), dtype=np.uint8),
-        batched,
-    )
-    self.labels = jax.device_put(
-        rng.integers(0, NUM_CLASSES, (steps, batch)).astype(np.int32), batched
-    )
-    self.step = jax.jit(
-        functools.partial(trainlib.train_step, dataset=self.config.dataset),
-        out_shardings=(replicated, replicated),
+    self.state, self.images, self.labels, self.step = random_train_step(
+        self.config,
+        self.model,
+        trainlib.create_optimizer(self.config),
+        self.mesh,
+        IMAGE_SHAPE,
+        NUM_CLASSES,
+        batch=batch,
+        steps=steps,
+        seed=seed,
     )
 
   def state_for(self, variant: str):

@@ -30,6 +30,55 @@ from train import input_pipeline
 from train import train as trainlib
 
 
+def random_train_step(
+    config: configs.Config,
+    model: Any,
+    tx: Any,
+    mesh: jax.sharding.Mesh,
+    image_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    batch: int,
+    steps: int,
+    seed: int,
+) -> tuple[Any, jax.Array, jax.Array, Callable[..., Any]]:
+  """``train.train_step``'s inputs on random data, laid out as training does.
+
+  Shared by the LeNet and ResNet20 step benchmarks.
+
+  Returns:
+    ``(state, images, labels, step)``: the replicated initial state, ``steps``
+    batches of uint8 images and int32 labels split over ``mesh``'s data axis,
+    and the step jitted as ``train.compile_program`` builds it (no donation
+    on CPU).
+  """
+  replicated = NamedSharding(mesh, P())
+  batched = NamedSharding(mesh, P(None, trainlib.DATA_AXIS))
+  init = jax.jit(
+      functools.partial(
+          trainlib.create_train_state,
+          model=model,
+          image_shape=image_shape,
+          tx=tx,
+      ),
+      out_shardings=replicated,
+  )
+  state = init(jax.random.key(seed))
+  rng = np.random.default_rng(seed)
+  images = jax.device_put(
+      rng.integers(0, 256, (steps, batch, *image_shape), dtype=np.uint8),
+      batched,
+  )
+  labels = jax.device_put(
+      rng.integers(0, num_classes, (steps, batch)).astype(np.int32), batched
+  )
+  step = jax.jit(
+      functools.partial(trainlib.train_step, dataset=config.dataset),
+      out_shardings=(replicated, replicated),
+  )
+  return state, images, labels, step
+
+
 class Setup:
   """The real train step's inputs for one norm, laid out as in training."""
 
@@ -50,33 +99,20 @@ class Setup:
       chosen = chosen[:devices]
     self.mesh = trainlib.make_mesh(chosen)
     self.replicated = NamedSharding(self.mesh, P())
-    batched = NamedSharding(self.mesh, P(None, trainlib.DATA_AXIS))
     base = make_model("base", self.config)
     self.tx = trainlib.create_optimizer(self.config)
-    init = jax.jit(
-        functools.partial(
-            trainlib.create_train_state,
-            model=base,
-            image_shape=IMAGE_SHAPE,
-            tx=self.tx,
-        ),
-        out_shardings=self.replicated,
-    )
-    self.state = init(jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    self.images = jax.device_put(
-        rng.integers(0, 256, (steps, batch, *IMAGE_SHAPE), dtype=np.uint8),
-        batched,
-    )
-    self.labels = jax.device_put(
-        rng.integers(0, NUM_CLASSES, (steps, batch)).astype(np.int32), batched
+    self.state, self.images, self.labels, self.step = random_train_step(
+        self.config,
+        base,
+        self.tx,
+        self.mesh,
+        IMAGE_SHAPE,
+        NUM_CLASSES,
+        batch=batch,
+        steps=steps,
+        seed=seed,
     )
     self.steps = steps
-    # As train.compile_program builds it (no donation on CPU).
-    self.step = jax.jit(
-        functools.partial(trainlib.train_step, dataset=self.config.dataset),
-        out_shardings=(self.replicated, self.replicated),
-    )
 
   def state_for(self, variant: str):
     """The initial state with ``variant``'s apply_fn (same parameters)."""
