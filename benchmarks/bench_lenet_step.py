@@ -111,10 +111,10 @@ def git_commit() -> str | None:
 class Report:
   """Collects the sections, printing as it goes and saving after each."""
 
-  def __init__(self, args, argv):
+  def __init__(self, args, argv, module: str = "benchmarks.bench_lenet_step"):
     self.path = args.out
     self.data = {
-        "command": " ".join(["python -m benchmarks.bench_lenet_step", *argv]),
+        "command": " ".join([f"python -m {module}", *argv]),
         "args": {
             k: str(v) if isinstance(v, Path) else v
             for k, v in vars(args).items()

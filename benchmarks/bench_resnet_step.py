@@ -621,8 +621,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(_RESULT + json.dumps(result), flush=True)
     return result
   args = parse_args(argv)
-  report = Report(args, argv)
-  report.data["command"] = " ".join([f"python -m {_MODULE}", *argv])
+  report = Report(args, argv, module=_MODULE)
   t_start = time.perf_counter()
   common = dict(batch=args.batch, warmup=args.warmup)
   torch_runs = []
