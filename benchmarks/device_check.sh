@@ -29,7 +29,12 @@
 #            gain study's ResNet20 runs (issue 18 e): CIFAR-10 without
 #            augmentation, batch 256, lr 0.1, 200 epochs, bn, rbd,
 #            bn_gain:rbd and calibrated rbd, seeds 0 and 1
-#            (sweeps/cifar10_resnet20_gain_gpu/), as many as the budget allows.
+#            (sweeps/cifar10_resnet20_gain_gpu/), as many as the budget allows,
+#            with a checkpoint every 10 epochs. Runs that a committed sweep
+#            holds as finished are skipped; runs an earlier session left
+#            unfinished go on from their checkpoint if RESUME (default
+#            .device/resume/) holds them: after a session, here,
+#            `tar -xzf /work/.device/<N>/resnet_resume.tgz -C .device/resume`.
 #   collect  (a later call) waits for table2 until BUDGET ends or the sweep
 #            finishes, then stops it (KEEP_RUNNING=1: leave it running)
 #
@@ -39,7 +44,8 @@
 # rewrite their JSON after every row and the sweep writes every epoch.
 # Everything lands in WORK (default /tmp/gbn_device), and after every step it
 # is packed into OUT/device_results.tgz (checkpoints left out), with the log
-# in OUT/log.txt: two files, whatever cut the run short.
+# in OUT/log.txt, and the ResNet20 runs with their newest checkpoint into
+# OUT/resnet_resume.tgz: three files, whatever cut the run short.
 #
 # DRY_RUN=1 runs every step on whatever backend there is (the CPU here) with
 # tiny shapes, tiny batches, 2 epochs of synthetic CIFAR-10-format data and a
@@ -63,6 +69,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 SWEEP=$WORK/sweeps/cifar10_lenet_gpu
 RESNET_SWEEP=$WORK/sweeps/cifar10_resnet20_gain_gpu
+if [ "$DRY_RUN" = 1 ]; then RESUME=${RESUME:-$WORK/no_resume}; else RESUME=${RESUME:-.device/resume}; fi
 DATA=$WORK/cifar10
 LOG=$WORK/log.txt
 
@@ -74,6 +81,23 @@ pack() {
   tar -czf "$OUT/device_results.tgz.tmp" -C "$WORK" --exclude=checkpoints --exclude=jax_cache \
     --exclude=cifar10 --exclude='*.lock' . 2>/dev/null && mv "$OUT/device_results.tgz.tmp" "$OUT/device_results.tgz"
   cp "$LOG" "$OUT/log.txt" 2>/dev/null
+  pack_resume
+}
+# The ResNet20 runs with their newest checkpoint each (about 1.2 MB a run), in
+# OUT/resnet_resume.tgz: unpacked into RESUME (.device/resume/ here), the next
+# device session's table2 step goes on from there instead of from epoch 1.
+pack_resume() {
+  [ -d "$RESNET_SWEEP" ] || return 0
+  local ckpts step older=()
+  for ckpts in "$RESNET_SWEEP"/*/checkpoints; do
+    [ -d "$ckpts" ] || continue
+    for step in $(ls "$ckpts" | grep -E '^[0-9]+$' | sort -n | head -n -1); do
+      older+=("--exclude=${ckpts#"$WORK"/}/$step")
+    done
+  done
+  tar -czf "$OUT/resnet_resume.tgz.tmp" -C "$WORK" --exclude='*.lock' --exclude='*tmp*' \
+    "${older[@]}" "${RESNET_SWEEP#"$WORK"/}" 2>/dev/null \
+    && mv "$OUT/resnet_resume.tgz.tmp" "$OUT/resnet_resume.tgz"
 }
 # run_capped NAME SECONDS CMD...: runs CMD under timeout, logs its output.
 run_capped() {
@@ -100,13 +124,17 @@ if [ "$DRY_RUN" = 1 ]; then
   SHAPES=(64x8x8x16 256x16); RUNS=(--runs 3 --warmup 1 --inner 1)
   STEP_BATCH=(--train-batch 16); MEASURES=(sd sqd2 sqd:0.99)
   EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
-  RESNET_EPOCHS=1; RESNET_SEEDS=0; RESNET_NORMS=bn; RESNET_CALIBRATED=; RESNET_JOBS=1
+  RESNET_EPOCHS=2; RESNET_SEEDS=0; RESNET_NORMS=bn; RESNET_CALIBRATED=; RESNET_JOBS=1
+  RESNET_CKPT_EVERY=1; TEST_WORKERS=2
   CAPS=(tests=30 radix=40 methods=100 steps=60 full=60 torch=20)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
   EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
   RESNET_EPOCHS=200; RESNET_SEEDS=0,1; RESNET_NORMS=bn,rbd,bn_gain:rbd; RESNET_CALIBRATED=rbd; RESNET_JOBS=4
+  # A ResNet20 epoch takes about 4 s with four runs sharing an H200: an orbax
+  # save every 10 epochs costs little, and a later session resumes from it.
+  RESNET_CKPT_EVERY=10; TEST_WORKERS=8
   CAPS=(tests=60 radix=50 methods=90 steps=70 full=90 torch=30)
 fi
 cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
@@ -156,8 +184,11 @@ step_tests() {
       tests/test_quantiles.py tests/test_select.py; do
     [ -f "$t" ] && tests+=("$t")
   done
+  # Several workers: one process got through 65 of them in 60 s on an H200.
+  local workers=()
+  "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "$TEST_WORKERS")
   run_capped tests "$(cap "$(cap_of tests)")" "$PYTHON" -m pytest -v -p no:cacheprovider \
-    -o addopts= --maxfail=25 "${tests[@]}"
+    -o addopts= --maxfail=25 "${workers[@]}" "${tests[@]}"
 }
 
 step_radix() {
@@ -236,6 +267,16 @@ copy_finished() {
     fi
   done
 }
+# resume_unfinished FROM TO: runs an earlier device session left unfinished,
+# with their newest checkpoint (pack_resume), go on from it.
+resume_unfinished() {
+  local run
+  for run in "$1"/*/; do
+    [ -f "$run/metrics.jsonl" ] && [ ! -e "$2/$(basename "$run")" ] || continue
+    cp -r "$run" "$2/" && log "table2: $(basename "$run") goes on from an earlier session" \
+      "($(ls "$run/checkpoints" 2>/dev/null | tr '\n' ' ')checkpointed, $(wc -l < "$run/metrics.jsonl") epochs logged)"
+  done
+}
 sweep_alive() { local p; p=$(sweep_pid); [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
 
 step_table2() {
@@ -247,13 +288,14 @@ step_table2() {
       copy_finished results/sweeps/cifar10_lenet_gpu "$SWEEP" "$EPOCHS"
       copy_finished results/sweeps/cifar10_resnet20_gain_gpu "$RESNET_SWEEP" "$RESNET_EPOCHS"
     fi
+    resume_unfinished "$RESUME/sweeps/cifar10_resnet20_gain_gpu" "$RESNET_SWEEP"
     log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time;" \
       "then ResNet20 ${RESNET_EPOCHS} epochs, seeds $RESNET_SEEDS, norms $RESNET_NORMS" \
       "${RESNET_CALIBRATED:+and calibrated $RESNET_CALIBRATED}"
     local sweep=("$PYTHON" -m train.sweep --defaults cifar --dataset cifar10 --lr 0.1 --no-augment
                  --data-dir "$DATA")
     local resnet=("${sweep[@]}" --sweep-dir "$RESNET_SWEEP" --model resnet20 --batch-size 256
-                  --epochs "$RESNET_EPOCHS" --checkpoint-every "$CKPT_EVERY" --seed "$RESNET_SEEDS"
+                  --epochs "$RESNET_EPOCHS" --checkpoint-every "$RESNET_CKPT_EVERY" --seed "$RESNET_SEEDS"
                   --jobs "$RESNET_JOBS")
     # One job, in its own session (setsid), so that it outlives this call:
     # the LeNet row, then the ResNet20 runs.

@@ -40,10 +40,12 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
       timeout=600,
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  # What comes back from a device: the log and one archive.
+  # What comes back from a device: the log, the results, and the ResNet20
+  # runs to resume from.
   assert sorted(p.name for p in out.iterdir()) == [
       "device_results.tgz",
       "log.txt",
+      "resnet_resume.tgz",
   ]
   unpacked = tmp_path / "unpacked"
   with tarfile.open(out / "device_results.tgz") as tar:
@@ -98,5 +100,16 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
   rows = (
       resnet / "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0" / "metrics.jsonl"
   ).read_text()
-  assert [json.loads(line)["epoch"] for line in rows.splitlines()] == [1]
+  assert [json.loads(line)["epoch"] for line in rows.splitlines()] == [1, 2]
   assert "table2: sweep finished" in log
+
+  # A later session resumes the ResNet20 runs from their newest checkpoint,
+  # which alone travels (epochs 1 and 2 were both saved).
+  with tarfile.open(out / "resnet_resume.tgz") as tar:
+    names = tar.getnames()
+  run = "sweeps/cifar10_resnet20_gain_gpu/cifar10-resnet20-bn-b256-lr0.1-noaug-seed0"
+  assert f"{run}/metrics.jsonl" in names and f"{run}/config.json" in names
+  steps = {
+      n.split("/")[4] for n in names if n.startswith(f"{run}/checkpoints/")
+  }
+  assert steps == {"2"}, names

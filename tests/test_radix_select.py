@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import radix
 
@@ -202,11 +203,16 @@ def test_bad_arguments():
     radix.kth_smallest_accelerator(jnp.ones((4, 3), jnp.int32), 1, (0,))
 
 
-def test_dispatch_through_kth_smallest_and_the_quantile_layers():
+@pytest.mark.parametrize("gpu_compares", [False, True])
+def test_dispatch_through_kth_smallest_and_the_quantile_layers(
+    monkeypatch, gpu_compares
+):
   """method="accelerator" reaches the radix select; the measures' values and
   gradients equal those of the sort reference."""
   import gbn_jax  # pylint: disable=g-import-not-at-top
 
+  # Both answers on any backend: the GPU's compares keep denormals.
+  monkeypatch.setattr(common, "compares_keep_denormals", lambda: gpu_compares)
   rng = np.random.default_rng(7)
   x = rng.standard_normal((300, 5)).astype(np.float32)
   x[::3, 1] = 0.0  # ties at the target
@@ -215,7 +221,12 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers():
   value, ties = dispatch.kth_smallest(
       jnp.asarray(x), 90, (0,), method="accelerator", return_ties=True
   )
-  assert ties is None  # XLA:CPU flushes denormals in compares: caller counts
+  if gpu_compares:  # as on a GPU: the backend's own key counts
+    np.testing.assert_array_equal(
+        np.asarray(ties), np.sum(x == np.asarray(value), axis=0)
+    )
+  else:  # XLA:CPU and TPU flush denormals in compares: the caller counts
+    assert ties is None
 
   def measures(x):
     s, d = gbn_jax.get_measure("sqd1")(x, axis=0)

@@ -197,6 +197,8 @@ def kth_smallest(
       float32 count as ``x == answer`` counts it, or ``-1`` for a zero or
       denormal answer where the kernel cannot read the CPU's denormal mode
       (``native.counts_always_known()`` is False; count those yourself);
+      from ``accelerator`` and ``bracket`` on a GPU, their own key counts
+      (other backends flush denormals in compares, so there ``None``);
       ``None`` from the other methods.
 
   Returns:
