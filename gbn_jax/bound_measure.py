@@ -65,7 +65,9 @@ def check_declared(name: str, what: str, value: Any) -> bool:
   return value
 
 
-def _no_mask_message(name: str) -> str:
+def _no_mask_message(name: str, refusal: str | None) -> str:
+  if refusal is not None:
+    return f"measure {name!r} does not accept a mask: {refusal}."
   return (
       f"measure {name!r} does not accept `where` (it is not declared with"
       " supports_mask=True), so it cannot honour a mask. If it takes a"
@@ -110,6 +112,10 @@ class Measure:
     supports_mask: Whether ``fn`` takes and honours ``where=``.
     pools_devices: Whether ``fn`` takes ``axis_name=`` and
       ``axis_index_groups=`` and pools devices itself.
+    mask_refusal: Without ``supports_mask``, why: the reason the error for
+      a mask gives instead of the generic advice to declare the capability
+      (for a measure that cannot honour one, e.g. "its constant needs the
+      static number of values").
   """
 
   name: str
@@ -121,6 +127,9 @@ class Measure:
   )
   supports_mask: bool = dataclasses.field(default=False, kw_only=True)
   pools_devices: bool = dataclasses.field(default=False, kw_only=True)
+  mask_refusal: str | None = dataclasses.field(
+      default=None, kw_only=True, compare=False
+  )
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -129,6 +138,14 @@ class Measure:
       raise TypeError(f"measure {self.name!r} must be callable: {self.fn!r}.")
     check_declared(self.name, "supports_mask", self.supports_mask)
     check_declared(self.name, "pools_devices", self.pools_devices)
+    if self.mask_refusal is not None and (
+        self.supports_mask or not isinstance(self.mask_refusal, str)
+    ):
+      raise ValueError(
+          f"mask_refusal of measure {self.name!r} is the reason it takes no"
+          " mask: a string, and only with supports_mask=False; got"
+          f" {self.mask_refusal!r} with supports_mask={self.supports_mask}."
+      )
     calibration_lib.check_calibration(self.calibration)
     if self.calibration is not None and self.normal_scale is None:
       raise ValueError(no_constant_message(self.name))
@@ -158,7 +175,7 @@ class Measure:
     keywords = {}
     if where is not None:
       if not self.supports_mask:
-        raise TypeError(_no_mask_message(self.name))
+        raise TypeError(_no_mask_message(self.name, self.mask_refusal))
       keywords["where"] = where
     if axis_name is None:
       return x, keywords

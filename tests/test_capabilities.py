@@ -169,6 +169,37 @@ def test_mask_with_a_plain_callable_names_it():
   _assert_names_the_capability(e, "_masked_spread")
 
 
+def test_a_measure_that_cannot_take_a_mask_says_why():
+  calls = []
+
+  def static_count(x, axis):
+    calls.append(axis)
+    return _spread(x, axis)
+
+  reason = "it needs the static number of values"
+  measure = gbn_jax.Measure("counted", static_count, mask_refusal=reason)
+  x, mask = _x(), _x() > 0
+  for call in (
+      lambda: measure(x, 0, where=mask),
+      lambda: GBatchNorm(use_running_average=False, measure=measure).init(
+          jax.random.key(0), x, mask=mask
+      ),
+  ):
+    with pytest.raises(TypeError) as e:
+      call()
+    assert (
+        str(e.value) == f"measure 'counted' does not accept a mask: {reason}."
+    )
+  assert not calls
+  assert measure == gbn_jax.Measure("counted", static_count)  # not an identity
+  for bad in (
+      dict(supports_mask=True, mask_refusal=reason),
+      dict(mask_refusal=3),
+  ):
+    with pytest.raises(ValueError, match="mask_refusal of measure 'counted'"):
+      gbn_jax.Measure("counted", static_count, **bad)
+
+
 def test_declared_mask_support_reaches_the_function():
   x = np.asarray(_x((20, 3), seed=1))
   mask = np.asarray(_x((20, 3), seed=2)) > -0.5

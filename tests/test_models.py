@@ -490,7 +490,7 @@ def test_bn_gain_is_batchnorm_with_another_measures_gaussian_d(
       y, (x64 - mean) / np.sqrt(d**2 + 1e-5), rtol=2e-5, atol=2e-5
   )
   np.testing.assert_allclose(updates["batch_stats"]["var"], d**2, rtol=1e-5)
-  with pytest.raises(ValueError, match="neither a mask"):
+  with pytest.raises(TypeError, match="constant needs the static number"):
     layer.apply(variables, x, mask=x > 0, mutable=["batch_stats"])
 
 

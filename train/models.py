@@ -206,8 +206,8 @@ def gain_measure(target: NormSpec) -> Measure:
   For Gaussian data this layer has the gain of ``target`` and BatchNorm's
   shape (centering on the mean, a symmetric deviation). The constant is
   ``gbn_jax.get_measure(target).normal_constant(n)`` for the ``n`` values
-  per statistic, a static count. The measure declares mask support only to
-  refuse a mask with that reason; it does not pool devices, so under
+  per statistic, a static count, so the measure takes no mask (the error
+  says why). It does not pool devices, so under
   ``axis_name`` the layer gathers the global batch for it (and ``n`` is the
   global count). One measure per target (cached), so that jit reuses its
   traces.
@@ -230,12 +230,7 @@ def gain_measure(target: NormSpec) -> Measure:
       **({} if target.alpha is None else {"alpha": target.alpha}),
   )
 
-  def measure(x, axis, *, where=None):
-    if where is not None:
-      raise ValueError(
-          f"{GAIN_NORM}:{target.measure} supports neither a mask nor any "
-          "other traced count: its constant needs the static number of values"
-      )
+  def measure(x, axis):
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
     n = math.prod(x.shape[a] for a in axes)
     mean, sigma = sd(x, axes)
@@ -244,7 +239,11 @@ def gain_measure(target: NormSpec) -> Measure:
   name = f"{GAIN_NORM}:{target.measure}"
   if target.alpha is not None:
     name += f":{target.alpha}"
-  return Measure(name, measure, supports_mask=True)
+  return Measure(
+      name,
+      measure,
+      mask_refusal="its constant needs the static number of values",
+  )
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
