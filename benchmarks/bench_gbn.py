@@ -7,7 +7,8 @@
 Every pair is timed interleaved, run by run, after warm-up; the ratio is of the
 medians. Timings on a shared machine are noisy: read the ratios, not the ms.
 
-  python -m benchmarks.bench_gbn --runs 20 --out results/bench_cpu.json
+  python -m benchmarks.bench_gbn --runs 20 \\
+      --out results/benchmarks/bench_cpu.json
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ the default flags'. Medians after warm-up. On a shared machine the ms are
 noisy: read the ratios, and run it when the cores are idle (about 6 minutes
 on 2 idle cores).
 
-  python -m benchmarks.bench_lenet_step --out results/bench_lenet_step.json \\
+  python -m benchmarks.bench_lenet_step \\
+      --out results/benchmarks/lenet_step_cpu.json \\
       --torch-python /work/torchvenv/bin/python
   python -m benchmarks.bench_lenet_step --quick      # smoke check
 

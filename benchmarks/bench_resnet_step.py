@@ -27,7 +27,8 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
 Medians after warm-up; on a shared machine read only the ratios within one
 process. Run it on idle cores (about 25 minutes on 2 cores):
 
-  python -m benchmarks.bench_resnet_step --out results/resnet20_step_cpu.json \\
+  python -m benchmarks.bench_resnet_step \\
+      --out results/benchmarks/resnet20_step_cpu.json \\
       --torch-python /tmp/torchvenv/bin/python
   python -m benchmarks.bench_resnet_step --quick      # smoke check
 """

@@ -14,11 +14,12 @@ import jax
 def machine_info() -> dict[str, Any]:
   """The date, host, devices, versions and XLA settings of this process.
 
-  One shape for every benchmark (``results/bench_*.json``'s ``machine``, the
-  children of ``bench_lenet_step``): ``devices`` lists the JAX devices (their
-  count is its length), ``device_kind`` names the first one (the GPU model
-  that ``device_check.sh`` names its files after), and ``XLA_FLAGS`` and
-  ``PJRT_NPROC`` are the environment's (``bench_lenet_step`` varies them).
+  One shape for every benchmark (``results/benchmarks/bench_*.json``'s
+  ``machine``, the children of ``bench_lenet_step``): ``devices`` lists the
+  JAX devices (their count is its length), ``device_kind`` names the first
+  one (the GPU model that ``device_check.sh`` names its files after), and
+  ``XLA_FLAGS`` and ``PJRT_NPROC`` are the environment's
+  (``bench_lenet_step`` varies them).
   """
   devices = jax.devices()
   return {

@@ -68,16 +68,16 @@ html_theme_options = {
     "use_download_button": False,
 }
 
-# results/README.md and results/*/report.md are included as they are (one
-# source for the repository and the site). Their relative links and images
-# point into results/; on the site a report becomes its page, another file
-# a download, and a folder (a sweep) its name in code.
+# results/README.md and results/reports/*/report.md are included as they are
+# (one source for the repository and the site). Their relative links and
+# images point into results/; on the site a report becomes its page, another
+# file a download, and a folder (a sweep) its name in code.
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 REPORT_PAGES = {
-    RESULTS / "report" / "report.md": "report.md",
-    RESULTS / "report_gpu" / "report.md": "report_gpu.md",
-    RESULTS / "report_calibration" / "report.md": "report_calibration.md",
-    RESULTS / "report_small_batch" / "report.md": "report_small_batch.md",
+    RESULTS / "reports" / "convergence" / "report.md": "report.md",
+    RESULTS / "reports" / "gpu" / "report.md": "report_gpu.md",
+    RESULTS / "reports" / "calibration" / "report.md": "report_calibration.md",
+    RESULTS / "reports" / "small_batch" / "report.md": "report_small_batch.md",
 }
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 

@@ -75,7 +75,7 @@ from train import plot, report  # noqa: E402  (needs ROOT on sys.path)
 RESULTS = Path(os.environ.get("GBN_RESULTS_DIR") or ROOT / "results").resolve()
 SWEEPS = RESULTS / "sweeps"
 ACTIVATIONS = RESULTS / "activations"
-TIMING = RESULTS / "timing"  # runs timed on an idle machine
+TIMING = RESULTS / "benchmarks" / "timing"  # runs timed on an idle machine
 
 
 def rel(path: Path) -> str:
@@ -177,9 +177,10 @@ show([line for by_norm in GROUPS.values() for line in against_bn(by_norm)],
 # epochs and seconds (cumulative training wall-clock, compilation excluded)
 # until a run's test error first falls to it, mean ± std over the runs that
 # reached it. Seconds compare only runs on the same machine and load; the
-# sweeps shared the machine with other work, so where `results/timing/` has
-# runs of the same setting timed on an idle machine, their seconds per epoch
-# give each norm's "quiet" speed and the seconds to target at that speed.
+# sweeps shared the machine with other work, so where
+# `results/benchmarks/timing/` has runs of the same setting timed on an idle
+# machine, their seconds per epoch give each norm's "quiet" speed and the
+# seconds to target at that speed.
 
 # %%
 QUIET = (report.epoch_seconds(report.find_runs([TIMING]))

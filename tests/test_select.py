@@ -203,7 +203,7 @@ def test_default_method_and_reference_agree_with_numpy():
 def test_accelerators_default_to_the_bracket_and_compare_histograms(
     monkeypatch,
 ):
-  """The defaults measured fastest on an H100 (results/h100_*.json)."""
+  """The defaults measured fastest on an H100 (results/benchmarks/h100_*)."""
   monkeypatch.setattr(native, "applies", lambda axis_name: False)
   for backend, large, small, histogram in (
       ("gpu", "bracket", "sort", ("compare", 4)),

@@ -15,7 +15,7 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   layers (5x5x50 for 32x32 inputs). On a CPU its convolutions run as im2col
   matmuls and its pools as a reshape and a max (:class:`PatchConv`,
   :func:`max_pool_2x2`): the same parameters and function, and 1.4-1.8x
-  faster train steps on XLA:CPU (``results/lenet_step_cpu*.json``).
+  faster train steps on XLA:CPU (``results/benchmarks/lenet_step_cpu*.json``).
 * ResNet20 (He et al. 2016, CIFAR variant): 3x3 conv 16 -> norm -> ReLU, then
   3 stages x 3 basic blocks with 16/32/64 channels (stride 2 at the start of
   stages 2 and 3), global average pooling and a dense classifier. Shortcuts

@@ -63,9 +63,9 @@ _ADAPTIVE_MIN_ROWS = (
 )
 # Default at least that many rows on a GPU/TPU: no data-dependent loop, so no
 # host sync per pass (the adaptive loop's cost there). Measured on an H100
-# (results/h100_methods.json, h100_radix.json): the sampled bracket's sqd
-# layers are 2.5-3.9x BatchNorm, the radix select's 4.8-13x (its scatter
-# histograms cost 0.66-2.4 ms a pass) and the adaptive loop's 8-11x.
+# (results/benchmarks/h100_methods.json, h100_radix.json): the sampled
+# bracket's sqd layers are 2.5-3.9x BatchNorm, the radix select's 4.8-13x (its
+# scatter histograms cost 0.66-2.4 ms a pass) and the adaptive loop's 8-11x.
 _ACCELERATOR_LARGE_METHOD = "bracket"
 
 _UNSET = object()

@@ -40,7 +40,8 @@ Histogram kernels (``histogram=``):
   by their row index, not to one dump bin, so they do not all contend for one
   address. On an H100 one such pass took 0.66 ms on (256, 32, 32, 16) and
   2.4 ms on (1024, 32, 32, 16), 5-18 times a BatchNorm statistics pass
-  (``results/h100_radix.json``). TPUs serialise scatters (unmeasured).
+  (``results/benchmarks/h100_radix.json``). TPUs serialise scatters
+  (unmeasured).
 * ``"compare"`` (the default elsewhere, with 4-bit digits): cumulative counts
   ``#{match & digit <= t}`` for every bin ``t`` as one fused compare-and-sum
   reduction over the rows (no atomics, but ``2**digit_bits`` compare-adds per
@@ -94,10 +95,11 @@ HISTOGRAMS = ("scatter", "compare")
 def default_histogram() -> tuple[str, int]:
   """``(histogram, digit_bits)`` for the default backend.
 
-  Measured on an H100 (``results/h100_radix.json``): one 256-bin scatter pass
-  took 0.66 ms on (256, 32, 32, 16) and 2.4 ms on (1024, 32, 32, 16), one
-  16-bin compare pass 0.13 and 0.18 ms, so the whole select took 0.76/2.83 ms
-  with 8-bit scatter digits against 0.46/1.38 ms with 4-bit compare digits.
+  Measured on an H100 (``results/benchmarks/h100_radix.json``): one 256-bin
+  scatter pass took 0.66 ms on (256, 32, 32, 16) and 2.4 ms on
+  (1024, 32, 32, 16), one 16-bin compare pass 0.13 and 0.18 ms, so the whole
+  select took 0.76/2.83 ms with 8-bit scatter digits against 0.46/1.38 ms with
+  4-bit compare digits.
   XLA:CPU may materialise the compare pass's ``N x 16 x F`` temporary, so the
   CPU keeps the scatter. TPUs (unmeasured) serialise scatters: compare there.
   """
