@@ -131,7 +131,7 @@ else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
   EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
-  RESNET_EPOCHS=200; RESNET_SEEDS=0,1; RESNET_NORMS=bn,rbd,bn_gain:rbd; RESNET_CALIBRATED=rbd; RESNET_JOBS=4
+  RESNET_EPOCHS=200; RESNET_SEEDS=0,1; RESNET_NORMS=bn,rbd,bn_gain:rbd; RESNET_CALIBRATED=rbd; RESNET_JOBS=8
   # A ResNet20 epoch takes about 4 s with four runs sharing an H200: an orbax
   # save every 10 epochs costs little, and a later session resumes from it.
   RESNET_CKPT_EVERY=10; TEST_WORKERS=8
