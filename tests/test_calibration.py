@@ -28,13 +28,8 @@ BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 ALPHAS = [0.05, 0.25, 0.5, 0.75, 0.97]
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry():
-  # Tests here register measures: leave the registry as it was.
-  saved = dict(measures._REGISTRY)  # pylint: disable=protected-access
-  yield
-  measures._REGISTRY.clear()  # pylint: disable=protected-access
-  measures._REGISTRY.update(saved)  # pylint: disable=protected-access
+# Tests here register measures: the registry is restored after each.
+pytestmark = pytest.mark.usefixtures("restore_registry")
 
 
 def _measure(name, calibration=None):

@@ -24,12 +24,8 @@ BUILTIN = ["sd", "mad", "rsd", "sqd", "sqd1", "sqd2", "sqd3", "rbd", "wcd"]
 BUILTIN += ["bpoe"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry():
-  saved = dict(measures._REGISTRY)  # pylint: disable=protected-access
-  yield
-  measures._REGISTRY.clear()  # pylint: disable=protected-access
-  measures._REGISTRY.update(saved)  # pylint: disable=protected-access
+# Tests here register measures: the registry is restored after each.
+pytestmark = pytest.mark.usefixtures("restore_registry")
 
 
 def _spread(x, axis):
