@@ -530,8 +530,10 @@ def _flags(report, args, common) -> str:
 
 def _summary(report, args, torch_runs) -> list[dict[str, Any]]:
   tbn, layout = torch_best_bn(torch_runs)
-  best = f" (PyTorch's best BatchNorm step: {tbn:.1f} ms, {layout})"
-  print("summary" + (best if tbn else "") + ":")
+  best = (
+      f" (PyTorch's best BatchNorm step: {tbn:.1f} ms, {layout})" if tbn else ""
+  )
+  print(f"summary{best}:")
   report.data["torch_best_bn"] = {"ms": tbn, "layout": layout}
   sources = [(1, "default", report.data.get("variants", {}))]
   sources += [

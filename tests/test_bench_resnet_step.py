@@ -10,6 +10,7 @@ peer's (here a stand-in script) best BatchNorm step.
 
 import json
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,25 @@ def test_torch_best_bn_takes_the_faster_layout():
   ]
   assert bench.torch_best_bn(runs) == (310.0, "channels_last")
   assert bench.torch_best_bn([]) == (None, None)
+
+
+def test_summary_without_the_peer_has_no_ratios():
+  # No --torch-python: the rows keep their times and leave the ratios out.
+  variants = {"norms": {"bn": {"variants": {"base": {"median_ms": 12.0}}}}}
+  report = types.SimpleNamespace(data={"variants": variants})
+  rows = bench._summary(report, types.SimpleNamespace(norms=["bn"]), [])  # pylint: disable=protected-access
+  assert rows == [
+      dict(
+          devices=1,
+          flags="default",
+          norm="bn",
+          variant="base",
+          median_ms=12.0,
+          ratio_to_torch_bn=None,
+          meets_target=None,
+      )
+  ]
+  assert report.data["torch_best_bn"] == {"ms": None, "layout": None}
 
 
 @pytest.mark.slow  # a child process; a ResNet20 compilation per norm
