@@ -5,8 +5,10 @@ does (linen's ``batch_stats`` collection, nnx's ``BatchStat`` attributes),
 applies its framework's dtype rules, and calls these pure helpers for the
 rest. A helper that takes ``layer`` reads only its configuration fields
 (the names are flax's and GBN's: ``measure``, ``alpha``, ``calibration``,
-``use_fast_variance``, ``renorm``, ``renorm_clipping``, ``epsilon``,
-``dtype``, ``axis_index_groups``), which both modules have.
+``use_fast_variance``, ``renorm``, ``renorm_clipping``, ``axis``,
+``epsilon``, ``dtype``, ``axis_index_groups``), which both modules have.
+The output with running statistics is :func:`gbn_jax._normalization.normalize`
+itself.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class LayerFields(Protocol):
   use_fast_variance: bool
   renorm: bool
   renorm_clipping: Mapping[str, float] | None
+  axis: Any
   epsilon: float
   dtype: Any
   axis_index_groups: Any
@@ -56,11 +59,29 @@ def validate(
   return _renorm.freeze_renorm_clipping(renorm, renorm_clipping)
 
 
-def axes(ndim: int, axis: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """``(feature_axes, reduction_axes)`` of an input of rank ``ndim``."""
-  feature_axes = _normalization.canonicalize_axes(ndim, axis)
-  reduction_axes = tuple(i for i in range(ndim) if i not in feature_axes)
-  return feature_axes, reduction_axes
+def reduction(
+    layer: LayerFields,
+    ndim: int,
+    *,
+    axis_name: str | None,
+    force_float32_reductions: bool = True,
+) -> _normalization.Reduction:
+  """The layer's reduction of an input of rank ``ndim``.
+
+  ``axis_name`` and ``force_float32_reductions`` come from the call: linen
+  reduces on one device while it initializes, and nnx always reduces in
+  float32 (see the modules).
+  """
+  feature_axes = _normalization.canonicalize_axes(ndim, layer.axis)
+  return _normalization.Reduction(
+      reduction_axes=tuple(i for i in range(ndim) if i not in feature_axes),
+      feature_axes=feature_axes,
+      dtype=layer.dtype,
+      epsilon=layer.epsilon,
+      axis_name=axis_name,
+      axis_index_groups=layer.axis_index_groups,
+      force_float32_reductions=force_float32_reductions,
+  )
 
 
 def normalize_training(
@@ -70,12 +91,8 @@ def normalize_training(
     bias: Array | None,
     running_statistic: Array,
     running_deviation_sq: Array,
-    reduction_axes: tuple[int, ...],
-    feature_axes: tuple[int, ...],
-    *,
+    reduction: _normalization.Reduction,
     mask: Array | None,
-    axis_name: str | None,
-    force_float32_reductions: bool = True,
 ) -> tuple[Array, Array, Array]:
   """The training-mode output and the batch's ``(S, D^2)``: ``(y, S, D^2)``.
 
@@ -86,14 +103,6 @@ def normalize_training(
   measure = _normalization.bind_measure(
       layer.measure, layer.alpha, layer.use_fast_variance, layer.calibration
   )
-  reduction = dict(
-      dtype=layer.dtype,
-      epsilon=layer.epsilon,
-      mask=mask,
-      axis_name=axis_name,
-      axis_index_groups=layer.axis_index_groups,
-      force_float32_reductions=force_float32_reductions,
-  )
   if layer.renorm:
     return _renorm.renormalize_batch(
         measure,
@@ -102,37 +111,12 @@ def normalize_training(
         bias,
         running_statistic,
         running_deviation_sq,
-        reduction_axes,
-        feature_axes,
+        mask,
+        reduction,
         limits=_renorm.renorm_limits(layer.renorm_clipping),
-        **reduction,
     )
   return _normalization.normalize_batch(
-      measure, x, scale, bias, reduction_axes, feature_axes, **reduction
-  )
-
-
-def normalize_inference(
-    layer: LayerFields,
-    x: Array,
-    statistic: Array,
-    deviation_sq: Array,
-    scale: Array | None,
-    bias: Array | None,
-    reduction_axes: tuple[int, ...],
-    feature_axes: tuple[int, ...],
-) -> Array:
-  """The output with the running ``S`` and ``D^2``."""
-  return _normalization.normalize(
-      x,
-      statistic,
-      deviation_sq,
-      scale,
-      bias,
-      reduction_axes,
-      feature_axes,
-      layer.dtype,
-      layer.epsilon,
+      measure, x, scale, bias, mask, reduction
   )
 
 

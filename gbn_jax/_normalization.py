@@ -85,25 +85,36 @@ def check_measure_signature(fn: Any) -> None:
     ) from None
 
 
+class Reduction(NamedTuple):
+  """How a layer reduces its batch, all but the arrays: over which axes, in
+  which dtype, with which ``epsilon``, pooled across which devices.
+
+  Hashable when ``axis_index_groups`` is (a tuple of tuples, or ``None``).
+  """
+
+  reduction_axes: tuple[int, ...]
+  feature_axes: tuple[int, ...]
+  dtype: Any
+  epsilon: float
+  axis_name: str | None = None
+  axis_index_groups: Any = None
+  force_float32_reductions: bool = True
+
+
 def batch_statistics(
     measure: measures_lib.Measure,
     x: Array,
-    reduction_axes: tuple[int, ...],
-    *,
-    dtype: Any,
     mask: Array | None,
-    axis_name: str | None,
-    axis_index_groups: Any,
-    force_float32_reductions: bool = True,
+    reduction: Reduction,
 ) -> tuple[Array, Array]:
   """``(S, D^2)`` of the batch, in at least float32 like flax's BatchNorm.
 
   ``measure`` (from :func:`bind_measure`) applies its declared capabilities:
   a mask for a measure without ``supports_mask`` is a ``TypeError``; one
   without ``pools_devices`` gets the global batch gathered across
-  ``axis_name`` (exact, at the cost of moving the activations).
+  ``reduction.axis_name`` (exact, at the cost of moving the activations).
   """
-  if not reduction_axes:
+  if not reduction.reduction_axes:
     # Only feature axes (an unbatched call, or one example per device under
     # vmap with axis_name): each feature has one element here, and the
     # elements of every device along axis_name pool into one batch. A new
@@ -111,16 +122,16 @@ def batch_statistics(
     return batch_statistics(
         measure,
         jnp.expand_dims(x, 0),
-        (0,),
-        dtype=dtype,
-        mask=None if mask is None else jnp.broadcast_to(mask, x.shape)[None],
-        axis_name=axis_name,
-        axis_index_groups=axis_index_groups,
-        force_float32_reductions=force_float32_reductions,
+        None if mask is None else jnp.broadcast_to(mask, x.shape)[None],
+        reduction._replace(
+            reduction_axes=(0,),
+            feature_axes=tuple(a + 1 for a in reduction.feature_axes),
+        ),
     )
+  dtype = reduction.dtype
   if dtype is None:
     dtype = jnp.result_type(x)
-  if force_float32_reductions:
+  if reduction.force_float32_reductions:
     dtype = jnp.promote_types(dtype, jnp.float32)
   x = jnp.asarray(x, dtype)
   where = (
@@ -130,13 +141,13 @@ def batch_statistics(
   )
   s, d2 = measure.squared_deviation(
       x,
-      reduction_axes,
+      reduction.reduction_axes,
       where=where,
-      axis_name=axis_name,
-      axis_index_groups=axis_index_groups,
+      axis_name=reduction.axis_name,
+      axis_index_groups=reduction.axis_index_groups,
   )
   feature_shape = tuple(
-      n for i, n in enumerate(x.shape) if i not in reduction_axes
+      n for i, n in enumerate(x.shape) if i not in reduction.reduction_axes
   )
   for name, value in (("statistic", s), ("deviation", d2)):
     if jnp.shape(value) != feature_shape:
@@ -163,10 +174,7 @@ def normalize(
     deviation_sq: Array,
     scale: Array | None,
     bias: Array | None,
-    reduction_axes: tuple[int, ...],
-    feature_axes: tuple[int, ...],
-    dtype: Any,
-    epsilon: float,
+    reduction: Reduction,
     correction: tuple[Array, Array] | None = None,
 ) -> Array:
   """``(x - S) * rsqrt(D^2 + eps) * scale + bias``, in flax's operation order.
@@ -178,14 +186,14 @@ def normalize(
   uncorrected output bit for bit.
   """
   feature_shape = [1] * x.ndim
-  for ax in feature_axes:
+  for ax in reduction.feature_axes:
     feature_shape[ax] = x.shape[ax]
   # expand_dims, not reshape: XLA:CPU fuses the two differently, and this is
   # the form flax uses (measured: reshape materializes a full-size multiplier).
   # Same operation order as flax too: XLA's fusion decisions follow it.
-  expand = lambda v: jnp.expand_dims(v, reduction_axes)
+  expand = lambda v: jnp.expand_dims(v, reduction.reduction_axes)
   y = x - expand(statistic)
-  mul = lax.rsqrt(expand(deviation_sq) + epsilon)
+  mul = lax.rsqrt(expand(deviation_sq) + reduction.epsilon)
   shift = None
   if correction is not None:
     r, d = correction
@@ -205,154 +213,72 @@ def normalize(
     args.append(bias)
   if shift is not None:
     y += shift
-  return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=dtype))
+  return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=reduction.dtype))
 
 
 def normalize_batch(
-    measure: measures_lib.MeasureFn,
+    measure: measures_lib.Measure,
     x: Array,
     scale: Array | None,
     bias: Array | None,
-    reduction_axes: tuple[int, ...],
-    feature_axes: tuple[int, ...],
-    *,
-    dtype: Any,
-    epsilon: float,
     mask: Array | None,
-    axis_name: str | None,
-    axis_index_groups: Any,
-    force_float32_reductions: bool = True,
+    reduction: Reduction,
+    correct: Callable[[Array, Array], tuple[Array, Array]] | None = None,
 ) -> tuple[Array, Array, Array]:
   """Normalizes with the batch's own statistics: ``(y, S, D^2)``.
 
-  On one device (or under SPMD ``jit``) the backward pass is written out
-  (:func:`_fused_normalize`) so that it costs what BatchNorm's does plus the
-  measure's own vector-Jacobian product; with ``axis_name`` (or complex
-  input) it is left to autodiff, whose collectives JAX transposes for pmap
-  and shard_map alike.
+  :func:`batch_statistics`, then :func:`normalize`. ``correct(S, D^2) -> (r,
+  d)``, if given, is the batch renormalization correction passed to
+  :func:`normalize`.
+
+  Plain GBN on one device (or under SPMD ``jit``) has its backward pass
+  written out (:func:`_fused_normalize`), so that it costs what BatchNorm's
+  does plus the measure's own vector-Jacobian product. With ``axis_name``,
+  complex input or a correction it is left to autodiff, whose collectives
+  JAX transposes for pmap and shard_map alike.
   """
-  # Complex input takes autodiff: the written-out backward is for real x.
-  if axis_name is None and not jnp.iscomplexobj(x):
-    static = _Static(
-        measure,
-        reduction_axes,
-        feature_axes,
-        dtype,
-        epsilon,
-        force_float32_reductions,
-    )
-    return _fused_normalize(static, x, scale, bias, mask)
-  return normalize_with_batch_statistics(
-      measure,
-      x,
-      scale,
-      bias,
-      reduction_axes,
-      feature_axes,
-      dtype=dtype,
-      epsilon=epsilon,
-      mask=mask,
-      axis_name=axis_name,
-      axis_index_groups=axis_index_groups,
-      force_float32_reductions=force_float32_reductions,
-  )
-
-
-def normalize_with_batch_statistics(
-    measure: measures_lib.MeasureFn,
-    x: Array,
-    scale: Array | None,
-    bias: Array | None,
-    reduction_axes: tuple[int, ...],
-    feature_axes: tuple[int, ...],
-    *,
-    correct: Callable[[Array, Array], tuple[Array, Array]] | None = None,
-    dtype: Any,
-    epsilon: float,
-    mask: Array | None,
-    axis_name: str | None,
-    axis_index_groups: Any,
-    force_float32_reductions: bool = True,
-) -> tuple[Array, Array, Array]:
-  """:func:`batch_statistics`, then :func:`normalize`: ``(y, S, D^2)``.
-
-  Gradients are left to autodiff. ``correct(S, D^2) -> (r, d)``, if given,
-  is the batch renormalization correction passed to :func:`normalize`.
-  """
-  statistic, deviation_sq = batch_statistics(
-      measure,
-      x,
-      reduction_axes,
-      dtype=dtype,
-      mask=mask,
-      axis_name=axis_name,
-      axis_index_groups=axis_index_groups,
-      force_float32_reductions=force_float32_reductions,
-  )
+  # The written-out backward is for real x and an uncorrected output.
+  if (
+      reduction.axis_name is None
+      and correct is None
+      and not jnp.iscomplexobj(x)
+  ):
+    # A static argument of the custom VJP must hash: the device groups,
+    # unused without an axis name, may be lists.
+    local = reduction._replace(axis_index_groups=None)
+    return _fused_normalize(measure, local, x, scale, bias, mask)
+  statistic, deviation_sq = batch_statistics(measure, x, mask, reduction)
   y = normalize(
       x,
       statistic,
       deviation_sq,
       scale,
       bias,
-      reduction_axes,
-      feature_axes,
-      dtype,
-      epsilon,
+      reduction,
       correction=None if correct is None else correct(statistic, deviation_sq),
   )
   return y, statistic, deviation_sq
 
 
-class _Static(NamedTuple):
-  measure: Any
-  reduction_axes: tuple[int, ...]
-  feature_axes: tuple[int, ...]
-  dtype: Any
-  epsilon: float
-  force_float32_reductions: bool
-
-
-def _fused_forward(static: _Static, x, scale, bias, mask):
-  def stats(v):
-    return batch_statistics(
-        static.measure,
-        v,
-        static.reduction_axes,
-        dtype=static.dtype,
-        mask=mask,
-        axis_name=None,
-        axis_index_groups=None,
-        force_float32_reductions=static.force_float32_reductions,
-    )
-
+def _fused_forward(measure, reduction: Reduction, x, scale, bias, mask):
+  stats = lambda v: batch_statistics(measure, v, mask, reduction)
   (statistic, deviation_sq), stats_vjp = jax.vjp(stats, x)
-  y = normalize(
-      x,
-      statistic,
-      deviation_sq,
-      scale,
-      bias,
-      static.reduction_axes,
-      static.feature_axes,
-      static.dtype,
-      static.epsilon,
-  )
+  y = normalize(x, statistic, deviation_sq, scale, bias, reduction)
   return (y, statistic, deviation_sq), stats_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_normalize(static: _Static, x, scale, bias, mask):
-  return _fused_forward(static, x, scale, bias, mask)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_normalize(measure, reduction: Reduction, x, scale, bias, mask):
+  return _fused_forward(measure, reduction, x, scale, bias, mask)[0]
 
 
-def _fused_normalize_fwd(static, x, scale, bias, mask):
-  out, stats_vjp = _fused_forward(static, x, scale, bias, mask)
+def _fused_normalize_fwd(measure, reduction, x, scale, bias, mask):
+  out, stats_vjp = _fused_forward(measure, reduction, x, scale, bias, mask)
   _, statistic, deviation_sq = out
   return out, (x, statistic, deviation_sq, scale, bias, mask, stats_vjp)
 
 
-def _fused_normalize_bwd(static, residuals, cotangents):
+def _fused_normalize_bwd(measure, reduction, residuals, cotangents):
   """BatchNorm's backward, generalized.
 
   With ``xhat = (x - S) r``, ``r = (D^2 + eps)^-1/2`` and ``y = xhat * scale
@@ -363,9 +289,10 @@ def _fused_normalize_bwd(static, residuals, cotangents):
   """
   x, statistic, deviation_sq, scale, bias, mask, stats_vjp = residuals
   g, g_statistic, g_deviation_sq = cotangents
-  axes = static.reduction_axes
+  del measure  # its VJP is stats_vjp
+  axes = reduction.reduction_axes
   expand = lambda v: jnp.expand_dims(v, axes)
-  r = lax.rsqrt(deviation_sq + static.epsilon)
+  r = lax.rsqrt(deviation_sq + reduction.epsilon)
   g = g.astype(statistic.dtype)
   xhat = (x - expand(statistic)) * expand(r)
   sum_g = jnp.sum(g, axes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from flax.core import FrozenDict
 import jax
@@ -124,28 +124,21 @@ def renorm_correction(
 
 
 def renormalize_batch(
-    measure: measures_lib.MeasureFn,
+    measure: measures_lib.Measure,
     x: Array,
     scale: Array | None,
     bias: Array | None,
     running_statistic: Array,
     running_deviation_sq: Array,
-    reduction_axes: tuple[int, ...],
-    feature_axes: tuple[int, ...],
-    *,
-    dtype: Any,
-    epsilon: float,
-    limits: RenormLimits,
     mask: Array | None,
-    axis_name: str | None,
-    axis_index_groups: Any,
-    force_float32_reductions: bool = True,
+    reduction: _normalization.Reduction,
+    limits: RenormLimits,
 ) -> tuple[Array, Array, Array]:
   """Generalized batch renormalization in training: ``(y, S, D^2)``.
 
   The batch's ``(S, D^2)``, corrected towards the running ones by the
   constants ``(r, d)`` of :func:`renorm_correction`; gradients flow through
-  the measure by autodiff (with or without ``axis_name``).
+  the measure by autodiff (with or without ``reduction.axis_name``).
   """
   if jnp.iscomplexobj(x):
     raise TypeError(
@@ -159,22 +152,10 @@ def renormalize_batch(
         deviation_sq,
         running_statistic,
         running_deviation_sq,
-        epsilon,
+        reduction.epsilon,
         limits,
     )
 
-  return _normalization.normalize_with_batch_statistics(
-      measure,
-      x,
-      scale,
-      bias,
-      reduction_axes,
-      feature_axes,
-      correct=correct,
-      dtype=dtype,
-      epsilon=epsilon,
-      mask=mask,
-      axis_name=axis_name,
-      axis_index_groups=axis_index_groups,
-      force_float32_reductions=force_float32_reductions,
+  return _normalization.normalize_batch(
+      measure, x, scale, bias, mask, reduction, correct
   )

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from gbn_jax import _layer
+from gbn_jax import _normalization
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
@@ -162,8 +163,15 @@ class GBatchNorm(nn.BatchNorm):
     use_running_average = linen_module.merge_param(
         "use_running_average", self.use_running_average, use_running_average
     )
-    feature_axes, reduction_axes = _layer.axes(x.ndim, self.axis)
-    feature_shape = [x.shape[ax] for ax in feature_axes]
+    initializing = self.is_initializing()
+    reduction = _layer.reduction(
+        self,
+        x.ndim,
+        # flax's BatchNorm initializes without the collective as well.
+        axis_name=None if initializing else self.axis_name,
+        force_float32_reductions=self.force_float32_reductions,
+    )
+    feature_shape = [x.shape[ax] for ax in reduction.feature_axes]
     stats_dtype = (
         jnp.float32 if self.force_float32_reductions else self.param_dtype
     )
@@ -192,19 +200,8 @@ class GBatchNorm(nn.BatchNorm):
         bias = jnp.asarray(bias, self.param_dtype)
 
     if not use_running_average:
-      initializing = self.is_initializing()
       y, statistic, deviation_sq = _layer.normalize_training(
-          self,
-          x,
-          scale,
-          bias,
-          ra_mean.value,
-          ra_var.value,
-          reduction_axes,
-          feature_axes,
-          mask=mask,
-          axis_name=None if initializing else self.axis_name,
-          force_float32_reductions=self.force_float32_reductions,
+          self, x, scale, bias, ra_mean.value, ra_var.value, reduction, mask
       )
       if not initializing:
         ra_mean.value = _layer.running_average(
@@ -219,15 +216,8 @@ class GBatchNorm(nn.BatchNorm):
     if not self.force_float32_reductions:
       statistic = jnp.asarray(statistic, self.param_dtype)
       deviation_sq = jnp.asarray(deviation_sq, self.param_dtype)
-    return _layer.normalize_inference(
-        self,
-        x,
-        statistic,
-        deviation_sq,
-        scale,
-        bias,
-        reduction_axes,
-        feature_axes,
+    return _normalization.normalize(
+        x, statistic, deviation_sq, scale, bias, reduction
     )
 
 

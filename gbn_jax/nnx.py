@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gbn_jax import _layer
+from gbn_jax import _normalization
 from gbn_jax import precise
 from gbn_jax.measures import MeasureFn
 
@@ -176,7 +177,7 @@ class GBatchNorm(nnx.BatchNorm):
           "No `use_running_average` argument was provided to GBatchNorm:"
           " pass it to the constructor or the call, or use .train()/.eval()."
       )
-    feature_axes, reduction_axes = _layer.axes(x.ndim, self.axis)
+    reduction = _layer.reduction(self, x.ndim, axis_name=self.axis_name)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, statistic, deviation_sq, scale, bias = self.promote_dtype(
@@ -184,16 +185,7 @@ class GBatchNorm(nnx.BatchNorm):
     )
     if not use_running_average:
       y, statistic, deviation_sq = _layer.normalize_training(
-          self,
-          x,
-          scale,
-          bias,
-          statistic,
-          deviation_sq,
-          reduction_axes,
-          feature_axes,
-          mask=mask,
-          axis_name=self.axis_name,
+          self, x, scale, bias, statistic, deviation_sq, reduction, mask
       )
       for variable, batch in ((self.mean, statistic), (self.var, deviation_sq)):
         _update(
@@ -203,15 +195,8 @@ class GBatchNorm(nnx.BatchNorm):
             ),
         )
       return y
-    return _layer.normalize_inference(
-        self,
-        x,
-        statistic,
-        deviation_sq,
-        scale,
-        bias,
-        reduction_axes,
-        feature_axes,
+    return _normalization.normalize(
+        x, statistic, deviation_sq, scale, bias, reduction
     )
 
 
