@@ -65,6 +65,7 @@ from benchmarks.lenet_children import REPO
 from benchmarks.lenet_children import child_main
 from benchmarks.lenet_children import run_child
 from benchmarks.lenet_children import run_torch
+from benchmarks.lenet_profile import printable_profiles
 from benchmarks.lenet_variants import DEFAULT_VARIANTS
 from benchmarks.lenet_variants import VARIANTS
 
@@ -146,10 +147,7 @@ def print_ratio_line(label: str, ms: float | None, torch_ms: float | None):
 
 
 def _print_profile(result: dict) -> None:
-  for key, prof in result.get("profiles", {}).items():
-    if "by_part" not in prof:
-      print(f"  {key}: {prof}")
-      continue
+  for key, prof in printable_profiles(result, "by_part"):
     print(
         f"  {key}: traced step {prof['traced_step_ms']:.0f} ms; ops "
         f"{prof['op_wall_ms_per_step']:.0f} ms; share of op time by "

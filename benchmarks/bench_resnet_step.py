@@ -61,6 +61,7 @@ from benchmarks.bench_lenet_step import Report
 from benchmarks.lenet_children import FLAG_SETS
 from benchmarks.lenet_children import INEXACT_FLAG_SETS
 from benchmarks.lenet_profile import hlo_index
+from benchmarks.lenet_profile import printable_profiles
 from benchmarks.lenet_profile import profile_compiled
 from benchmarks.lenet_setup import compare_outputs
 from benchmarks.lenet_setup import random_train_step
@@ -210,15 +211,7 @@ class Setup:
     self.mesh = trainlib.make_mesh(trainlib.data_parallel_devices(batch))
     self.model = trainlib.create_model(self.config, NUM_CLASSES)
     self.state, self.images, self.labels, self.step = random_train_step(
-        self.config,
-        self.model,
-        trainlib.create_optimizer(self.config),
-        self.mesh,
-        IMAGE_SHAPE,
-        NUM_CLASSES,
-        batch=batch,
-        steps=steps,
-        seed=seed,
+        self.config, self.model, self.mesh, steps=steps, seed=seed
     )
 
   def state_for(self, variant: str):
@@ -477,10 +470,7 @@ def _print_convs(result: dict, names: Sequence[str]) -> None:
 def _print_profile(result: dict) -> None:
   if "error" in result:
     print("  " + result["error"][:500])
-  for key, prof in result.get("profiles", {}).items():
-    if "by_kind" not in prof:
-      print(f"  {key}: {prof}")
-      continue
+  for key, prof in printable_profiles(result, "by_kind"):
     print(
         f"  {key}: traced step {prof['traced_step_ms']:.0f} ms, ops "
         f"{prof['op_wall_ms_per_step']:.0f} ms; shares of op time:"

@@ -277,6 +277,16 @@ def profile_compiled(
   }
 
 
+def printable_profiles(result: dict, key: str):
+  """``(name, profile)`` of each of ``result``'s profiles that has ``key``;
+  the others (errors, skipped cases) are printed as they are."""
+  for name, profile in result.get("profiles", {}).items():
+    if key in profile:
+      yield name, profile
+    else:
+      print(f"  {name}: {profile}")
+
+
 def layer_pieces(norm: str, batch: int) -> dict[str, tuple]:
   """LeNet's layers on their step shapes: ``name -> (fn, params, x, wrt_x)``.
 

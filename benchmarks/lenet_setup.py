@@ -23,9 +23,9 @@ import numpy as np
 from benchmarks.bench_gbn import interleaved_samples
 from benchmarks.lenet_variants import DATASET
 from benchmarks.lenet_variants import IMAGE_SHAPE
-from benchmarks.lenet_variants import NUM_CLASSES
 from benchmarks.lenet_variants import make_model
 from train import configs
+from train import datasets
 from train import input_pipeline
 from train import train as trainlib
 
@@ -33,18 +33,16 @@ from train import train as trainlib
 def random_train_step(
     config: configs.Config,
     model: Any,
-    tx: Any,
     mesh: jax.sharding.Mesh,
-    image_shape: tuple[int, ...],
-    num_classes: int,
     *,
-    batch: int,
     steps: int,
     seed: int,
 ) -> tuple[Any, jax.Array, jax.Array, Callable[..., Any]]:
   """``train.train_step``'s inputs on random data, laid out as training does.
 
-  Shared by the LeNet and ResNet20 step benchmarks.
+  Shared by the LeNet and ResNet20 step benchmarks: ``config``'s dataset
+  gives the image shape and classes, its batch size the batch, and its
+  optimizer the state's.
 
   Returns:
     ``(state, images, labels, step)``: the replicated initial state, ``steps``
@@ -52,6 +50,8 @@ def random_train_step(
     and the step jitted as ``train.compile_program`` builds it (no donation
     on CPU).
   """
+  info = datasets.dataset_info(config.dataset)
+  image_shape, batch = info.image_shape, config.batch_size
   replicated = NamedSharding(mesh, P())
   batched = NamedSharding(mesh, P(None, trainlib.DATA_AXIS))
   init = jax.jit(
@@ -59,7 +59,7 @@ def random_train_step(
           trainlib.create_train_state,
           model=model,
           image_shape=image_shape,
-          tx=tx,
+          tx=trainlib.create_optimizer(config),
       ),
       out_shardings=replicated,
   )
@@ -70,7 +70,8 @@ def random_train_step(
       batched,
   )
   labels = jax.device_put(
-      rng.integers(0, num_classes, (steps, batch)).astype(np.int32), batched
+      rng.integers(0, info.num_classes, (steps, batch)).astype(np.int32),
+      batched,
   )
   step = jax.jit(
       functools.partial(trainlib.train_step, dataset=config.dataset),
@@ -100,17 +101,8 @@ class Setup:
     self.mesh = trainlib.make_mesh(chosen)
     self.replicated = NamedSharding(self.mesh, P())
     base = make_model("base", self.config)
-    self.tx = trainlib.create_optimizer(self.config)
     self.state, self.images, self.labels, self.step = random_train_step(
-        self.config,
-        base,
-        self.tx,
-        self.mesh,
-        IMAGE_SHAPE,
-        NUM_CLASSES,
-        batch=batch,
-        steps=steps,
-        seed=seed,
+        self.config, base, self.mesh, steps=steps, seed=seed
     )
     self.steps = steps
 

@@ -8,7 +8,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
@@ -16,22 +15,16 @@ import pytest
 from gbn_jax import GBatchNorm
 from gbn_jax import get_measure
 
-NDEV = 4
+import multidevice_helpers as md
 
-if jax.device_count() < NDEV:
-  pytest.fail(
-      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
-  )
+md.require_devices()
 
 
 def _x(shape=(16, 3, 3, 5), seed=0):
   return jax.random.normal(jax.random.key(seed), shape) * 2 + 0.5
 
 
-def _close(a, b):
-  jax.tree.map(
-      functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-4), a, b
-  )
+_close = functools.partial(md.assert_trees_close, atol=1e-4)
 
 
 def _step(module, variables, x, w, mask):
@@ -54,7 +47,7 @@ def _step(module, variables, x, w, mask):
 
 
 def _sharded_step(module, variables, x, w, mask=None):
-  mesh = Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
+  mesh = md.mesh()
   masks = () if mask is None else (mask,)
   fn = jax.jit(
       jax.shard_map(

@@ -9,7 +9,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -18,32 +17,16 @@ import pytest
 import gbn_jax
 from gbn_jax import GBatchNorm
 
-import reference as ref
+import multidevice_helpers as md
+from multidevice_helpers import NDEV
 
-NDEV = 4
 MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 
-if jax.device_count() < NDEV:
-  pytest.fail(
-      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
-  )
+md.require_devices()
 
-
-def _batch(shape=(16, 3, 3, 5), seed=0):
-  # ReLU-like with ties, shifted so that every measure is non-degenerate.
-  return jnp.asarray(ref.relu_like(np.random.default_rng(seed), shape) - 0.25)
-
-
-def _auto_mesh():
-  return Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
-
-
-def _close(a, b):
-  # Same selected elements, float32 sums in another order; D = qbar - E[x]
-  # cancels, which amplifies that rounding a little for the quantile measures.
-  jax.tree.map(
-      functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-3), a, b
-  )
+_batch = md.relu_batch
+_auto_mesh = md.mesh
+_close = md.assert_trees_close
 
 
 def _reference_step(measure, variables, x, w):

@@ -16,7 +16,6 @@ from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
@@ -24,16 +23,14 @@ import pytest
 from gbn_jax import GBatchNorm
 import gbn_jax.nnx
 
+import multidevice_helpers as md
+from multidevice_helpers import NDEV
 import reference as ref
 
-NDEV = 4
 MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 MOMENTUM = 0.9
 
-if jax.device_count() < NDEV:
-  pytest.fail(
-      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
-  )
+md.require_devices()
 
 _close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-5)
 
@@ -91,7 +88,7 @@ def test_linen_pmap_one_example_per_device(measure):
 @pytest.mark.parametrize("measure", MEASURES)
 def test_nnx_shard_map_one_example_per_device(measure):
   x, params = _x(), _params()
-  mesh = Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
+  mesh = md.mesh()
 
   def run(layer):
     layer.scale[...], layer.bias[...] = params["scale"], params["bias"]

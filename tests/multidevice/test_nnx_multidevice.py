@@ -14,7 +14,6 @@ import functools
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -22,31 +21,16 @@ import pytest
 
 import gbn_jax.nnx as gnnx
 
-import reference as ref
+import multidevice_helpers as md
 
-NDEV = 4
 FEATURES = 5
 RENORM = {"renorm": True, "renorm_clipping": {"rmax": 1.5, "dmax": 0.5}}
 
-if jax.device_count() < NDEV:
-  pytest.fail(
-      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
-  )
+md.require_devices()
 
-
-def _batch(shape=(16, 3, 3, FEATURES), seed=0):
-  # ReLU-like with ties, shifted so that every measure is non-degenerate.
-  return jnp.asarray(ref.relu_like(np.random.default_rng(seed), shape) - 0.25)
-
-
-def _mesh():
-  return Mesh(np.array(jax.devices()[:NDEV]), ("batch",))
-
-
-def _close(a, b):
-  jax.tree.map(
-      functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=1e-3), a, b
-  )
+_batch = functools.partial(md.relu_batch, (16, 3, 3, FEATURES))
+_mesh = md.mesh
+_close = md.assert_trees_close
 
 
 def _layer(measure, **kwargs):

@@ -8,7 +8,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -17,16 +16,14 @@ import pytest
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 
-NDEV = 4
+import multidevice_helpers as md
+from multidevice_helpers import NDEV
 
-if jax.device_count() < NDEV:
-  pytest.fail(
-      f"needs {NDEV} devices; set XLA_FLAGS before importing jax", pytrace=False
-  )
+md.require_devices()
 
 
 def _mesh():
-  return Mesh(np.array(jax.devices()[:NDEV]), ("b",))
+  return md.mesh("b")
 
 
 def _check(got, want):
