@@ -10,7 +10,9 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
    interleaved; weighted by each shape's count, the step's conv time.
 2. ``variants``: the whole model with each formulation (:data:`VARIANTS`),
    interleaved with the real model (``base``: ``train.models.ResNetConv`` on
-   a CPU) and ``flax`` (``nn.Conv``); ``loss_rel``/``update_rel`` against
+   a CPU), ``chained`` (``ResNetConv`` without
+   :func:`train.models.computed_once`, its former formulation) and ``flax``
+   (``nn.Conv``); ``loss_rel``/``update_rel`` against
    ``base`` on the same batch (with a quantile norm, im2col's other forward
    rounding can move a quantile to another element, and its gradient).
 3. ``profile``: a traced step of ``base`` and ``flax``: XLA op time by kind
@@ -19,7 +21,7 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
 4. ``flags``: XLA:CPU flag sets (``bench_lenet_step``'s), a process each,
    timing ``base`` against default-flag processes first and last.
 5. ``final``: 1 vs 2 host devices (the batch split as the CLI does) x
-   default vs the best exact flag set, ``base`` and ``flax``.
+   default vs the best exact flag set, ``base``, ``chained`` and ``flax``.
 6. ``--torch-python``: ``peers/torch_resnet20.py`` (BatchNorm2d, NCHW and
    channels_last; kthvalue SQD2 with ``--torch-sqd``) first and last; steps
    as ratios to PyTorch's best BatchNorm step (target: 1.3).
@@ -70,6 +72,7 @@ from benchmarks.lenet_setup import time_interleaved
 from benchmarks.machine import machine_info
 from train import configs
 from train import train as trainlib
+from train.models import ResNetConv
 from train.models import conv_col2im_dgrad
 from train.models import conv_same
 from train.models import im2col
@@ -183,7 +186,11 @@ class FormulationConv(nn.Module):
 
 
 #: Variant -> ResNet ``conv`` (``base``: the real model as train builds it).
-VARIANTS: dict[str, Any] = {"base": None, "flax": nn.Conv} | {
+VARIANTS: dict[str, Any] = {
+    "base": None,
+    "flax": nn.Conv,
+    "chained": functools.partial(ResNetConv, compute_input_once=False),
+} | {
     f: functools.partial(FormulationConv, method=f)
     for f in FORMULATIONS
     if f not in ("flax", "resnet", "nchw")
@@ -653,7 +660,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   report.put("best_flags", best_flags or "default")
   if "final" in args.sections:
     print(f"final: devices {args.devices} x flags default/{best_flags}...")
-    spec = dict(common, norms=args.norms, variants=pair, runs=args.runs)
+    # The former formulation too: which configuration wins can depend on it.
+    variants = ["base", "chained", "flax"]
+    spec = dict(common, norms=args.norms, variants=variants, runs=args.runs)
     finals = []
     for devices in dict.fromkeys(args.devices):
       for flag_set in dict.fromkeys(["default", report.data["best_flags"]]):

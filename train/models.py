@@ -374,14 +374,33 @@ def _col2im_dgrad_bwd(strides, res, g):
 conv_col2im_dgrad.defvjp(_col2im_dgrad_fwd, _col2im_dgrad_bwd)
 
 
+def computed_once(x: jax.Array, anchor: jax.Array) -> jax.Array:
+  """``x`` itself, which XLA:CPU then computes once, not in every consumer.
+
+  XLA:CPU fuses cheap elementwise producers into each of their consumers,
+  duplicating them. In ResNet20 a convolution's input is a chain of them
+  (norm, shortcut addition and ReLU of every block back to the stage's
+  start), and the kernel gradient's batch-minor copy of that input
+  recomputed the whole chain, reading one image apart per element written:
+  up to 105 ms for one copy (``docs/performance.md``). XLA does not
+  duplicate a division, so dividing by a 1 it can't fold (``1 + 0 * anchor``
+  with ``anchor`` a parameter) ends the chain where it is first computed.
+  ``x / 1`` is ``x`` exactly, and so is the gradient; a non-finite
+  ``anchor`` makes ``x`` NaN.
+  """
+  one = lax.stop_gradient(1 + 0 * anchor.reshape(-1)[0])
+  return x / one
+
+
 class ResNetConv(nn.Module):
   """``nn.Conv(features, kernel_size, strides, use_bias=False)`` for XLA:CPU.
 
   The same parameter (``kernel``, HWIO, from ``kernel_init``: the same
   values from the same key), the same SAME padding and the same forward
   operation; strided convolutions take their input gradient from
-  :func:`conv_col2im_dgrad` (equal up to float32 summation order). ResNet's
-  formulation on a CPU (``benchmarks/bench_resnet_step.py``).
+  :func:`conv_col2im_dgrad` (equal up to float32 summation order), and the
+  input is :func:`computed_once`. ResNet's formulation on a CPU
+  (``benchmarks/bench_resnet_step.py``).
 
   Attributes:
     features: Output channels.
@@ -390,6 +409,8 @@ class ResNetConv(nn.Module):
     use_bias: Must be False (nn.Conv's argument, accepted for its
       signature).
     kernel_init: The kernel's initializer (``nn.Conv``'s default).
+    compute_input_once: Pass the input through :func:`computed_once` (the
+      default; ``False`` is the former formulation, for the benchmark).
   """
 
   features: int
@@ -397,6 +418,7 @@ class ResNetConv(nn.Module):
   strides: int | tuple[int, int] = 1
   use_bias: bool = False
   kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
+  compute_input_once: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -414,6 +436,8 @@ class ResNetConv(nn.Module):
         (kh, kw, x.shape[-1], self.features),
         jnp.float32,
     )
+    if self.compute_input_once:
+      x = computed_once(x, kernel)
     if strides == 1:
       return conv_same(x, kernel, 1)
     return conv_col2im_dgrad(x, kernel, strides)
