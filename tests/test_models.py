@@ -515,6 +515,37 @@ def test_im2col_same_and_strided_is_the_convolution(shape, strides):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_computed_once_is_the_identity_and_stays_in_the_program():
+  big = np.finfo(np.float32).max
+  tiny = np.finfo(np.float32).smallest_normal
+  x = jnp.asarray([0.0, -0.0, 1.5, -3.25, tiny, -tiny, big, -big], jnp.float32)
+  got = models.computed_once(x)
+  np.testing.assert_array_equal(
+      np.asarray(got).view(np.uint32), np.asarray(x).view(np.uint32)
+  )
+  # Subnormals: as after any arithmetic, themselves or, where the backend
+  # flushes them (XLA:CPU does), zeros of the same sign.
+  sub = np.finfo(np.float32).smallest_subnormal * np.asarray([1, -1, 7])
+  got = np.asarray(models.computed_once(jnp.asarray(sub, jnp.float32)))
+  assert np.all((got == sub) | ((got == 0) & (np.signbit(got) == (sub < 0))))
+  g = jnp.asarray([1.0, -2.0, 0.0, big, -big, tiny, -0.0, -0.5], jnp.float32)
+  got_g = jax.vjp(models.computed_once, x)[1](g)[0]
+  np.testing.assert_array_equal(
+      np.asarray(got_g).view(np.uint32), np.asarray(g).view(np.uint32)
+  )
+  # Documented: an infinite element becomes NaN, NaN stays NaN.
+  special = models.computed_once(jnp.asarray([np.inf, -np.inf, np.nan]))
+  assert jnp.all(jnp.isnan(special))
+  # The division XLA does not duplicate is still there after optimization.
+  text = (
+      jax.jit(lambda v: jax.nn.relu(models.computed_once(v + 1)))
+      .lower(x)
+      .compile()
+      .as_text()
+  )
+  assert " divide(" in text
+
+
 @pytest.mark.parametrize("strides", [1, 2, (2, 2)])
 @pytest.mark.parametrize("shape", [(2, 8, 8, 16), (3, 9, 7, 5)])
 def test_resnet_conv_equals_flax_conv(shape, strides):

@@ -374,7 +374,7 @@ def _col2im_dgrad_bwd(strides, res, g):
 conv_col2im_dgrad.defvjp(_col2im_dgrad_fwd, _col2im_dgrad_bwd)
 
 
-def computed_once(x: jax.Array, anchor: jax.Array) -> jax.Array:
+def computed_once(x: jax.Array) -> jax.Array:
   """``x`` itself, which XLA:CPU then computes once, not in every consumer.
 
   XLA:CPU fuses cheap elementwise producers into each of their consumers,
@@ -383,13 +383,14 @@ def computed_once(x: jax.Array, anchor: jax.Array) -> jax.Array:
   start), and the kernel gradient's batch-minor copy of that input
   recomputed the whole chain, reading one image apart per element written:
   up to 105 ms for one copy (``docs/performance.md``). XLA does not
-  duplicate a division, so dividing by a 1 it can't fold (``1 + 0 * anchor``
-  with ``anchor`` a parameter) ends the chain where it is first computed.
-  ``x / 1`` is ``x`` exactly, and so is the gradient; a non-finite
-  ``anchor`` makes ``x`` NaN.
+  duplicate a division, so dividing by ones it can't fold (``1 + 0 * x``,
+  whole-shape: a broadcast scalar divisor becomes a multiplication by its
+  reciprocal) ends the chain where it is first computed. For finite ``x``
+  the result is ``x`` exactly and so is the gradient (the divisor is a
+  constant to autodiff), up to the backend's flushing of subnormals, as
+  after any arithmetic; an infinite element becomes NaN.
   """
-  one = lax.stop_gradient(1 + 0 * anchor.reshape(-1)[0])
-  return x / one
+  return x / lax.stop_gradient(1 + 0 * x)
 
 
 class ResNetConv(nn.Module):
@@ -437,7 +438,7 @@ class ResNetConv(nn.Module):
         jnp.float32,
     )
     if self.compute_input_once:
-      x = computed_once(x, kernel)
+      x = computed_once(x)
     if strides == 1:
       return conv_same(x, kernel, 1)
     return conv_col2im_dgrad(x, kernel, strides)
