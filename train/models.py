@@ -23,9 +23,10 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   subsampling by 2 with zero-padded extra channels. Option A has no
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
-  strided convolutions take their input gradient as a matmul and a col2im
-  (:class:`ResNetConv`): the same parameters, forward operations and
-  function (``benchmarks/bench_resnet_step.py``).
+  strided convolutions take their input gradient as a matmul and a col2im,
+  and every convolution's input is computed once (:class:`ResNetConv`): the
+  same parameters, forward operations and function
+  (``benchmarks/bench_resnet_step.py``).
 
 Convolutions followed by a norm have no bias: every GBN statistic S is
 translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
@@ -379,10 +380,10 @@ def computed_once(x: jax.Array) -> jax.Array:
 
   XLA:CPU fuses cheap elementwise producers into each of their consumers,
   duplicating them. In ResNet20 a convolution's input is a chain of them
-  (norm, shortcut addition and ReLU of every block back to the stage's
-  start), and the kernel gradient's batch-minor copy of that input
-  recomputed the whole chain, reading one image apart per element written:
-  up to 105 ms for one copy (``docs/performance.md``). XLA does not
+  (the norm, shortcut addition and ReLU of the blocks before it), and the
+  kernel gradient's batch-minor copy of that input recomputed the whole
+  chain, reading one image apart per element written: up to 105 ms for one
+  copy, whose chain reached back to the stem (``docs/performance.md``). XLA does not
   duplicate a division, so dividing by ones it can't fold (``1 + 0 * x``,
   whole-shape: a broadcast scalar divisor becomes a multiplication by its
   reciprocal) ends the chain where it is first computed. For finite ``x``
