@@ -1,8 +1,10 @@
-"""Builds the optional C++ CPU kernel; everything else is in pyproject.toml.
+"""Builds the optional C++ CPU kernels; everything else is in pyproject.toml.
 
-``gbn_jax._kth_cpu`` is an XLA FFI handler (not a Python module) that
-``gbn_jax._native`` loads with ctypes. ``optional=True``: without a C++17
-compiler the install still succeeds and gbn_jax uses its pure-JAX selection.
+``gbn_jax._kth_cpu`` (the k-th smallest) and ``gbn_jax._conv_cpu`` (a
+convolution's kernel gradient) are XLA FFI handlers (not Python modules)
+that ``gbn_jax._selection.native`` and ``gbn_jax.convolution`` load with
+ctypes. ``optional=True``: without a C++17 compiler the install still
+succeeds and gbn_jax uses its pure-JAX selection and XLA's kernel gradient.
 The XLA FFI headers are vendored (gbn_jax/csrc/third_party), so the build
 needs no jaxlib.
 """
@@ -20,6 +22,15 @@ setup(
             extra_compile_args=["-std=c++17", "-O3"],
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "gbn_jax._conv_cpu",
+            sources=["gbn_jax/csrc/conv_kernel_grad_cpu.cc"],
+            include_dirs=["gbn_jax/csrc/third_party"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O3"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

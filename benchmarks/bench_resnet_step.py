@@ -11,8 +11,9 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
 2. ``variants``: the whole model with each formulation (:data:`VARIANTS`),
    interleaved with the real model (``base``: ``train.models.ResNetConv`` on
    a CPU), ``chained`` (``ResNetConv`` without
-   :func:`train.models.computed_once`, its former formulation) and ``flax``
-   (``nn.Conv``); ``loss_rel``/``update_rel`` against
+   :func:`train.models.computed_once`), ``xla_kernel_grad`` (``ResNetConv``
+   with XLA's kernel gradients, its formulation before the compiled one) and
+   ``flax`` (``nn.Conv``); ``loss_rel``/``update_rel`` against
    ``base`` on the same batch (with a quantile norm, im2col's other forward
    rounding can move a quantile to another element, and its gradient).
 3. ``profile``: a traced step of ``base`` and ``flax``: XLA op time by kind
@@ -190,6 +191,9 @@ VARIANTS: dict[str, Any] = {
     "base": None,
     "flax": nn.Conv,
     "chained": functools.partial(ResNetConv, compute_input_once=False),
+    "xla_kernel_grad": functools.partial(
+        ResNetConv, matmul_kernel_gradient=False
+    ),
 } | {
     f: functools.partial(FormulationConv, method=f)
     for f in FORMULATIONS
@@ -661,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if "final" in args.sections:
     print(f"final: devices {args.devices} x flags default/{best_flags}...")
     # The former formulation too: which configuration wins can depend on it.
-    variants = ["base", "chained", "flax"]
+    variants = ["base", "xla_kernel_grad", "chained", "flax"]
     spec = dict(common, norms=args.norms, variants=variants, runs=args.runs)
     finals = []
     for devices in dict.fromkeys(args.devices):

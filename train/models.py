@@ -23,10 +23,11 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   subsampling by 2 with zero-padded extra channels. Option A has no
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
-  strided convolutions take their input gradient as a matmul and a col2im,
-  and every convolution's input is computed once (:class:`ResNetConv`): the
-  same parameters, forward operations and function
-  (``benchmarks/bench_resnet_step.py``).
+  convolutions take their kernel gradient from gbn_jax's compiled kernel
+  (:func:`gbn_jax.convolution.conv_kernel_gradient`), strided ones their
+  input gradient as a matmul and a col2im, and every convolution's input is
+  computed once (:class:`ResNetConv`): the same parameters, forward
+  operations and function (``benchmarks/bench_resnet_step.py``).
 
 Convolutions followed by a norm have no bias: every GBN statistic S is
 translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
@@ -52,6 +53,7 @@ from gbn_jax import GBatchNorm
 from gbn_jax import Measure
 from gbn_jax import get_measure as gbn_get_measure
 from gbn_jax import parse_measure_name
+from gbn_jax.convolution import conv_kernel_gradient
 
 ModuleDef = Callable[..., nn.Module]
 
@@ -359,20 +361,53 @@ def _col2im_dgrad_fwd(x, kernel, strides):
   return conv_same(x, kernel, strides), (x, kernel)
 
 
-def _col2im_dgrad_bwd(strides, res, g):
-  x, kernel = res
+def _col2im_input_gradient(x, kernel, strides, g):
   kh, kw, _, features = kernel.shape
-  _, kernel_vjp = jax.vjp(lambda k: conv_same(x, k, strides), kernel)
   dpatches = lax.dot_general(
       g, kernel.reshape(-1, features), (((3,), (1,)), ((), ()))
   )
   _, col2im = jax.vjp(
       lambda v: im2col(v, kh, kw, strides=strides, padding="SAME"), x
   )
-  return col2im(dpatches)[0], kernel_vjp(g)[0]
+  return col2im(dpatches)[0]
+
+
+def _col2im_dgrad_bwd(strides, res, g):
+  x, kernel = res
+  _, kernel_vjp = jax.vjp(lambda k: conv_same(x, k, strides), kernel)
+  return _col2im_input_gradient(x, kernel, strides, g), kernel_vjp(g)[0]
 
 
 conv_col2im_dgrad.defvjp(_col2im_dgrad_fwd, _col2im_dgrad_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def conv_matmul_grads(
+    x: jax.Array, kernel: jax.Array, strides: int
+) -> jax.Array:
+  """:func:`conv_same` whose kernel gradient is a compiled matrix product.
+
+  The forward pass is XLA's. The kernel gradient is
+  :func:`gbn_jax.convolution.conv_kernel_gradient` (on XLA:CPU with the
+  compiled kernel: the sum of each patch times the output gradient, without
+  XLA's batch-minor copies); the input gradient is XLA's for ``strides ==
+  1`` and :func:`conv_col2im_dgrad`'s col2im otherwise. Equal to
+  :func:`conv_same`'s gradients up to float32 summation order.
+  """
+  return conv_same(x, kernel, strides)
+
+
+def _matmul_grads_bwd(strides, res, g):
+  x, kernel = res
+  if strides == 1:
+    _, input_vjp = jax.vjp(lambda v: conv_same(v, kernel, 1), x)
+    dx = input_vjp(g)[0]
+  else:
+    dx = _col2im_input_gradient(x, kernel, strides, g)
+  return dx, conv_kernel_gradient(x, g, kernel.shape[:2], strides, "SAME")
+
+
+conv_matmul_grads.defvjp(_col2im_dgrad_fwd, _matmul_grads_bwd)
 
 
 def computed_once(x: jax.Array) -> jax.Array:
@@ -399,9 +434,9 @@ class ResNetConv(nn.Module):
 
   The same parameter (``kernel``, HWIO, from ``kernel_init``: the same
   values from the same key), the same SAME padding and the same forward
-  operation; strided convolutions take their input gradient from
-  :func:`conv_col2im_dgrad` (equal up to float32 summation order), and the
-  input is :func:`computed_once`. ResNet's formulation on a CPU
+  operation; the gradients are :func:`conv_matmul_grads`' (the compiled
+  kernel gradient; equal up to float32 summation order), and the input is
+  :func:`computed_once`. ResNet's formulation on a CPU
   (``benchmarks/bench_resnet_step.py``).
 
   Attributes:
@@ -412,7 +447,11 @@ class ResNetConv(nn.Module):
       signature).
     kernel_init: The kernel's initializer (``nn.Conv``'s default).
     compute_input_once: Pass the input through :func:`computed_once` (the
-      default; ``False`` is the former formulation, for the benchmark).
+      default; ``False`` is an earlier formulation, for the benchmark).
+    matmul_kernel_gradient: Take the gradients from
+      :func:`conv_matmul_grads` (the default; ``False``: XLA's kernel
+      gradient, :func:`conv_col2im_dgrad` for strided convolutions, an
+      earlier formulation, for the benchmark).
   """
 
   features: int
@@ -421,6 +460,7 @@ class ResNetConv(nn.Module):
   use_bias: bool = False
   kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
   compute_input_once: bool = True
+  matmul_kernel_gradient: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -440,6 +480,8 @@ class ResNetConv(nn.Module):
     )
     if self.compute_input_once:
       x = computed_once(x)
+    if self.matmul_kernel_gradient:
+      return conv_matmul_grads(x, kernel, strides)
     if strides == 1:
       return conv_same(x, kernel, 1)
     return conv_col2im_dgrad(x, kernel, strides)

@@ -56,11 +56,14 @@
 #define GBN_X86 1
 #endif
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using gbn_jax::ParallelFor;
 
 constexpr uint32_t kSign = 0x80000000u;
 // Sample rows: N / kSampleFraction within [kMinSample, kMaxSample]. A larger
@@ -154,68 +157,6 @@ struct EqualKeys {
 struct Counts {
   int64_t equal = 0, not_above = 0;
 };
-
-// Runs fn(i) for i in [0, n_items) on the caller and the pool's threads.
-// Items are claimed from a shared counter and the caller waits only for items
-// already started, so it cannot deadlock on a busy pool (nor when fn itself
-// calls ParallelFor); a pool task that starts after the handler returned
-// finds no items left and touches nothing but the shared counters.
-// Exception-safe: an exception in fn (std::bad_alloc) is caught where it is
-// thrown, the items not yet started are skipped, and once every started item
-// has finished (fn lives on the caller's stack) the first one is rethrown on
-// the caller's thread.
-struct WorkCounters {
-  explicit WorkCounters(int n) : total(n) {}
-  const int total;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  std::atomic<bool> failed{false};
-  std::mutex mutex;
-  std::condition_variable finished;
-  std::exception_ptr error;  // the first exception of an item (under mutex)
-};
-
-template <class Pool, class Fn>
-void ParallelFor(Pool& pool, int n_items, const Fn& fn) {
-  if (n_items <= 0) return;
-  const int helpers = int(std::min<int64_t>(n_items - 1, pool.num_threads()));
-  if (helpers <= 0) {  // nothing runs beside the caller: exceptions just unwind
-    for (int i = 0; i < n_items; ++i) fn(i);
-    return;
-  }
-  auto counters = std::make_shared<WorkCounters>(n_items);
-  auto work = [counters, fn_ptr = &fn]() noexcept {
-    for (int i; (i = counters->next.fetch_add(1)) < counters->total;) {
-      if (!counters->failed.load(std::memory_order_relaxed)) {
-        try {
-          (*fn_ptr)(i);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(counters->mutex);
-          if (!counters->error) counters->error = std::current_exception();
-          counters->failed.store(true);
-        }
-      }
-      if (counters->done.fetch_add(1) + 1 == counters->total) {
-        std::lock_guard<std::mutex> lock(counters->mutex);
-        counters->finished.notify_all();
-      }
-    }
-  };
-  for (int h = 0; h < helpers; ++h) {
-    try {
-      auto task = work;
-      pool.Schedule(std::move(task));
-    } catch (...) {
-      break;  // no room for another task: the caller claims its items
-    }
-  }
-  work();
-  {
-    std::unique_lock<std::mutex> lock(counters->mutex);
-    counters->finished.wait(lock, [&] { return counters->done.load() == counters->total; });
-  }
-  if (counters->error) std::rethrow_exception(counters->error);
-}
 
 // Whether to run the AVX2 code: the CPU has it and GBN_KTH_SCALAR (which
 // lets tests check the portable code on any machine) is unset or "0".
