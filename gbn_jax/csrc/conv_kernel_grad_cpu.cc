@@ -70,10 +70,13 @@ void GatherPatches(const float* x, const Geometry& g, int64_t first, int64_t cou
       const int64_t y = row * g.stride_h + i - g.top;
       for (int64_t j = 0; j < g.kw; ++j, out += g.c) {
         const int64_t z = col * g.stride_w + j - g.left;
+        // Loops, not memset/memcpy: a call per window row costs more than
+        // the copy when channels are few (the stem's 3).
         if (y < 0 || y >= g.h || z < 0 || z >= g.w) {
-          std::memset(out, 0, sizeof(float) * g.c);
+          for (int64_t k = 0; k < g.c; ++k) out[k] = 0.0f;
         } else {
-          std::memcpy(out, x + ((image * g.h + y) * g.w + z) * g.c, sizeof(float) * g.c);
+          const float* in = x + ((image * g.h + y) * g.w + z) * g.c;
+          for (int64_t k = 0; k < g.c; ++k) out[k] = in[k];
         }
       }
     }
@@ -97,38 +100,55 @@ void AddTileScalar(const float* patches, const float* grad, int64_t count, int64
 #ifdef GBN_X86
 // R rows x V vectors of 8 outputs in registers, over the tile.
 template <int R, int V>
-__attribute__((target("avx2,fma"))) inline void AddBlockAvx2(const float* patches, const float* grad,
-                                                             int64_t count, int64_t rows, int64_t f,
-                                                             float* sum) {
+__attribute__((target("avx2,fma"), always_inline)) inline void AddBlockAvx2(
+    const float* patches, const float* grad, int64_t count, int64_t rows, int64_t f, float* sum) {
   __m256 acc[R][V];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t t = 0; t < count; ++t, patches += rows, grad += f) {
     __m256 b[V];
+#pragma GCC unroll 2
     for (int v = 0; v < V; ++v) b[v] = _mm256_loadu_ps(grad + 8 * v);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(patches + r);
+#pragma GCC unroll 2
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, b[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
     for (int v = 0; v < V; ++v) {
       float* out = sum + r * f + 8 * v;
       _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), acc[r][v]));
     }
 }
 
-// AddTileScalar for f a multiple of 8.
+// R rows (at most 6) of AddTileScalar, for f a multiple of 8.
+template <int R>
+__attribute__((target("avx2,fma"))) void AddRowsAvx2(const float* patches, const float* grad, int64_t count,
+                                                     int64_t rows, int64_t f, float* sum) {
+  int64_t k = 0;
+  for (; k + 16 <= f; k += 16) AddBlockAvx2<R, 2>(patches, grad + k, count, rows, f, sum + k);
+  if (k < f) AddBlockAvx2<R, 1>(patches, grad + k, count, rows, f, sum + k);
+}
+
+// AddTileScalar for f a multiple of 8: 6 rows at a time, then the rest.
 __attribute__((target("avx2,fma"))) void AddTileAvx2(const float* patches, const float* grad, int64_t count,
                                                      int64_t rows, int64_t f, float* sum) {
   int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) {
-    int64_t k = 0;
-    for (; k + 16 <= f; k += 16) AddBlockAvx2<6, 2>(patches + r, grad + k, count, rows, f, sum + r * f + k);
-    if (k < f) AddBlockAvx2<6, 1>(patches + r, grad + k, count, rows, f, sum + r * f + k);
+  for (; r + 6 <= rows; r += 6) AddRowsAvx2<6>(patches + r, grad, count, rows, f, sum + r * f);
+  patches += r, sum += r * f;
+  switch (rows - r) {
+    case 5: return AddRowsAvx2<5>(patches, grad, count, rows, f, sum);
+    case 4: return AddRowsAvx2<4>(patches, grad, count, rows, f, sum);
+    case 3: return AddRowsAvx2<3>(patches, grad, count, rows, f, sum);
+    case 2: return AddRowsAvx2<2>(patches, grad, count, rows, f, sum);
+    case 1: return AddRowsAvx2<1>(patches, grad, count, rows, f, sum);
   }
-  for (; r < rows; ++r)
-    for (int64_t k = 0; k < f; k += 8) AddBlockAvx2<1, 1>(patches + r, grad + k, count, rows, f, sum + r * f + k);
 }
 #endif
 

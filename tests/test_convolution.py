@@ -1,0 +1,182 @@
+"""gbn_jax.convolution.conv_kernel_gradient against the definition.
+
+The reference is numpy in float64, written from the definition: the input
+zero-padded, and for each kernel offset the sum over images and output
+positions of the shifted input times the output gradient. Shapes cover the
+compiled kernel's vector path (features a multiple of 8, row blocks of 6 and
+their remainder) and its plain loops (other feature counts), strides,
+SAME/VALID/asymmetric padding, windows larger than the image, one image,
+and repeated values.
+"""
+
+import os
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gbn_jax import convolution
+from gbn_jax.convolution import conv_kernel_gradient
+
+DIMENSIONS = ("NHWC", "HWIO", "NHWC")
+
+
+def _pads(shape, kernel_size, strides, padding):
+  if isinstance(padding, str):
+    return lax.padtype_to_pads(shape[1:3], kernel_size, strides, padding)
+  return padding
+
+
+def reference(x, g, kernel_size, strides, pads):
+  """float64 d(sum(conv(x, k) * g))/dk, from the definition."""
+  x = np.asarray(x, np.float64)
+  g = np.asarray(g, np.float64)
+  kh, kw = kernel_size
+  sh, sw = strides
+  (top, bottom), (left, right) = pads
+  xp = np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
+  p, q = g.shape[1:3]
+  out = np.zeros((kh, kw, x.shape[-1], g.shape[-1]))
+  for i in range(kh):
+    for j in range(kw):
+      window = xp[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw]
+      out[i, j] = np.einsum("nhwc,nhwf->cf", window, g)
+  return out
+
+
+def _output_shape(shape, kernel_shape, strides, pads):
+  return jax.eval_shape(
+      lambda x, k: lax.conv_general_dilated(
+          x, k, strides, pads, dimension_numbers=DIMENSIONS
+      ),
+      jax.ShapeDtypeStruct(shape, jnp.float32),
+      jax.ShapeDtypeStruct(kernel_shape, jnp.float32),
+  ).shape
+
+
+def _case(shape, kernel_size, strides, padding, features, kind="normal", seed=0):
+  strides = (strides,) * 2 if isinstance(strides, int) else strides
+  pads = _pads(shape, kernel_size, strides, padding)
+  out = _output_shape(shape, (*kernel_size, shape[-1], features), strides, pads)
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape)
+  g = rng.standard_normal(out)
+  if kind == "repeated":  # a few values, many exact ties
+    x = np.round(x * 2) / 2
+    g = np.round(g)
+  return x.astype(np.float32), g.astype(np.float32), strides, pads
+
+
+CASES = [
+    # (x shape, kernel size, strides, padding, features)
+    ((4, 8, 8, 16), (3, 3), 1, "SAME", 16),  # ResNet20's stage 1, small
+    ((3, 9, 7, 16), (3, 3), 2, "SAME", 32),  # strided, odd sizes
+    ((2, 8, 8, 32), (3, 3), 2, "SAME", 64),
+    ((2, 6, 6, 3), (3, 3), 1, "SAME", 16),  # the stem: 27 rows, 4 blocks + 3
+    ((1, 5, 5, 3), (5, 3), (1, 2), ((2, 1), (0, 3)), 8),  # asymmetric
+    ((2, 7, 7, 5), (3, 3), 1, "VALID", 24),  # 8 + 16 features
+    ((2, 7, 7, 5), (3, 3), 3, "SAME", 13),  # plain loops
+    ((2, 4, 4, 2), (1, 1), 1, "VALID", 1),
+    ((1, 2, 2, 4), (3, 3), 1, "SAME", 8),  # window larger than the image
+    ((5, 3, 11, 7), (2, 4), (2, 1), "SAME", 40),
+    ((1, 1, 1, 1), (1, 1), 1, "VALID", 1),
+]
+
+
+@pytest.mark.parametrize("kind", ["normal", "repeated"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_equals_the_definition(case, kind):
+  shape, kernel_size, strides, padding, features = case
+  x, g, strides, pads = _case(shape, kernel_size, strides, padding, features, kind)
+  want = reference(x, g, kernel_size, strides, pads)
+  fn = jax.jit(
+      lambda x, g: conv_kernel_gradient(x, g, kernel_size, strides, padding)
+  )
+  got = np.asarray(fn(x, g))
+  assert got.shape == want.shape and got.dtype == np.float32
+  scale = np.sqrt(np.einsum("nhwc->c", np.asarray(x, np.float64) ** 2).max())
+  scale *= np.sqrt((np.asarray(g, np.float64) ** 2).sum(axis=(0, 1, 2)).max())
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(scale, 1.0))
+  if kind == "repeated":  # small integers and halves: every sum is exact
+    np.testing.assert_array_equal(got, want)
+
+
+def test_compiled_kernel_and_xla_agree_and_repeat_bit_for_bit(monkeypatch):
+  x, g, strides, pads = _case((8, 16, 16, 16), (3, 3), 1, "SAME", 16, seed=3)
+  fn = lambda x, g: conv_kernel_gradient(x, g, (3, 3), 1, "SAME")
+  first = np.asarray(jax.jit(fn)(x, g))
+  again = np.asarray(jax.jit(fn)(x, g))
+  np.testing.assert_array_equal(first.view(np.int32), again.view(np.int32))
+  monkeypatch.setattr(convolution, "native_available", lambda: False)
+  xla = np.asarray(jax.jit(fn)(x, g))
+  want = reference(x, g, (3, 3), strides, pads)
+  # The compiled kernel sums tiles from zero: no less accurate than XLA.
+  assert np.abs(first - want).max() <= 2 * np.abs(xla - want).max() + 1e-6
+
+
+def test_the_compiled_kernel_is_what_runs_on_a_cpu():
+  if os.environ.get("GBN_EXPECT_NATIVE") == "1":
+    assert convolution.native_available()
+  if not convolution.native_available():
+    pytest.skip("the compiled kernel is not built")
+  x, g, *_ = _case((2, 4, 4, 8), (3, 3), 1, "SAME", 8)
+  text = jax.jit(
+      lambda x, g: conv_kernel_gradient(x, g, (3, 3))
+  ).lower(x, g).compile().as_text()
+  assert "gbn_conv_kernel_grad_f32" in text
+  assert " convolution(" not in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_is_xla_s_and_keeps_the_dtype(dtype):
+  x, g, strides, pads = _case((2, 5, 5, 4), (3, 3), 1, "SAME", 8)
+  got = conv_kernel_gradient(x.astype(dtype), g.astype(dtype), (3, 3))
+  assert got.dtype == dtype
+  want = reference(x.astype(dtype), g.astype(dtype), (3, 3), strides, pads)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0.05, atol=0.5)
+
+
+def test_non_finite_values_spread_as_in_the_zero_padded_sum():
+  x, g, strides, pads = _case((2, 4, 4, 8), (3, 3), 1, "SAME", 8)
+  x[0, 1, 2, 3] = np.nan
+  g[1, 0, 0, 5] = np.inf  # meets padded zeros: 0 * inf is NaN
+  got = np.asarray(jax.jit(lambda x, g: conv_kernel_gradient(x, g, (3, 3)))(x, g))
+  with np.errstate(invalid="ignore"):
+    want = reference(x, g, (3, 3), strides, pads)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(got[finite], want[finite], atol=1e-4)
+
+
+def test_bad_shapes_are_errors():
+  x = jnp.zeros((2, 4, 4, 3))
+  with pytest.raises(ValueError, match="NHWC"):
+    conv_kernel_gradient(x[0], jnp.zeros((4, 4, 8)), (3, 3))
+  with pytest.raises(ValueError, match="output is"):
+    conv_kernel_gradient(x, jnp.zeros((2, 3, 3, 8)), (3, 3), 1, "SAME")
+  with pytest.raises(ValueError, match="output is"):
+    conv_kernel_gradient(x, jnp.zeros((3, 4, 4, 8)), (3, 3))
+
+
+def test_gradient_of_a_convolution_matches_finite_differences():
+  # conv_kernel_gradient is the derivative of <conv(x, k), g> in k.
+  x, g, strides, pads = _case((2, 5, 5, 3), (3, 3), 2, "SAME", 8, seed=5)
+  x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
+  got = np.asarray(conv_kernel_gradient(x, g, (3, 3), 2, "SAME"))
+  rng = np.random.default_rng(6)
+  k = rng.standard_normal((3, 3, 3, 8))
+  direction = rng.standard_normal(k.shape)
+
+  def objective(kernel):
+    y = lax.conv_general_dilated(
+        jnp.asarray(x64, jnp.float32), jnp.asarray(kernel, jnp.float32),
+        strides, pads, dimension_numbers=DIMENSIONS,
+    )
+    return float(np.sum(np.asarray(y, np.float64) * g64))
+
+  eps = 1e-2  # the objective is linear in k: differences are exact but for rounding
+  numeric = (objective(k + eps * direction) - objective(k - eps * direction)) / (2 * eps)
+  np.testing.assert_allclose(np.sum(got * direction), numeric, rtol=1e-3)
