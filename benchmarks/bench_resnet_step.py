@@ -75,6 +75,7 @@ from train import configs
 from train import train as trainlib
 from train.models import ResNetConv
 from train.models import conv_col2im_dgrad
+from train.models import conv_matmul_grads
 from train.models import conv_same
 from train.models import im2col
 
@@ -155,10 +156,12 @@ def conv_nchw(x, kernel, strides):
 
 
 #: Formulation -> fn(x, kernel, strides). ``flax`` is nn.Conv's; ``resnet``
-#: train.models.ResNetConv's (the CPU default).
+#: train.models.ResNetConv's (the CPU default), ``resnet_xla_kernel_grad`` its
+#: formulation before the compiled kernel gradient.
 FORMULATIONS: dict[str, Callable[..., jax.Array]] = {
     "flax": conv_same,
-    "resnet": _per_stride(conv_col2im_dgrad),
+    "resnet": conv_matmul_grads,
+    "resnet_xla_kernel_grad": _per_stride(conv_col2im_dgrad),
     "im2col": conv_im2col,
     "im2col_strided": _per_stride(conv_im2col),
     "mm_bwd": _custom(_input_grad_col2im, _kernel_grad_mm),
@@ -197,8 +200,10 @@ VARIANTS: dict[str, Any] = {
 } | {
     f: functools.partial(FormulationConv, method=f)
     for f in FORMULATIONS
-    if f not in ("flax", "resnet", "nchw")
+    if f not in ("flax", "resnet", "resnet_xla_kernel_grad", "nchw")
 }
+#: The final section's variants (``--final-variants``).
+FINAL_VARIANTS = ["base", "xla_kernel_grad", "chained", "flax"]
 DEFAULT_FLAG_SETS = tuple(
     "ynn_off ynn_no_conv ynn_no_dot onednn_dot eigen_1thread "
     "no_concurrency_sched nproc1".split()
@@ -582,6 +587,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       ("--sections", sections, sections),
       ("--formulations", list(FORMULATIONS), list(FORMULATIONS)),
       ("--variants", list(VARIANTS), list(VARIANTS)),
+      ("--final-variants", FINAL_VARIANTS, list(VARIANTS)),
       ("--flag-sets", list(DEFAULT_FLAG_SETS), list(FLAG_SETS)),
   ):
     parser.add_argument(flag, nargs="+", default=default, choices=choices)
@@ -664,8 +670,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   report.put("best_flags", best_flags or "default")
   if "final" in args.sections:
     print(f"final: devices {args.devices} x flags default/{best_flags}...")
-    # The former formulation too: which configuration wins can depend on it.
-    variants = ["base", "xla_kernel_grad", "chained", "flax"]
+    # Earlier formulations too: which configuration wins can depend on them.
+    variants = args.final_variants
     spec = dict(common, norms=args.norms, variants=variants, runs=args.runs)
     finals = []
     for devices in dict.fromkeys(args.devices):

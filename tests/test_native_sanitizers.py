@@ -1,4 +1,4 @@
-"""The C++ kernel under AddressSanitizer and UndefinedBehaviorSanitizer.
+"""The C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
 Builds ``gbn_jax/csrc/kth_smallest_cpu.cc`` with ``-fsanitize=address,undefined``
 (the include path and language flags of setup.py) into a temporary directory
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "gbn_jax" / "csrc" / "kth_smallest_cpu.cc"
+CONV_SOURCE = ROOT / "gbn_jax" / "csrc" / "conv_kernel_grad_cpu.cc"
 INCLUDE = ROOT / "gbn_jax" / "csrc" / "third_party"
 # Seconds of fuzzing per run (after the fixed cases), AVX2 and portable code.
 FUZZ_SECONDS = {"avx2": 35.0, "portable": 15.0}
@@ -62,9 +63,8 @@ def _runtime_library(cxx: str, name: str) -> str | None:
   )
 
 
-@pytest.fixture(scope="module")
-def sanitized_build(tmp_path_factory):
-  """``(library, preload)``: the kernel built with ASAN and UBSAN, and the
+def _sanitized(tmp_path_factory, source: pathlib.Path, name: str):
+  """``(library, preload)``: ``source`` built with ASAN and UBSAN, and the
   runtime libraries to preload."""
   cxx = _compiler()
   if cxx is None:
@@ -76,7 +76,7 @@ def sanitized_build(tmp_path_factory):
   libstdcxx = _runtime_library(cxx, "libstdc++.so")
   if libstdcxx is not None:
     preload.append(libstdcxx)
-  library = tmp_path_factory.mktemp("asan") / "kth_cpu_asan.so"
+  library = tmp_path_factory.mktemp("asan") / name
   # -fno-builtin: at -O1 GCC turns int64_t(floor(x)) into lfloor, whose
   # overflow float-cast-overflow then misses.
   command = [
@@ -92,7 +92,7 @@ def sanitized_build(tmp_path_factory):
       "-fsanitize=address,undefined,float-cast-overflow",
       "-fno-sanitize-recover=all",
       f"-I{INCLUDE}",
-      str(SOURCE),
+      str(source),
       "-o",
       str(library),
   ]
@@ -104,6 +104,16 @@ def sanitized_build(tmp_path_factory):
       )
     pytest.fail(f"sanitizer build failed:\n{proc.stderr[-3000:]}")
   return str(library), preload
+
+
+@pytest.fixture(scope="module")
+def sanitized_build(tmp_path_factory):
+  return _sanitized(tmp_path_factory, SOURCE, "kth_cpu_asan.so")
+
+
+@pytest.fixture(scope="module")
+def sanitized_conv_build(tmp_path_factory):
+  return _sanitized(tmp_path_factory, CONV_SOURCE, "conv_cpu_asan.so")
 
 
 FUZZ_SCRIPT = textwrap.dedent(r"""
@@ -284,3 +294,62 @@ def test_kernel_fuzz_under_sanitizers(sanitized_build, code):
   assert not reports, output
   assert proc.returncode == 0 and "FUZZ OK" in proc.stdout, output
   print(proc.stdout.strip().splitlines()[-1])
+
+
+CONV_SCRIPT = textwrap.dedent(r"""
+    import ctypes, sys
+    import numpy as np
+    import jax, jax.numpy as jnp
+    jax.ffi.register_ffi_target(
+        "conv_asan", jax.ffi.pycapsule(ctypes.CDLL(sys.argv[1]).GbnConvKernelGradF32),
+        platform="cpu")
+    rng = np.random.default_rng(0)
+    cases = 0
+    for _ in range(60):
+      n, h, w, c = rng.integers(1, 6), rng.integers(1, 12), rng.integers(1, 12), rng.integers(1, 20)
+      kh, kw, sh, sw = rng.integers(1, 5, size=4)
+      f = int(rng.choice([1, 3, 8, 16, 24, 40]))
+      top, left = rng.integers(0, kh), rng.integers(0, kw)
+      bottom, right = rng.integers(0, kh), rng.integers(0, kw)
+      p = (h + top + bottom - kh) // sh + 1
+      q = (w + left + right - kw) // sw + 1
+      if p < 1 or q < 1:
+        continue
+      x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+      g = rng.standard_normal((n, p, q, f)).astype(np.float32)
+      out = jax.ShapeDtypeStruct((int(kh), int(kw), int(c), f), jnp.float32)
+      got = jax.ffi.ffi_call("conv_asan", out)(
+          x, g, stride_h=np.int64(sh), stride_w=np.int64(sw), top=np.int64(top),
+          left=np.int64(left))
+      xp = np.pad(x.astype(np.float64), ((0, 0), (top, bottom), (left, right), (0, 0)))
+      want = np.zeros(out.shape)
+      for i in range(kh):
+        for j in range(kw):
+          window = xp[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw]
+          want[i, j] = np.einsum("nhwc,nhwf->cf", window, g)
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+      cases += 1
+    print(f"CONV OK {cases} cases")
+""")
+
+
+def test_conv_kernel_under_sanitizers(sanitized_conv_build):
+  library, preload = sanitized_conv_build
+  env = dict(
+      os.environ,
+      LD_PRELOAD=" ".join(preload),
+      ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1",
+      UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+      JAX_PLATFORMS="cpu",
+  )
+  proc = subprocess.run(
+      [sys.executable, "-c", CONV_SCRIPT, library],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      cwd=ROOT,
+  )
+  output = proc.stdout[-3000:] + proc.stderr[-8000:]
+  assert not [r for r in SANITIZER_REPORTS if r in proc.stderr], output
+  assert proc.returncode == 0 and "CONV OK" in proc.stdout, output
