@@ -180,3 +180,18 @@ def test_gradient_of_a_convolution_matches_finite_differences():
   eps = 1e-2  # the objective is linear in k: differences are exact but for rounding
   numeric = (objective(k + eps * direction) - objective(k - eps * direction)) / (2 * eps)
   np.testing.assert_allclose(np.sum(got * direction), numeric, rtol=1e-3)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (None, 0), (0, None)], ids=str)
+def test_vmap_gives_each_pair_s_gradient(in_axes):
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((3, 2, 5, 5, 4)).astype(np.float32)
+  g = rng.standard_normal((3, 2, 3, 3, 8)).astype(np.float32)
+  args = [a if axis == 0 else a[0] for a, axis in zip((x, g), in_axes)]
+  fn = lambda x, g: conv_kernel_gradient(x, g, (3, 3), 2, "SAME")
+  got = np.asarray(jax.jit(jax.vmap(fn, in_axes=in_axes))(*args))
+  pads = _pads(x.shape[1:], (3, 3), (2, 2), "SAME")
+  for i in range(3):
+    pair = [a[i] if axis == 0 else a for a, axis in zip(args, in_axes)]
+    want = reference(*pair, (3, 3), (2, 2), pads)
+    np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-4)
