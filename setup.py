@@ -12,25 +12,23 @@ needs no jaxlib.
 from setuptools import Extension
 from setuptools import setup
 
+
+def _kernel(name: str, source: str) -> Extension:
+  """An optional C++17 XLA FFI kernel built from ``gbn_jax/csrc/SOURCE``."""
+  return Extension(
+      name,
+      sources=[f"gbn_jax/csrc/{source}"],
+      include_dirs=["gbn_jax/csrc/third_party"],
+      language="c++",
+      extra_compile_args=["-std=c++17", "-O3"],
+      extra_link_args=["-pthread"],
+      optional=True,
+  )
+
+
 setup(
     ext_modules=[
-        Extension(
-            "gbn_jax._kth_cpu",
-            sources=["gbn_jax/csrc/kth_smallest_cpu.cc"],
-            include_dirs=["gbn_jax/csrc/third_party"],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O3"],
-            extra_link_args=["-pthread"],
-            optional=True,
-        ),
-        Extension(
-            "gbn_jax._conv_cpu",
-            sources=["gbn_jax/csrc/conv_kernel_grad_cpu.cc"],
-            include_dirs=["gbn_jax/csrc/third_party"],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O3"],
-            extra_link_args=["-pthread"],
-            optional=True,
-        ),
+        _kernel("gbn_jax._kth_cpu", "kth_smallest_cpu.cc"),
+        _kernel("gbn_jax._conv_cpu", "conv_kernel_grad_cpu.cc"),
     ]
 )

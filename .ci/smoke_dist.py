@@ -69,13 +69,17 @@ def main() -> None:
   x = rng.standard_normal((2, 5, 5, 3)).astype(np.float32)
   g = rng.standard_normal((2, 5, 5, 8)).astype(np.float32)
   xp = np.pad(x.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
-  want = np.stack([
-      np.stack([
-          np.einsum("nhwc,nhwf->cf", xp[:, i : i + 5, j : j + 5], g)
-          for j in range(3)
-      ])
-      for i in range(3)
-  ])
+  want = np.stack(
+      [
+          np.stack(
+              [
+                  np.einsum("nhwc,nhwf->cf", xp[:, i : i + 5, j : j + 5], g)
+                  for j in range(3)
+              ]
+          )
+          for i in range(3)
+      ]
+  )
   got = jax.jit(lambda x, g: convolution.conv_kernel_gradient(x, g, (3, 3)))
   np.testing.assert_allclose(np.asarray(got(x, g)), want, rtol=1e-5, atol=1e-5)
 

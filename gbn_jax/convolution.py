@@ -100,7 +100,9 @@ def _partition(kernel_shape, strides, tops, mesh, arg_shapes, result_shape):
   return mesh, lower, replicated, (batch_sharded, batch_sharded)
 
 
-def _result_sharding(kernel_shape, strides, tops, mesh, arg_shapes, result_shape):
+def _result_sharding(
+    kernel_shape, strides, tops, mesh, arg_shapes, result_shape
+):
   del kernel_shape, strides, tops, arg_shapes, result_shape
   return jax.sharding.NamedSharding(mesh, jax.P())
 

@@ -41,7 +41,9 @@ def reference(x, g, kernel_size, strides, pads):
   out = np.zeros((kh, kw, x.shape[-1], g.shape[-1]))
   for i in range(kh):
     for j in range(kw):
-      window = xp[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw]
+      window = xp[
+          :, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw
+      ]
       out[i, j] = np.einsum("nhwc,nhwf->cf", window, g)
   return out
 
@@ -56,7 +58,9 @@ def _output_shape(shape, kernel_shape, strides, pads):
   ).shape
 
 
-def _case(shape, kernel_size, strides, padding, features, kind="normal", seed=0):
+def _case(
+    shape, kernel_size, strides, padding, features, kind="normal", seed=0
+):
   strides = (strides,) * 2 if isinstance(strides, int) else strides
   pads = _pads(shape, kernel_size, strides, padding)
   out = _output_shape(shape, (*kernel_size, shape[-1], features), strides, pads)
@@ -89,7 +93,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_equals_the_definition(case, kind):
   shape, kernel_size, strides, padding, features = case
-  x, g, strides, pads = _case(shape, kernel_size, strides, padding, features, kind)
+  x, g, strides, pads = _case(
+      shape, kernel_size, strides, padding, features, kind
+  )
   want = reference(x, g, kernel_size, strides, pads)
   fn = jax.jit(
       lambda x, g: conv_kernel_gradient(x, g, kernel_size, strides, padding)
@@ -122,9 +128,12 @@ def test_the_compiled_kernel_is_what_runs_on_a_cpu():
   if not convolution.native_available():
     pytest.skip("the compiled kernel is not built")
   x, g, *_ = _case((2, 4, 4, 8), (3, 3), 1, "SAME", 8)
-  text = jax.jit(
-      lambda x, g: conv_kernel_gradient(x, g, (3, 3))
-  ).lower(x, g).compile().as_text()
+  text = (
+      jax.jit(lambda x, g: conv_kernel_gradient(x, g, (3, 3)))
+      .lower(x, g)
+      .compile()
+      .as_text()
+  )
   assert "gbn_conv_kernel_grad_f32" in text
   assert " convolution(" not in text
 
@@ -135,14 +144,18 @@ def test_half_precision_is_xla_s_and_keeps_the_dtype(dtype):
   got = conv_kernel_gradient(x.astype(dtype), g.astype(dtype), (3, 3))
   assert got.dtype == dtype
   want = reference(x.astype(dtype), g.astype(dtype), (3, 3), strides, pads)
-  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0.05, atol=0.5)
+  np.testing.assert_allclose(
+      np.asarray(got, np.float64), want, rtol=0.05, atol=0.5
+  )
 
 
 def test_non_finite_values_spread_as_in_the_zero_padded_sum():
   x, g, strides, pads = _case((2, 4, 4, 8), (3, 3), 1, "SAME", 8)
   x[0, 1, 2, 3] = np.nan
   g[1, 0, 0, 5] = np.inf  # meets padded zeros: 0 * inf is NaN
-  got = np.asarray(jax.jit(lambda x, g: conv_kernel_gradient(x, g, (3, 3)))(x, g))
+  got = np.asarray(
+      jax.jit(lambda x, g: conv_kernel_gradient(x, g, (3, 3)))(x, g)
+  )
   with np.errstate(invalid="ignore"):
     want = reference(x, g, (3, 3), strides, pads)
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
@@ -172,13 +185,18 @@ def test_gradient_of_a_convolution_matches_finite_differences():
 
   def objective(kernel):
     y = lax.conv_general_dilated(
-        jnp.asarray(x64, jnp.float32), jnp.asarray(kernel, jnp.float32),
-        strides, pads, dimension_numbers=DIMENSIONS,
+        jnp.asarray(x64, jnp.float32),
+        jnp.asarray(kernel, jnp.float32),
+        strides,
+        pads,
+        dimension_numbers=DIMENSIONS,
     )
     return float(np.sum(np.asarray(y, np.float64) * g64))
 
   eps = 1e-2  # the objective is linear in k: differences are exact but for rounding
-  numeric = (objective(k + eps * direction) - objective(k - eps * direction)) / (2 * eps)
+  numeric = (
+      objective(k + eps * direction) - objective(k - eps * direction)
+  ) / (2 * eps)
   np.testing.assert_allclose(np.sum(got * direction), numeric, rtol=1e-3)
 
 

@@ -281,8 +281,14 @@ def test_kernel_fuzz_under_sanitizers(sanitized_build, code):
   if code == "portable":
     env["GBN_KTH_SCALAR"] = "1"
   seed = 0 if code == "avx2" else 1
+  _run_script(FUZZ_SCRIPT, [str(seed), str(FUZZ_SECONDS[code])], env, "FUZZ OK")
+
+
+def _run_script(script: str, args: list[str], env: dict, ok: str) -> None:
+  """Runs ``script`` in a fresh interpreter; fails on any sanitizer report
+  or unless it exits 0 having printed ``ok``."""
   proc = subprocess.run(
-      [sys.executable, "-c", FUZZ_SCRIPT, str(seed), str(FUZZ_SECONDS[code])],
+      [sys.executable, "-c", script, *args],
       env=env,
       capture_output=True,
       text=True,
@@ -292,7 +298,7 @@ def test_kernel_fuzz_under_sanitizers(sanitized_build, code):
   output = proc.stdout[-3000:] + proc.stderr[-8000:]
   reports = [r for r in SANITIZER_REPORTS if r in proc.stderr]
   assert not reports, output
-  assert proc.returncode == 0 and "FUZZ OK" in proc.stdout, output
+  assert proc.returncode == 0 and ok in proc.stdout, output
   print(proc.stdout.strip().splitlines()[-1])
 
 
@@ -342,14 +348,4 @@ def test_conv_kernel_under_sanitizers(sanitized_conv_build):
       UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
       JAX_PLATFORMS="cpu",
   )
-  proc = subprocess.run(
-      [sys.executable, "-c", CONV_SCRIPT, library],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-      cwd=ROOT,
-  )
-  output = proc.stdout[-3000:] + proc.stderr[-8000:]
-  assert not [r for r in SANITIZER_REPORTS if r in proc.stderr], output
-  assert proc.returncode == 0 and "CONV OK" in proc.stdout, output
+  _run_script(CONV_SCRIPT, [library], env, "CONV OK")

@@ -28,15 +28,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define GBN_X86 1
-#endif
-
-#include "parallel_for.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "cpu_kernel.h"
 
 namespace {
 

@@ -5,7 +5,6 @@ gather of the activations); the result equals the single-device one.
 """
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np

@@ -1,8 +1,9 @@
-// ParallelFor: XLA's intra-op thread pool (ffi::ThreadPool, or any pool with
-// num_threads() and Schedule(task)) running fn(i) for i in [0, n_items), for
-// the gbn_jax CPU kernels.
-#ifndef GBN_JAX_CSRC_PARALLEL_FOR_H_
-#define GBN_JAX_CSRC_PARALLEL_FOR_H_
+// What the gbn_jax CPU kernels share: the XLA FFI API (as ffi), GBN_X86
+// with the x86 intrinsics where the compiler targets x86-64, and ParallelFor,
+// which runs fn(i) for i in [0, n_items) on XLA's intra-op thread pool
+// (ffi::ThreadPool, or any pool with num_threads() and Schedule(task)).
+#ifndef GBN_JAX_CSRC_CPU_KERNEL_H_
+#define GBN_JAX_CSRC_CPU_KERNEL_H_
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +13,15 @@
 #include <memory>
 #include <mutex>
 #include <utility>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define GBN_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
 
 namespace gbn_jax {
 
@@ -79,4 +89,4 @@ void ParallelFor(Pool& pool, int n_items, const Fn& fn) {
 
 }  // namespace gbn_jax
 
-#endif  // GBN_JAX_CSRC_PARALLEL_FOR_H_
+#endif  // GBN_JAX_CSRC_CPU_KERNEL_H_
