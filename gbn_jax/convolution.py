@@ -75,11 +75,6 @@ def _native_call(x, g, kernel_shape, strides, tops):
   )
 
 
-@functools.partial(custom_partitioning, static_argnums=(2, 3, 4))
-def _native_kernel_gradient(x, g, kernel_shape, strides, tops):
-  return _native_call(x, g, kernel_shape, strides, tops)
-
-
 def _batch_axes(sharding):
   spec = getattr(sharding, "spec", None)
   return spec[0] if spec else None
@@ -107,11 +102,18 @@ def _result_sharding(
   return jax.sharding.NamedSharding(mesh, jax.P())
 
 
-_native_kernel_gradient.def_partition(
-    _partition,
-    infer_sharding_from_operands=_result_sharding,
-    sharding_rule="n h w c, n p q f -> i j c f",
-)
+@functools.lru_cache(maxsize=None)
+def _native_kernel_gradient():
+  """The native call, partitioned per device (built on first use: only where
+  the kernel is, so that importing this module needs nothing of
+  custom_partitioning's API elsewhere, e.g. on an accelerator's image)."""
+  native = custom_partitioning(_native_call, static_argnums=(2, 3, 4))
+  native.def_partition(
+      _partition,
+      infer_sharding_from_operands=_result_sharding,
+      sharding_rule="n h w c, n p q f -> i j c f",
+  )
+  return native
 
 
 def conv_kernel_gradient(
@@ -184,7 +186,7 @@ def conv_kernel_gradient(
 
   @jax.custom_batching.custom_vmap
   def native(x, g):
-    return _native_kernel_gradient(x, g, kernel_shape, strides, tops)
+    return _native_kernel_gradient()(x, g, kernel_shape, strides, tops)
 
   @native.def_vmap
   def _one_pair_at_a_time(axis_size, in_batched, x, g):
