@@ -76,6 +76,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 REPORT_PAGES = {
     RESULTS / "reports" / "convergence" / "report.md": "report.md",
     RESULTS / "reports" / "gpu" / "report.md": "report_gpu.md",
+    RESULTS / "reports" / "gpu_resnet20" / "report.md": "report_gpu_resnet20.md",
     RESULTS / "reports" / "calibration" / "report.md": "report_calibration.md",
     RESULTS / "reports" / "small_batch" / "report.md": "report_small_batch.md",
 }
