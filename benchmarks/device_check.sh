@@ -30,8 +30,11 @@
 #            augmentation, batch 256, lr 0.1, 200 epochs, bn, rbd,
 #            bn_gain:rbd and calibrated rbd, seeds 0 and 1
 #            (sweeps/cifar10_resnet20_gain_gpu/), as many as the budget allows,
-#            with a checkpoint every 10 epochs. Runs that a committed sweep
-#            holds as finished are skipped; runs an earlier session left
+#            with a checkpoint every 10 epochs; at the same time, the same four
+#            conditions with augmentation (crop + flip, the paper's protocol;
+#            sweeps/cifar10_resnet20_gain_aug_gpu/): does RBD's shape still
+#            help where augmentation already regularizes? Runs that a
+#            committed sweep holds as finished are skipped; runs an earlier session left
 #            unfinished go on from their checkpoint if RESUME (default
 #            .device/resume/) holds them: after a session, here,
 #            `tar -xzf /work/.device/<N>/resnet_resume.tgz -C .device/resume`.
@@ -69,6 +72,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 SWEEP=$WORK/sweeps/cifar10_lenet_gpu
 RESNET_SWEEP=$WORK/sweeps/cifar10_resnet20_gain_gpu
+RESNET_AUG_SWEEP=$WORK/sweeps/cifar10_resnet20_gain_aug_gpu
 if [ "$DRY_RUN" = 1 ]; then RESUME=${RESUME:-$WORK/no_resume}; else RESUME=${RESUME:-.device/resume}; fi
 DATA=$WORK/cifar10
 LOG=$WORK/log.txt
@@ -87,16 +91,19 @@ pack() {
 # OUT/resnet_resume.tgz: unpacked into RESUME (.device/resume/ here), the next
 # device session's table2 step goes on from there instead of from epoch 1.
 pack_resume() {
-  [ -d "$RESNET_SWEEP" ] || return 0
-  local ckpts step older=()
-  for ckpts in "$RESNET_SWEEP"/*/checkpoints; do
+  local sweeps=() dir ckpts step older=()
+  for dir in "$RESNET_SWEEP" "$RESNET_AUG_SWEEP"; do
+    [ -d "$dir" ] && sweeps+=("${dir#"$WORK"/}")
+  done
+  [ ${#sweeps[@]} -gt 0 ] || return 0
+  for ckpts in "$RESNET_SWEEP"/*/checkpoints "$RESNET_AUG_SWEEP"/*/checkpoints; do
     [ -d "$ckpts" ] || continue
     for step in $(ls "$ckpts" | grep -E '^[0-9]+$' | sort -n | head -n -1); do
       older+=("--exclude=${ckpts#"$WORK"/}/$step")
     done
   done
   tar -czf "$OUT/resnet_resume.tgz.tmp" -C "$WORK" --exclude='*.lock' --exclude='*tmp*' \
-    "${older[@]}" "${RESNET_SWEEP#"$WORK"/}" 2>/dev/null \
+    "${older[@]}" "${sweeps[@]}" 2>/dev/null \
     && mv "$OUT/resnet_resume.tgz.tmp" "$OUT/resnet_resume.tgz"
 }
 # run_capped NAME SECONDS CMD...: runs CMD under timeout, logs its output.
@@ -283,30 +290,40 @@ step_table2() {
   if sweep_alive; then log "table2: already running (pid $(sweep_pid))"; else
     local p; p=$(cat "$WORK/convert.pid" 2>/dev/null)
     [ -n "$p" ] && while kill -0 "$p" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 1; done
-    mkdir -p "$SWEEP" "$RESNET_SWEEP"
+    mkdir -p "$SWEEP" "$RESNET_SWEEP" "$RESNET_AUG_SWEEP"
+    local dir
     if [ "$DRY_RUN" != 1 ]; then
       copy_finished results/sweeps/cifar10_lenet_gpu "$SWEEP" "$EPOCHS"
-      copy_finished results/sweeps/cifar10_resnet20_gain_gpu "$RESNET_SWEEP" "$RESNET_EPOCHS"
+      for dir in "$RESNET_SWEEP" "$RESNET_AUG_SWEEP"; do
+        copy_finished "results/sweeps/$(basename "$dir")" "$dir" "$RESNET_EPOCHS"
+      done
     fi
-    resume_unfinished "$RESUME/sweeps/cifar10_resnet20_gain_gpu" "$RESNET_SWEEP"
+    for dir in "$RESNET_SWEEP" "$RESNET_AUG_SWEEP"; do
+      resume_unfinished "$RESUME/sweeps/$(basename "$dir")" "$dir"
+    done
     log "table2: start, ${EPOCHS} epochs, seeds $SEEDS, norms $NORMS, $JOBS at a time;" \
       "then ResNet20 ${RESNET_EPOCHS} epochs, seeds $RESNET_SEEDS, norms $RESNET_NORMS" \
-      "${RESNET_CALIBRATED:+and calibrated $RESNET_CALIBRATED}"
-    local sweep=("$PYTHON" -m train.sweep --defaults cifar --dataset cifar10 --lr 0.1 --no-augment
-                 --data-dir "$DATA")
-    local resnet=("${sweep[@]}" --sweep-dir "$RESNET_SWEEP" --model resnet20 --batch-size 256
-                  --epochs "$RESNET_EPOCHS" --checkpoint-every "$RESNET_CKPT_EVERY" --seed "$RESNET_SEEDS"
-                  --jobs "$RESNET_JOBS")
+      "${RESNET_CALIBRATED:+and calibrated $RESNET_CALIBRATED}, without and with augmentation"
+    local sweep=("$PYTHON" -m train.sweep --defaults cifar --dataset cifar10 --lr 0.1 --data-dir "$DATA")
+    local resnet=("${sweep[@]}" --model resnet20 --batch-size 256 --epochs "$RESNET_EPOCHS"
+                  --checkpoint-every "$RESNET_CKPT_EVERY" --seed "$RESNET_SEEDS" --jobs "$RESNET_JOBS")
     # One job, in its own session (setsid), so that it outlives this call:
-    # the LeNet row, then the ResNet20 runs.
+    # the LeNet row, then the ResNet20 runs, every sweep of them at once so
+    # that all their runs share the card.
     {
-      printf '%q ' "${sweep[@]}" --sweep-dir "$SWEEP" --model lenet --batch-size "$BATCH" \
+      printf '%q ' "${sweep[@]}" --no-augment --sweep-dir "$SWEEP" --model lenet --batch-size "$BATCH" \
         --weight-decay 1e-4 --epochs "$EPOCHS" --checkpoint-every "$CKPT_EVERY" --seed "$SEEDS" \
         --norm "$NORMS" --jobs "$JOBS"; echo
-      printf '%q ' "${resnet[@]}" --norm "$RESNET_NORMS"; echo
-      if [ -n "$RESNET_CALIBRATED" ]; then
-        printf '%q ' "${resnet[@]}" --norm "$RESNET_CALIBRATED" --calibration normal; echo
-      fi
+      local augment
+      for augment in --no-augment --augment; do
+        dir=$RESNET_SWEEP; [ "$augment" = --augment ] && dir=$RESNET_AUG_SWEEP
+        printf '%q ' "${resnet[@]}" "$augment" --sweep-dir "$dir" --norm "$RESNET_NORMS"; echo '&'
+        if [ -n "$RESNET_CALIBRATED" ]; then
+          printf '%q ' "${resnet[@]}" "$augment" --sweep-dir "$dir" --norm "$RESNET_CALIBRATED" \
+            --calibration normal; echo '&'
+        fi
+      done
+      echo wait
     } > "$WORK/table2_job.sh"
     # Several runs of one norm compile the same programs: share them.
     JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache setsid nohup bash "$WORK/table2_job.sh" \

@@ -101,15 +101,25 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
       resnet / "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0" / "metrics.jsonl"
   ).read_text()
   assert [json.loads(line)["epoch"] for line in rows.splitlines()] == [1, 2]
+  # And, at the same time, the same runs with augmentation.
+  aug = unpacked / "sweeps" / "cifar10_resnet20_gain_aug_gpu"
+  aug_run = aug / "cifar10-resnet20-bn-b256-lr0.1-seed0"
+  assert sorted(p.name for p in aug.iterdir() if p.is_dir()) == [aug_run.name]
+  rows = (aug_run / "metrics.jsonl").read_text()
+  assert [json.loads(line)["epoch"] for line in rows.splitlines()] == [1, 2]
+  assert json.loads((aug_run / "config.json").read_text())["augment"] is True
   assert "table2: sweep finished" in log
 
   # A later session resumes the ResNet20 runs from their newest checkpoint,
   # which alone travels (epochs 1 and 2 were both saved).
   with tarfile.open(out / "resnet_resume.tgz") as tar:
     names = tar.getnames()
-  run = "sweeps/cifar10_resnet20_gain_gpu/cifar10-resnet20-bn-b256-lr0.1-noaug-seed0"
-  assert f"{run}/metrics.jsonl" in names and f"{run}/config.json" in names
-  steps = {
-      n.split("/")[4] for n in names if n.startswith(f"{run}/checkpoints/")
-  }
-  assert steps == {"2"}, names
+  for run in (
+      "sweeps/cifar10_resnet20_gain_gpu/cifar10-resnet20-bn-b256-lr0.1-noaug-seed0",
+      "sweeps/cifar10_resnet20_gain_aug_gpu/cifar10-resnet20-bn-b256-lr0.1-seed0",
+  ):
+    assert f"{run}/metrics.jsonl" in names and f"{run}/config.json" in names
+    steps = {
+        n.split("/")[4] for n in names if n.startswith(f"{run}/checkpoints/")
+    }
+    assert steps == {"2"}, names
