@@ -74,11 +74,14 @@ html_theme_options = {
 # file a download, and a folder (a sweep) its name in code.
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 REPORT_PAGES = {
-    RESULTS / "reports" / "convergence" / "report.md": "report.md",
-    RESULTS / "reports" / "gpu" / "report.md": "report_gpu.md",
-    RESULTS / "reports" / "gpu_resnet20" / "report.md": "report_gpu_resnet20.md",
-    RESULTS / "reports" / "calibration" / "report.md": "report_calibration.md",
-    RESULTS / "reports" / "small_batch" / "report.md": "report_small_batch.md",
+    RESULTS / "reports" / folder / "report.md": page
+    for folder, page in (
+        ("convergence", "report.md"),
+        ("gpu", "report_gpu.md"),
+        ("gpu_resnet20", "report_gpu_resnet20.md"),
+        ("calibration", "report_calibration.md"),
+        ("small_batch", "report_small_batch.md"),
+    )
 }
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 
