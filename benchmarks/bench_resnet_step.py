@@ -9,11 +9,13 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
    forward+backward, in each exact formulation (:data:`FORMULATIONS`),
    interleaved; weighted by each shape's count, the step's conv time.
 2. ``variants``: the whole model with each formulation (:data:`VARIANTS`),
-   interleaved with the real model (``base``: ``train.models.ResNetConv`` on
-   a CPU), ``chained`` (``ResNetConv`` without
-   :func:`train.models.computed_once`), ``xla_kernel_grad`` (``ResNetConv``
-   with XLA's kernel gradients, its formulation before the compiled one) and
-   ``flax`` (``nn.Conv``); ``loss_rel``/``update_rel`` against
+   interleaved with the real model (``base``: ``train.models.ResNetConv`` and
+   :func:`train.models.recompute_elementwise` norms on a CPU),
+   ``stored_norm`` (without the recomputation), ``chained``
+   (``ResNetConv`` without :func:`train.models.computed_once`),
+   ``xla_kernel_grad`` (``ResNetConv`` with XLA's kernel gradients, its
+   formulation before the compiled one) and ``flax`` (``nn.Conv``, stored
+   norms); ``loss_rel``/``update_rel`` against
    ``base`` on the same batch (with a quantile norm, im2col's other forward
    rounding can move a quantile to another element, and its gradient).
 3. ``profile``: a traced step of ``base`` and ``flax``: XLA op time by kind
@@ -22,7 +24,8 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
 4. ``flags``: XLA:CPU flag sets (``bench_lenet_step``'s), a process each,
    timing ``base`` against default-flag processes first and last.
 5. ``final``: 1 vs 2 host devices (the batch split as the CLI does) x
-   default vs the best exact flag set, ``base``, ``chained`` and ``flax``.
+   default vs the best exact flag set, ``base``, ``stored_norm``,
+   ``xla_kernel_grad``, ``chained`` and ``flax``.
 6. ``--torch-python``: ``peers/torch_resnet20.py`` (BatchNorm2d, NCHW and
    channels_last; kthvalue SQD2 with ``--torch-sqd``) first and last; steps
    as ratios to PyTorch's best BatchNorm step (target: 1.3).
@@ -189,21 +192,24 @@ class FormulationConv(nn.Module):
     return FORMULATIONS[self.method](x, kernel, self.strides)
 
 
-#: Variant -> ResNet ``conv`` (``base``: the real model as train builds it).
-VARIANTS: dict[str, Any] = {
-    "base": None,
-    "flax": nn.Conv,
-    "chained": functools.partial(ResNetConv, compute_input_once=False),
-    "xla_kernel_grad": functools.partial(
-        ResNetConv, matmul_kernel_gradient=False
-    ),
+#: Variant -> ResNet fields (``base``: the real model as train builds it).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "flax": {"conv": nn.Conv, "recompute_norm": False},
+    "chained": {
+        "conv": functools.partial(ResNetConv, compute_input_once=False)
+    },
+    "xla_kernel_grad": {
+        "conv": functools.partial(ResNetConv, matmul_kernel_gradient=False)
+    },
+    "stored_norm": {"recompute_norm": False},
 } | {
-    f: functools.partial(FormulationConv, method=f)
+    f: {"conv": functools.partial(FormulationConv, method=f)}
     for f in FORMULATIONS
     if f not in ("flax", "resnet", "resnet_xla_kernel_grad", "nchw")
 }
 #: The final section's variants (``--final-variants``).
-FINAL_VARIANTS = ["base", "xla_kernel_grad", "chained", "flax"]
+FINAL_VARIANTS = ["base", "stored_norm", "xla_kernel_grad", "chained", "flax"]
 DEFAULT_FLAG_SETS = tuple(
     "ynn_off ynn_no_conv ynn_no_dot onednn_dot eigen_1thread "
     "no_concurrency_sched nproc1".split()
@@ -232,9 +238,9 @@ class Setup:
 
   def state_for(self, variant: str):
     """The initial state with ``variant``'s apply_fn (same parameters)."""
-    if VARIANTS[variant] is None:
+    if not VARIANTS[variant]:
       return self.state
-    model = self.model.clone(conv=VARIANTS[variant])  # the same tree
+    model = self.model.clone(**VARIANTS[variant])  # the same tree
     return self.state.replace(apply_fn=model.apply)
 
   def compile(self, variant: str):

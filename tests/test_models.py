@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import print_saved_residuals
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -576,8 +578,10 @@ def test_resnet20_cpu_convs_are_the_same_model(norm):
   x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
   labels = jnp.arange(4) % 10
   kwargs = dict(num_classes=10, norm=models.make_norm(norm))
-  flax_ops = models.ResNet20(conv=nn.Conv, **kwargs)
-  cpu_ops = models.ResNet20(conv=models.ResNetConv, **kwargs)
+  flax_ops = models.ResNet20(conv=nn.Conv, recompute_norm=False, **kwargs)
+  cpu_ops = models.ResNet20(
+      conv=models.ResNetConv, recompute_norm=True, **kwargs
+  )
   variables = flax_ops.init(jax.random.key(1), x, train=False)
   jax.tree.map(
       np.testing.assert_array_equal,
@@ -616,8 +620,10 @@ def test_resnet20_cpu_convs_are_the_same_model(norm):
     np.testing.assert_allclose(
         got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path)
     )
-  # The default follows the backend: ResNetConv on the CPU.
+  # The default follows the backend: ResNetConv and recomputed norms on the
+  # CPU.
   assert models.ResNet20(**kwargs).conv is None
+  assert models.ResNet20(**kwargs).recompute_norm is None
   default = models.ResNet20(**kwargs).apply(variables, x, train=False)
   np.testing.assert_array_equal(
       default,
@@ -625,3 +631,88 @@ def test_resnet20_cpu_convs_are_the_same_model(norm):
           variables, x, train=False
       ),
   )
+
+
+@pytest.mark.parametrize(
+    "norm",
+    ["bn", "sd", "mad", "rbd", "sqd1", "sqd:0.99", "bpoe", "bn_gain:rbd"],
+)
+def test_recompute_elementwise_is_the_same_layer(norm):
+  # Ties and a constant feature, as well as random values.
+  x = jax.random.normal(jax.random.key(0), (6, 5, 5, 4))
+  x = x.at[:, :, :, 1].set(jnp.round(x[:, :, :, 1]))
+  x = x.at[:, :, :, 2].set(0.5)
+  factory = models.make_norm(norm)
+  plain = factory(use_running_average=False)
+  recomputed = models.recompute_elementwise(factory)(use_running_average=False)
+  variables = plain.init(jax.random.key(1), x)
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      variables,
+      recomputed.init(jax.random.key(1), x),
+  )
+  g = jax.random.normal(jax.random.key(2), x.shape)
+
+  def run(module):
+    def loss(params, x):
+      y, updates = module.apply(
+          {"params": params, "batch_stats": variables["batch_stats"]},
+          x,
+          mutable=["batch_stats"],
+      )
+      return jnp.vdot(jax.nn.relu(y), g), (y, updates)
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    return jax.jit(fn)(variables["params"], x)
+
+  want, got = run(plain), run(recomputed)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(jnp.max(jnp.abs(b))) or 1.0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+def _saved_residuals(factory, x, capsys) -> list[str]:
+  """What autodiff keeps of a norm layer for its backward pass, one per line."""
+  module = factory(use_running_average=False)
+  variables = module.init(jax.random.key(1), x)
+
+  def apply(params, x):
+    y, _ = module.apply(
+        {"params": params, "batch_stats": variables["batch_stats"]},
+        x,
+        mutable=["batch_stats"],
+    )
+    return y
+
+  capsys.readouterr()
+  print_saved_residuals(apply, variables["params"], x)
+  return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("norm", ["bn", "mad", "rbd", "sqd2"])
+def test_recompute_elementwise_keeps_the_input_and_the_statistics(norm, capsys):
+  x = jax.random.normal(jax.random.key(0), (6, 5, 5, 4))
+  activation = re.compile(r"^\w+\[6,5,5,4\]")
+  factory = models.make_norm(norm)
+  plain = _saved_residuals(factory, x, capsys)
+  recomputed = _saved_residuals(
+      models.recompute_elementwise(factory), x, capsys
+  )
+  # Stored, the layer keeps activation-sized arrays besides its input ...
+  assert [r for r in plain if activation.match(r) and "argument x" not in r]
+  # ... recomputed, its input alone, ...
+  assert [r for r in recomputed if activation.match(r)] == [
+      "f32[6,5,5,4] from the argument x"
+  ]
+  # ... and the statistics (reductions, a selection), not recomputed.
+  kept = {
+      m[1]
+      for m in map(re.compile(r".* output of (\w+)").match, recomputed)
+      if m
+  }
+  assert kept and not kept & models._ELEMENTWISE_PRIMITIVES, recomputed
+
+
+def test_recompute_elementwise_takes_module_factories_only():
+  with pytest.raises(TypeError, match="Module class"):
+    models.recompute_elementwise(lambda **kw: nn.BatchNorm(**kw))

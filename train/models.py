@@ -26,8 +26,10 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   convolutions take their kernel gradient from gbn_jax's compiled kernel
   (:func:`gbn_jax.convolution.conv_kernel_gradient`), strided ones their
   input gradient as a matmul and a col2im, and every convolution's input is
-  computed once (:class:`ResNetConv`): the same parameters, forward
-  operations and function (``benchmarks/bench_resnet_step.py``).
+  computed once (:class:`ResNetConv`), and the norm layers' backward pass
+  recomputes their elementwise work (:func:`recompute_elementwise`): the same
+  parameters, forward operations and function
+  (``benchmarks/bench_resnet_step.py``).
 
 Convolutions followed by a norm have no bias: every GBN statistic S is
 translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
@@ -429,6 +431,56 @@ def computed_once(x: jax.Array) -> jax.Array:
   return x / lax.stop_gradient(1 + 0 * x)
 
 
+#: Primitives that act element by element (and the broadcasts and reshapes
+#: around them): cheap to recompute, and on XLA:CPU costly to store.
+_ELEMENTWISE_PRIMITIVES = frozenset(
+    "abs add and bitcast_convert_type broadcast_in_dim ceil clamp copy copy_p "
+    "convert_element_type div eq exp expand_dims expm1 floor ge gt integer_pow "
+    "is_finite le log log1p lt max min mul ne neg not or pow reshape round "
+    "rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign "
+    "sqrt square squeeze stop_gradient sub xor".split()
+)
+
+
+def _save_all_but_elementwise(prim, *_, **__) -> bool:
+  return prim.name not in _ELEMENTWISE_PRIMITIVES
+
+
+def recompute_elementwise(norm: ModuleDef) -> ModuleDef:
+  """``norm`` whose backward pass recomputes its elementwise work.
+
+  Autodiff keeps what a norm layer's backward pass needs, ``x - S(x)`` among
+  it, as arrays the size of the activations, and XLA:CPU then writes and
+  reads each of them once more: in ResNet20 ``x - mean`` alone took 52-59 ms
+  of the 650-735 ms of op time in a step (one device,
+  ``benchmarks/bench_resnet_step.py``'s profile). Under :func:`flax.linen.remat` with this policy the layer keeps
+  only its input and what is not elementwise (the statistics, a selection),
+  and the backward pass recomputes the rest inside its own fusions. The
+  function, parameters and ``batch_stats`` are unchanged, and so are the
+  values up to float rounding (the same operations, fused differently; the
+  benchmark's step agreed bit for bit).
+
+  Args:
+    norm: A norm factory (:func:`make_norm`'s): a Module class or a
+      ``functools.partial`` of one.
+
+  Returns:
+    The same factory over the rematerialized class.
+
+  Raises:
+    TypeError: If ``norm`` is neither.
+  """
+  if isinstance(norm, functools.partial):
+    return functools.partial(
+        recompute_elementwise(norm.func), *norm.args, **norm.keywords
+    )
+  if isinstance(norm, type) and issubclass(norm, nn.Module):
+    return nn.remat(norm, policy=_save_all_but_elementwise)
+  raise TypeError(
+      f"expected a Module class or a functools.partial of one, got {norm!r}"
+  )
+
+
 class ResNetConv(nn.Module):
   """``nn.Conv(features, kernel_size, strides, use_bias=False)`` for XLA:CPU.
 
@@ -576,6 +628,9 @@ class ResNet(nn.Module):
       kernel size, ``strides``, ``use_bias``, ``kernel_init``, ``name``).
       ``None`` (default): :class:`ResNetConv` where the default backend is
       the CPU, else ``nn.Conv``: the same parameters and function.
+    recompute_norm: Pass the norm through :func:`recompute_elementwise`.
+      ``None`` (default): where the default backend is the CPU. The same
+      parameters and function either way.
   """
 
   num_classes: int
@@ -583,13 +638,18 @@ class ResNet(nn.Module):
   blocks_per_stage: int = 3
   stage_features: Sequence[int] = (16, 32, 64)
   conv: ModuleDef | None = None
+  recompute_norm: bool | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    norm = functools.partial(self.norm, use_running_average=not train)
+    on_cpu = jax.default_backend() == "cpu"
+    norm = self.norm
+    if on_cpu if self.recompute_norm is None else self.recompute_norm:
+      norm = recompute_elementwise(norm)
+    norm = functools.partial(norm, use_running_average=not train)
     conv = self.conv
     if conv is None:
-      conv = ResNetConv if jax.default_backend() == "cpu" else nn.Conv
+      conv = ResNetConv if on_cpu else nn.Conv
     x = conv(
         self.stage_features[0],
         (3, 3),
