@@ -23,9 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <new>
-#include <string>
 #include <vector>
 
 #include "cpu_kernel.h"
