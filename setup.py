@@ -29,6 +29,6 @@ def _kernel(name: str, source: str) -> Extension:
 setup(
     ext_modules=[
         _kernel("gbn_jax._kth_cpu", "kth_smallest_cpu.cc"),
-        _kernel("gbn_jax._conv_cpu", "conv_kernel_grad_cpu.cc"),
+        _kernel("gbn_jax._conv_cpu", "conv_cpu.cc"),
     ]
 )

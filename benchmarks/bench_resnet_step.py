@@ -78,6 +78,7 @@ from train import configs
 from train import train as trainlib
 from train.models import ResNetConv
 from train.models import conv_col2im_dgrad
+from train.models import conv_compiled
 from train.models import conv_matmul_grads
 from train.models import conv_same
 from train.models import im2col
@@ -159,11 +160,13 @@ def conv_nchw(x, kernel, strides):
 
 
 #: Formulation -> fn(x, kernel, strides). ``flax`` is nn.Conv's; ``resnet``
-#: train.models.ResNetConv's (the CPU default), ``resnet_xla_kernel_grad`` its
-#: formulation before the compiled kernel gradient.
+#: train.models.ResNetConv's (the CPU default), ``resnet_xla_forward`` its
+#: formulation before the compiled forward pass, ``resnet_xla_kernel_grad``
+#: before the compiled kernel gradient.
 FORMULATIONS: dict[str, Callable[..., jax.Array]] = {
     "flax": conv_same,
-    "resnet": conv_matmul_grads,
+    "resnet": conv_compiled,
+    "resnet_xla_forward": conv_matmul_grads,
     "resnet_xla_kernel_grad": _per_stride(conv_col2im_dgrad),
     "im2col": conv_im2col,
     "im2col_strided": _per_stride(conv_im2col),
@@ -192,6 +195,15 @@ class FormulationConv(nn.Module):
     return FORMULATIONS[self.method](x, kernel, self.strides)
 
 
+# ``flax`` and ``resnet*`` are variants of their own; ``nchw`` is timed in
+# the convs section only.
+_FORMULATIONS_OF_OTHER_VARIANTS = (
+    "flax",
+    "resnet",
+    "resnet_xla_forward",
+    "resnet_xla_kernel_grad",
+    "nchw",
+)
 #: Variant -> ResNet fields (``base``: the real model as train builds it).
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -203,13 +215,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "conv": functools.partial(ResNetConv, matmul_kernel_gradient=False)
     },
     "stored_norm": {"recompute_norm": False},
+    "xla_forward": {
+        "conv": functools.partial(ResNetConv, compiled_forward=False)
+    },
 } | {
     f: {"conv": functools.partial(FormulationConv, method=f)}
     for f in FORMULATIONS
-    if f not in ("flax", "resnet", "resnet_xla_kernel_grad", "nchw")
+    if f not in _FORMULATIONS_OF_OTHER_VARIANTS
 }
 #: The final section's variants (``--final-variants``).
-FINAL_VARIANTS = ["base", "stored_norm", "xla_kernel_grad", "chained", "flax"]
+FINAL_VARIANTS = [
+    "base",
+    "xla_forward",
+    "stored_norm",
+    "xla_kernel_grad",
+    "chained",
+    "flax",
+]
 DEFAULT_FLAG_SETS = tuple(
     "ynn_off ynn_no_conv ynn_no_dot onednn_dot eigen_1thread "
     "no_concurrency_sched nproc1".split()

@@ -1,4 +1,4 @@
-"""A convolution's kernel gradient, fast on XLA:CPU.
+"""A convolution and its gradients, fast on XLA:CPU.
 
 GBN layers sit between convolutions, and on a CPU a convolutional network's
 train step is mostly its convolutions. XLA:CPU (jaxlib 0.10) computes a
@@ -6,16 +6,20 @@ convolution's kernel gradient as a convolution whose contracted dimension is
 the batch: it copies the input and the output gradient batch-minor first and
 runs at a fraction of the forward convolution's speed.
 :func:`conv_kernel_gradient` computes it instead as the matrix product it
-is, with a compiled kernel (``gbn_jax/csrc/conv_kernel_grad_cpu.cc``, built
-by ``pip install`` when a C++17 compiler is present): ResNet20's 19
-convolutions at batch 256, forward and backward, took 456 ms with it against
-823 ms with XLA's kernel gradient on a 2-core CPU (``docs/performance.md``).
+is, with a compiled kernel (``gbn_jax/csrc/conv_cpu.cc``, built by ``pip
+install`` when a C++17 compiler is present): ResNet20's 19 convolutions at
+batch 256, forward and backward, took 456 ms with it against 823 ms with
+XLA's kernel gradient on a 2-core CPU (``docs/performance.md``).
+:func:`conv` is the whole convolution, differentiable, whose forward pass
+and stride-1 input gradient run in a second compiled kernel of the same
+kind (the input windows of a tile of output positions times the kernel),
+faster than XLA:CPU's own convolutions on ResNet20's shapes.
 
-Where the kernel is not built, and on every other backend, the result is
-XLA's own kernel gradient. Under ``jit`` with the batch sharded over devices,
-each device computes the gradient of its part of the batch and the parts are
-summed (``custom_partitioning``): the result is the whole batch's. Under
-``vmap`` the kernel runs once per mapped pair.
+Where the kernels are not built, and on every other backend, XLA computes
+the same things. Under ``jit`` with the batch sharded over devices, each
+device convolves its own images, and for the kernel gradient the devices'
+parts are summed (``custom_partitioning``): the results are the whole
+batch's. Under ``vmap`` the kernels run once per mapped pair.
 """
 
 from __future__ import annotations
@@ -36,23 +40,64 @@ Padding = str | Sequence[tuple[int, int]]
 
 _LIBRARY = "gbn_jax._conv_cpu"
 _TARGET = "gbn_conv_kernel_grad_f32"
+_FORWARD_TARGET = "gbn_conv_forward_f32"
 _DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
 
 @functools.lru_cache(maxsize=None)
 def native_available() -> bool:
-  """Whether the compiled kernel is installed and registered with XLA:CPU."""
+  """Whether the compiled kernels are installed and registered with XLA:CPU."""
   spec = importlib.util.find_spec(_LIBRARY)
   if spec is None or not spec.origin:
     return False
   try:
-    handler = ctypes.CDLL(spec.origin).GbnConvKernelGradF32
+    library = ctypes.CDLL(spec.origin)
+    handlers = {
+        _TARGET: library.GbnConvKernelGradF32,
+        _FORWARD_TARGET: library.GbnConvForwardF32,
+    }
   except (OSError, AttributeError):
     return False
-  jax.ffi.register_ffi_target(
-      _TARGET, jax.ffi.pycapsule(handler), platform="cpu"
-  )
+  for target, handler in handlers.items():
+    jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(handler), platform="cpu"
+    )
   return True
+
+
+def _strides_and_pads(strides, padding, in_hw, kernel_hw):
+  strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads(in_hw, kernel_hw, strides, padding)
+  else:
+    pads = padding
+  return strides, tuple(tuple(int(p) for p in pair) for pair in pads)
+
+
+def _native_applies(*operands, pads) -> bool:
+  return (
+      all(a.dtype == jnp.float32 for a in operands)
+      and min(pad for pair in pads for pad in pair) >= 0
+      and native_available()
+  )
+
+
+def _one_at_a_time(native):
+  """``native`` under vmap: each mapped pair in turn, the others shared."""
+
+  @jax.custom_batching.custom_vmap
+  def call(a, b):
+    return native(a, b)
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, a, b):
+    a, b = (
+        v if batched else jnp.broadcast_to(v, (axis_size, *v.shape))
+        for v, batched in zip((a, b), in_batched)
+    )
+    return lax.map(lambda pair: call(*pair), (a, b)), True
+
+  return call
 
 
 def _xla_kernel_gradient(x, g, kernel_shape, strides, pads):
@@ -153,13 +198,8 @@ def conv_kernel_gradient(
   """
   if x.ndim != 4 or g.ndim != 4:
     raise ValueError(f"x and g must be NHWC, got {x.shape} and {g.shape}")
-  strides = (strides, strides) if isinstance(strides, int) else tuple(strides)
   kernel_shape = (*kernel_size, x.shape[-1], g.shape[-1])
-  if isinstance(padding, str):
-    pads = lax.padtype_to_pads(x.shape[1:3], kernel_size, strides, padding)
-  else:
-    pads = padding
-  pads = tuple(tuple(int(p) for p in pair) for pair in pads)
+  strides, pads = _strides_and_pads(strides, padding, x.shape[1:3], kernel_size)
   expected = jax.eval_shape(
       lambda k: lax.conv_general_dilated(
           x, k, strides, pads, dimension_numbers=_DIMENSIONS
@@ -176,25 +216,156 @@ def conv_kernel_gradient(
       strides=strides,
       pads=pads,
   )
-  if not (
-      x.dtype == g.dtype == jnp.float32
-      and min(pad for pair in pads for pad in pair) >= 0
-      and native_available()
-  ):
+  if not _native_applies(x, g, pads=pads):
     return xla(x, g)
   tops = (pads[0][0], pads[1][0])
-
-  @jax.custom_batching.custom_vmap
-  def native(x, g):
-    return _native_kernel_gradient()(x, g, kernel_shape, strides, tops)
-
-  @native.def_vmap
-  def _one_pair_at_a_time(axis_size, in_batched, x, g):
-    # Under vmap: each (x, g) pair in turn, unbatched operands shared.
-    x, g = (
-        a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-        for a, batched in zip((x, g), in_batched)
-    )
-    return lax.map(lambda pair: native(*pair), (x, g)), True
-
+  native = _one_at_a_time(
+      lambda x, g: _native_kernel_gradient()(x, g, kernel_shape, strides, tops)
+  )
   return lax.platform_dependent(x, g, cpu=native, default=xla)
+
+
+# --- The forward convolution.
+
+
+def _xla_forward(x, kernel, strides, pads):
+  return lax.conv_general_dilated(
+      x, kernel, strides, pads, dimension_numbers=_DIMENSIONS
+  )
+
+
+def _native_forward_call(x, kernel, out_hw, strides, tops):
+  out = jax.ShapeDtypeStruct((x.shape[0], *out_hw, kernel.shape[-1]), x.dtype)
+  return jax.ffi.ffi_call(_FORWARD_TARGET, out)(
+      x,
+      kernel,
+      stride_h=np.int64(strides[0]),
+      stride_w=np.int64(strides[1]),
+      top=np.int64(tops[0]),
+      left=np.int64(tops[1]),
+  )
+
+
+def _forward_partition(out_hw, strides, tops, mesh, arg_shapes, result_shape):
+  # Each device convolves its images (any other sharding of x is gathered
+  # first) with the whole kernel.
+  del result_shape
+  axes = _batch_axes(arg_shapes[0].sharding)
+  batch_sharded = jax.sharding.NamedSharding(mesh, jax.P(axes))
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+
+  def lower(x, kernel):
+    return _native_forward_call(x, kernel, out_hw, strides, tops)
+
+  return mesh, lower, batch_sharded, (batch_sharded, replicated)
+
+
+def _forward_result_sharding(
+    out_hw, strides, tops, mesh, arg_shapes, result_shape
+):
+  del out_hw, strides, tops, result_shape
+  axes = _batch_axes(arg_shapes[0].sharding)
+  return jax.sharding.NamedSharding(mesh, jax.P(axes))
+
+
+@functools.lru_cache(maxsize=None)
+def _native_forward():
+  """The native forward call, partitioned per device (built on first use)."""
+  native = custom_partitioning(_native_forward_call, static_argnums=(2, 3, 4))
+  native.def_partition(
+      _forward_partition,
+      infer_sharding_from_operands=_forward_result_sharding,
+      sharding_rule="n h w c, i j c f -> n p q f",
+  )
+  return native
+
+
+def _forward(x, kernel, strides, pads):
+  xla = functools.partial(_xla_forward, strides=strides, pads=pads)
+  if not _native_applies(x, kernel, pads=pads):
+    return xla(x, kernel)
+  out_hw = jax.eval_shape(xla, x, kernel).shape[1:3]
+  tops = (pads[0][0], pads[1][0])
+  native = _one_at_a_time(
+      lambda x, k: _native_forward()(x, k, out_hw, strides, tops)
+  )
+  return lax.platform_dependent(x, kernel, cpu=native, default=xla)
+
+
+def _input_gradient(x, kernel, strides, pads, g):
+  kh, kw = kernel.shape[:2]
+  # At stride 1 the input gradient is a forward convolution of g with the
+  # kernel turned half round and its channels swapped; padded so that its
+  # output is x's shape.
+  flipped_pads = (
+      (kh - 1 - pads[0][0], kh - 1 - pads[0][1]),
+      (kw - 1 - pads[1][0], kw - 1 - pads[1][1]),
+  )
+  if strides == (1, 1) and min(p for pair in flipped_pads for p in pair) >= 0:
+    flipped = jnp.swapaxes(kernel[::-1, ::-1], 2, 3)
+    return _forward(g, flipped, (1, 1), flipped_pads)
+  return jax.vjp(lambda v: _xla_forward(v, kernel, strides, pads), x)[1](g)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv(x, kernel, strides, pads):
+  return _forward(x, kernel, strides, pads)
+
+
+def _conv_fwd(x, kernel, strides, pads):
+  return _forward(x, kernel, strides, pads), (x, kernel)
+
+
+def _conv_bwd(strides, pads, residuals, g):
+  x, kernel = residuals
+  return (
+      _input_gradient(x, kernel, strides, pads, g),
+      conv_kernel_gradient(x, g, kernel.shape[:2], strides, pads),
+  )
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def conv(
+    x: Array,
+    kernel: Array,
+    strides: int | tuple[int, int] = 1,
+    padding: Padding = "SAME",
+) -> Array:
+  """A 2-D convolution whose forward pass and gradients are compiled on XLA:CPU.
+
+  The convolution is ``lax.conv_general_dilated(x, kernel, strides, padding,
+  dimension_numbers=('NHWC', 'HWIO', 'NHWC'))`` (``flax.linen.Conv``'s, no
+  dilation, one feature group, no bias). On XLA:CPU with the compiled
+  kernels and float32 operands its forward pass, its kernel gradient
+  (:func:`conv_kernel_gradient`) and, at stride 1, its input gradient (a
+  forward convolution of the output gradient with the flipped kernel) run
+  there: the same sums in another order. Elsewhere, and for the input
+  gradient at other strides, XLA computes them. Differentiable once (reverse
+  mode, a ``custom_vjp``).
+
+  Args:
+    x: ``(N, H, W, C)``.
+    kernel: ``(kh, kw, C, F)``.
+    strides: An int or a pair.
+    padding: ``'SAME'``, ``'VALID'`` or ``((top, bottom), (left, right))``.
+
+  Returns:
+    ``(N, P, Q, F)``, in ``x``'s dtype.
+
+  >>> x = jnp.ones((1, 3, 3, 1))
+  >>> conv(x, jnp.ones((3, 3, 1, 1)))[0, :, :, 0]
+  Array([[4., 6., 4.],
+         [6., 9., 6.],
+         [4., 6., 4.]], dtype=float32)
+  """
+  if x.ndim != 4 or kernel.ndim != 4 or x.shape[-1] != kernel.shape[2]:
+    raise ValueError(
+        f"x must be NHWC and kernel HWIO with x's channels, got {x.shape} and"
+        f" {kernel.shape}"
+    )
+  strides, pads = _strides_and_pads(
+      strides, padding, x.shape[1:3], kernel.shape[:2]
+  )
+  return _conv(x, kernel, strides, pads)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "gbn_jax" / "csrc" / "kth_smallest_cpu.cc"
-CONV_SOURCE = ROOT / "gbn_jax" / "csrc" / "conv_kernel_grad_cpu.cc"
+CONV_SOURCE = ROOT / "gbn_jax" / "csrc" / "conv_cpu.cc"
 INCLUDE = ROOT / "gbn_jax" / "csrc" / "third_party"
 # Seconds of fuzzing per run (after the fixed cases), AVX2 and portable code.
 FUZZ_SECONDS = {"avx2": 35.0, "portable": 15.0}
@@ -306,9 +306,11 @@ CONV_SCRIPT = textwrap.dedent(r"""
     import ctypes, sys
     import numpy as np
     import jax, jax.numpy as jnp
+    library = ctypes.CDLL(sys.argv[1])
     jax.ffi.register_ffi_target(
-        "conv_asan", jax.ffi.pycapsule(ctypes.CDLL(sys.argv[1]).GbnConvKernelGradF32),
-        platform="cpu")
+        "conv_asan", jax.ffi.pycapsule(library.GbnConvKernelGradF32), platform="cpu")
+    jax.ffi.register_ffi_target(
+        "conv_forward_asan", jax.ffi.pycapsule(library.GbnConvForwardF32), platform="cpu")
     rng = np.random.default_rng(0)
     cases = 0
     for _ in range(60):
@@ -334,6 +336,17 @@ CONV_SCRIPT = textwrap.dedent(r"""
           window = xp[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw]
           want[i, j] = np.einsum("nhwc,nhwf->cf", window, g)
       np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+      # The forward pass on the same geometry, with the kernel drawn anew.
+      k = rng.standard_normal(out.shape).astype(np.float32)
+      y = jax.ffi.ffi_call("conv_forward_asan", jax.ShapeDtypeStruct(g.shape, jnp.float32))(
+          x, k, stride_h=np.int64(sh), stride_w=np.int64(sw), top=np.int64(top),
+          left=np.int64(left))
+      want = np.zeros(g.shape)
+      for i in range(kh):
+        for j in range(kw):
+          window = xp[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw]
+          want += np.einsum("npqc,cf->npqf", window, k[i, j])
+      np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
       cases += 1
     print(f"CONV OK {cases} cases")
 """)

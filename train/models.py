@@ -23,13 +23,13 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   subsampling by 2 with zero-padded extra channels. Option A has no
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
-  convolutions take their kernel gradient from gbn_jax's compiled kernel
-  (:func:`gbn_jax.convolution.conv_kernel_gradient`), strided ones their
-  input gradient as a matmul and a col2im, and every convolution's input is
-  computed once (:class:`ResNetConv`), and the norm layers' backward pass
-  recomputes their elementwise work (:func:`recompute_elementwise`): the same
-  parameters, forward operations and function
-  (``benchmarks/bench_resnet_step.py``).
+  convolutions run in gbn_jax's compiled kernels (forward pass, kernel
+  gradient and stride-1 input gradient, :func:`gbn_jax.convolution.conv`),
+  strided ones take their input gradient as a matmul and a col2im, every
+  convolution's input is computed once (:class:`ResNetConv`), and the norm
+  layers' backward pass recomputes their elementwise work
+  (:func:`recompute_elementwise`): the same parameters and function, up to
+  float32 summation order (``benchmarks/bench_resnet_step.py``).
 
 Convolutions followed by a norm have no bias: every GBN statistic S is
 translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
@@ -55,6 +55,7 @@ from gbn_jax import GBatchNorm
 from gbn_jax import Measure
 from gbn_jax import get_measure as gbn_get_measure
 from gbn_jax import parse_measure_name
+from gbn_jax.convolution import conv as gbn_conv
 from gbn_jax.convolution import conv_kernel_gradient
 
 ModuleDef = Callable[..., nn.Module]
@@ -412,6 +413,33 @@ def _matmul_grads_bwd(strides, res, g):
 conv_matmul_grads.defvjp(_col2im_dgrad_fwd, _matmul_grads_bwd)
 
 
+def conv_compiled(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
+  """:func:`conv_same` with its forward pass compiled too.
+
+  At stride 1, :func:`gbn_jax.convolution.conv` (on XLA:CPU with the
+  compiled kernels: the forward pass, the kernel gradient and the input
+  gradient as a forward convolution of the output gradient). Strided: the
+  compiled forward pass and kernel gradient, and the input gradient as
+  :func:`conv_col2im_dgrad`'s col2im. Equal to :func:`conv_same` and its
+  gradients up to float32 summation order.
+  """
+  if strides == 1:
+    return gbn_conv(x, kernel, 1, "SAME")
+  return _conv_compiled_strided(x, kernel, strides)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv_compiled_strided(x, kernel, strides):
+  return gbn_conv(x, kernel, strides, "SAME")
+
+
+def _conv_compiled_strided_fwd(x, kernel, strides):
+  return gbn_conv(x, kernel, strides, "SAME"), (x, kernel)
+
+
+_conv_compiled_strided.defvjp(_conv_compiled_strided_fwd, _matmul_grads_bwd)
+
+
 def computed_once(x: jax.Array) -> jax.Array:
   """``x`` itself, which XLA:CPU then computes once, not in every consumer.
 
@@ -485,9 +513,10 @@ class ResNetConv(nn.Module):
   """``nn.Conv(features, kernel_size, strides, use_bias=False)`` for XLA:CPU.
 
   The same parameter (``kernel``, HWIO, from ``kernel_init``: the same
-  values from the same key), the same SAME padding and the same forward
-  operation; the gradients are :func:`conv_matmul_grads`' (the compiled
-  kernel gradient; equal up to float32 summation order), and the input is
+  values from the same key), the same SAME padding and the same function up
+  to float32 summation order: computed by :func:`conv_compiled` (the
+  compiled forward pass, kernel gradient and stride-1 input gradient of
+  :mod:`gbn_jax.convolution`), with the input through
   :func:`computed_once`. ResNet's formulation on a CPU
   (``benchmarks/bench_resnet_step.py``).
 
@@ -504,6 +533,10 @@ class ResNetConv(nn.Module):
       :func:`conv_matmul_grads` (the default; ``False``: XLA's kernel
       gradient, :func:`conv_col2im_dgrad` for strided convolutions, an
       earlier formulation, for the benchmark).
+    compiled_forward: With ``matmul_kernel_gradient``, compute the forward
+      pass and the stride-1 input gradients by the compiled kernel too
+      (:func:`conv_compiled`, the default; ``False``: XLA's, an earlier
+      formulation, for the benchmark).
   """
 
   features: int
@@ -513,6 +546,7 @@ class ResNetConv(nn.Module):
   kernel_init: Callable[..., jax.Array] = nn.initializers.lecun_normal()
   compute_input_once: bool = True
   matmul_kernel_gradient: bool = True
+  compiled_forward: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -532,6 +566,8 @@ class ResNetConv(nn.Module):
     )
     if self.compute_input_once:
       x = computed_once(x)
+    if self.matmul_kernel_gradient and self.compiled_forward:
+      return conv_compiled(x, kernel, strides)
     if self.matmul_kernel_gradient:
       return conv_matmul_grads(x, kernel, strides)
     if strides == 1:

@@ -1,0 +1,212 @@
+"""gbn_jax.convolution.conv (forward pass and gradients) against the definition.
+
+The references are numpy in float64, written from the definition: the input
+zero-padded, each output the sum over the window and the input channels of
+input times kernel; the input gradient each output gradient spread back over
+its window; the kernel gradient ``test_convolution.reference``'s. Shapes
+cover the compiled forward kernel's vector path (features a multiple of 8,
+blocks of 6 positions and their remainder) and its plain loops, strides,
+SAME/VALID/asymmetric padding, windows larger than the image, and repeated
+values.
+"""
+
+import os
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gbn_jax import convolution
+from gbn_jax.convolution import conv
+
+from test_convolution import CASES
+from test_convolution import reference as kernel_gradient_reference
+
+DIMENSIONS = ("NHWC", "HWIO", "NHWC")
+
+
+def _pads(shape, kernel_size, strides, padding):
+  if isinstance(padding, str):
+    return lax.padtype_to_pads(shape[1:3], kernel_size, strides, padding)
+  return padding
+
+
+def _windows(xp, kh, kw, sh, sw, p, q):
+  for i in range(kh):
+    for j in range(kw):
+      rows = slice(i, i + sh * (p - 1) + 1, sh)
+      cols = slice(j, j + sw * (q - 1) + 1, sw)
+      yield i, j, rows, cols
+
+
+def forward_reference(x, k, strides, pads):
+  """float64 conv(x, k), from the definition."""
+  x, k = np.asarray(x, np.float64), np.asarray(k, np.float64)
+  (top, bottom), (left, right) = pads
+  xp = np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
+  kh, kw = k.shape[:2]
+  p = (xp.shape[1] - kh) // strides[0] + 1
+  q = (xp.shape[2] - kw) // strides[1] + 1
+  out = np.zeros((x.shape[0], p, q, k.shape[-1]))
+  for i, j, rows, cols in _windows(xp, kh, kw, *strides, p, q):
+    out += np.einsum("npqc,cf->npqf", xp[:, rows, cols], k[i, j])
+  return out
+
+
+def input_gradient_reference(x, k, g, strides, pads):
+  """float64 d(sum(conv(x, k) * g))/dx, from the definition."""
+  k, g = np.asarray(k, np.float64), np.asarray(g, np.float64)
+  (top, bottom), (left, right) = pads
+  h, w = x.shape[1:3]
+  dxp = np.zeros((x.shape[0], h + top + bottom, w + left + right, x.shape[3]))
+  kh, kw = k.shape[:2]
+  for i, j, rows, cols in _windows(dxp, kh, kw, *strides, *g.shape[1:3]):
+    dxp[:, rows, cols] += np.einsum("npqf,cf->npqc", g, k[i, j])
+  return dxp[:, top : top + h, left : left + w]
+
+
+def _case(shape, kernel_size, strides, padding, features, kind, seed=0):
+  strides = (strides,) * 2 if isinstance(strides, int) else strides
+  pads = _pads(shape, kernel_size, strides, padding)
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape)
+  k = rng.standard_normal((*kernel_size, shape[-1], features))
+  if kind == "repeated":  # a few values, many exact ties: exact sums
+    x, k = np.round(x * 2) / 2, np.round(k)
+  y = forward_reference(x, k, strides, pads)
+  g = rng.standard_normal(y.shape)
+  if kind == "repeated":
+    g = np.round(g)
+  cast = lambda a: a.astype(np.float32)
+  return cast(x), cast(k), cast(g), strides, pads
+
+
+def _close(got, want, scale_of):
+  scale = float(np.max(np.abs(scale_of))) or 1.0
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("kind", ["normal", "repeated"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward_and_gradients_equal_the_definition(case, kind):
+  x, k, g, strides, pads = _case(*case, kind)
+
+  @jax.jit
+  def forward_and_gradients(x, k, g):
+    y, vjp = jax.vjp(lambda x, k: conv(x, k, strides, pads), x, k)
+    return y, *vjp(g)
+
+  y, dx, dk = forward_and_gradients(x, k, g)
+  want_y = forward_reference(x, k, strides, pads)
+  want_dx = input_gradient_reference(x, k, g, strides, pads)
+  want_dk = kernel_gradient_reference(x, g, k.shape[:2], strides, pads)
+  if kind == "repeated":
+    # Half-integers times integers: every partial sum is exact in float32,
+    # so any summation order gives the definition's value exactly.
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(dx, want_dx)
+    np.testing.assert_array_equal(dk, want_dk)
+  else:
+    _close(y, want_y, want_y)
+    _close(dx, want_dx, want_dx)
+    _close(dk, want_dk, want_dk)
+
+
+def test_string_padding_and_int_strides():
+  x, k, _, _, _ = _case((2, 7, 7, 8), (3, 3), 2, "VALID", 8, "normal")
+  want = forward_reference(x, k, (2, 2), ((0, 0), (0, 0)))
+  _close(conv(x, k, 2, "VALID"), want, want)
+
+
+def test_the_compiled_kernels_are_what_runs_on_a_cpu():
+  if os.environ.get("GBN_EXPECT_NATIVE") == "1":
+    assert convolution.native_available()
+  if not convolution.native_available() or jax.default_backend() != "cpu":
+    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  x = jnp.ones((2, 8, 8, 16))
+  k = jnp.ones((3, 3, 16, 16))
+  step = jax.jit(jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2), (0, 1)))
+  text = step.lower(x, k).compile().as_text()
+  # The forward pass and the stride-1 input gradient, and the kernel
+  # gradient; no XLA convolution left.
+  assert text.count('custom_call_target="gbn_conv_forward_f32"') == 2
+  assert 'custom_call_target="gbn_conv_kernel_grad_f32"' in text
+  assert " convolution(" not in text
+
+
+def test_repeated_calls_are_bit_identical():
+  x, k, _, strides, pads = _case(
+      (4, 16, 16, 16), (3, 3), 1, "SAME", 32, "normal"
+  )
+  fn = jax.jit(lambda x, k: conv(x, k, strides, pads))
+  first = np.asarray(fn(x, k))
+  for _ in range(3):
+    np.testing.assert_array_equal(fn(x, k), first)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_is_xla_s_and_keeps_the_dtype(dtype):
+  x = jax.random.normal(jax.random.key(0), (2, 6, 6, 8), dtype)
+  k = jax.random.normal(jax.random.key(1), (3, 3, 8, 8), dtype)
+  want = lax.conv_general_dilated(
+      x, k, (1, 1), "SAME", dimension_numbers=DIMENSIONS
+  )
+  got = conv(x, k)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(got, want)
+
+
+def test_non_finite_values_spread_as_in_the_zero_padded_sum():
+  x = np.ones((1, 4, 4, 8), np.float32)
+  x[0, 0, 0, 0] = np.inf
+  x[0, 3, 3, 1] = np.nan
+  k = np.ones((3, 3, 8, 8), np.float32)
+  want = forward_reference(x, k, (1, 1), ((1, 1), (1, 1)))
+  np.testing.assert_array_equal(conv(x, k), want.astype(np.float32))
+
+
+def test_bad_shapes_are_errors():
+  with pytest.raises(ValueError, match="NHWC"):
+    conv(jnp.ones((4, 4, 3)), jnp.ones((3, 3, 3, 8)))
+  with pytest.raises(ValueError, match="channels"):
+    conv(jnp.ones((1, 4, 4, 3)), jnp.ones((3, 3, 4, 8)))
+
+
+def test_gradients_match_finite_differences():
+  x, k, _, strides, pads = _case((2, 5, 5, 8), (3, 3), 1, "SAME", 8, "normal")
+  x, k = x.astype(np.float64), k.astype(np.float64)
+  loss = lambda x, k: jnp.sum(jnp.sin(conv(x, k, strides, pads)))
+  dx, dk = jax.grad(loss, (0, 1))(x.astype(np.float32), k.astype(np.float32))
+  ref_loss = lambda x, k: np.sum(np.sin(forward_reference(x, k, strides, pads)))
+  eps = 1e-6
+  rng = np.random.default_rng(1)
+  for grad, arg in ((dx, 0), (dk, 1)):
+    for index in map(tuple, rng.integers(0, (x, k)[arg].shape, (4, 4))):
+      args = [x.copy(), k.copy()]
+      args[arg][index] += eps
+      up = ref_loss(*args)
+      args[arg][index] -= 2 * eps
+      down = ref_loss(*args)
+      np.testing.assert_allclose(
+          grad[index], (up - down) / (2 * eps), rtol=2e-3, atol=2e-3
+      )
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (None, 0), (0, None)], ids=str)
+def test_vmap_convolves_each_pair(in_axes):
+  rng = np.random.default_rng(0)
+  xs = rng.standard_normal((3, 2, 6, 6, 8)).astype(np.float32)
+  ks = rng.standard_normal((3, 3, 3, 8, 16)).astype(np.float32)
+  x = xs if in_axes[0] == 0 else xs[0]
+  k = ks if in_axes[1] == 0 else ks[0]
+  got = jax.jit(jax.vmap(conv, in_axes))(x, k)
+  for i in range(3):
+    want = forward_reference(
+        xs[i if in_axes[0] == 0 else 0],
+        ks[i if in_axes[1] == 0 else 0],
+        (1, 1),
+        ((1, 1), (1, 1)),
+    )
+    _close(got[i], want, want)
