@@ -147,18 +147,25 @@ def _result_sharding(
   return jax.sharding.NamedSharding(mesh, jax.P())
 
 
-@functools.lru_cache(maxsize=None)
-def _native_kernel_gradient():
-  """The native call, partitioned per device (built on first use: only where
-  the kernel is, so that importing this module needs nothing of
-  custom_partitioning's API elsewhere, e.g. on an accelerator's image)."""
-  native = custom_partitioning(_native_call, static_argnums=(2, 3, 4))
+def _partitioned(call, partition, result_sharding, sharding_rule):
+  # Built on first use, only where the kernels are, so that importing this
+  # module needs nothing of custom_partitioning's API elsewhere (e.g. on an
+  # accelerator's image).
+  native = custom_partitioning(call, static_argnums=(2, 3, 4))
   native.def_partition(
-      _partition,
-      infer_sharding_from_operands=_result_sharding,
-      sharding_rule="n h w c, n p q f -> i j c f",
+      partition,
+      infer_sharding_from_operands=result_sharding,
+      sharding_rule=sharding_rule,
   )
   return native
+
+
+@functools.lru_cache(maxsize=None)
+def _native_kernel_gradient():
+  """The native kernel gradient, partitioned per device."""
+  return _partitioned(
+      _native_call, _partition, _result_sharding, "n h w c, n p q f -> i j c f"
+  )
 
 
 def conv_kernel_gradient(
@@ -270,14 +277,13 @@ def _forward_result_sharding(
 
 @functools.lru_cache(maxsize=None)
 def _native_forward():
-  """The native forward call, partitioned per device (built on first use)."""
-  native = custom_partitioning(_native_forward_call, static_argnums=(2, 3, 4))
-  native.def_partition(
+  """The native forward pass, partitioned per device."""
+  return _partitioned(
+      _native_forward_call,
       _forward_partition,
-      infer_sharding_from_operands=_forward_result_sharding,
-      sharding_rule="n h w c, i j c f -> n p q f",
+      _forward_result_sharding,
+      "n h w c, i j c f -> n p q f",
   )
-  return native
 
 
 def _forward(x, kernel, strides, pads):

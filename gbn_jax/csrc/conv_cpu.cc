@@ -278,37 +278,25 @@ void Forward(ffi::ThreadPool& pool, const float* x, const float* k, const Geomet
   });
 }
 
-ffi::Error ConvKernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> grad,
-                              int64_t stride_h, int64_t stride_w, int64_t top, int64_t left,
-                              ffi::ResultBuffer<ffi::F32> dk) {
-  const auto xd = x.dimensions(), gd = grad.dimensions(), kd = dk->dimensions();
-  if (xd.size() != 4 || gd.size() != 4 || kd.size() != 4)
-    return ffi::Error::InvalidArgument("x, the output gradient and the kernel must have rank 4");
-  const Geometry g{xd[0], xd[1], xd[2], xd[3], gd[1], gd[2], gd[3], kd[0], kd[1], stride_h, stride_w, top, left};
-  if (gd[0] != g.n || kd[2] != g.c || kd[3] != g.f)
-    return ffi::Error::InvalidArgument("shapes (N,H,W,C), (N,P,Q,F) and (KH,KW,C,F) do not agree");
-  if (stride_h < 1 || stride_w < 1) return ffi::Error::InvalidArgument("strides must be positive");
-  try {
-    KernelGradient(pool, x.typed_data(), grad.typed_data(), g, dk->typed_data());
-    return ffi::Error::Success();
-  } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "gbn_jax convolution kernel gradient: out of memory");
-  } catch (...) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "gbn_jax convolution kernel gradient failed");
-  }
-}
-
-ffi::Error ConvForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k, int64_t stride_h,
-                       int64_t stride_w, int64_t top, int64_t left, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), kd = k.dimensions(), yd = y->dimensions();
+// The geometry of x (N, H, W, C), a kernel-shaped (KH, KW, C, F) and an
+// output-shaped (N, P, Q, F) buffer, or an error saying what disagrees.
+ffi::ErrorOr<Geometry> MakeGeometry(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd,
+                                    ffi::Span<const int64_t> yd, int64_t stride_h, int64_t stride_w,
+                                    int64_t top, int64_t left) {
   if (xd.size() != 4 || kd.size() != 4 || yd.size() != 4)
-    return ffi::Error::InvalidArgument("x, the kernel and the output must have rank 4");
+    return ffi::Unexpected(ffi::Error::InvalidArgument("x, the kernel and the output (gradient) must have rank 4"));
   const Geometry g{xd[0], xd[1], xd[2], xd[3], yd[1], yd[2], yd[3], kd[0], kd[1], stride_h, stride_w, top, left};
   if (yd[0] != g.n || kd[2] != g.c || kd[3] != g.f)
-    return ffi::Error::InvalidArgument("shapes (N,H,W,C), (KH,KW,C,F) and (N,P,Q,F) do not agree");
-  if (stride_h < 1 || stride_w < 1) return ffi::Error::InvalidArgument("strides must be positive");
+    return ffi::Unexpected(ffi::Error::InvalidArgument("shapes (N,H,W,C), (KH,KW,C,F) and (N,P,Q,F) do not agree"));
+  if (stride_h < 1 || stride_w < 1) return ffi::Unexpected(ffi::Error::InvalidArgument("strides must be positive"));
+  return g;
+}
+
+// Runs a kernel, its C++ exceptions turned into FFI errors.
+template <typename Kernel>
+ffi::Error Guarded(Kernel&& kernel) {
   try {
-    Forward(pool, x.typed_data(), k.typed_data(), g, y->typed_data());
+    kernel();
     return ffi::Error::Success();
   } catch (const std::bad_alloc&) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "gbn_jax convolution: out of memory");
@@ -317,26 +305,36 @@ ffi::Error ConvForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   }
 }
 
+ffi::Error ConvKernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> grad,
+                              int64_t stride_h, int64_t stride_w, int64_t top, int64_t left,
+                              ffi::ResultBuffer<ffi::F32> dk) {
+  const auto g = MakeGeometry(x.dimensions(), dk->dimensions(), grad.dimensions(), stride_h, stride_w, top, left);
+  if (g.has_error()) return g.error();
+  return Guarded([&] { KernelGradient(pool, x.typed_data(), grad.typed_data(), g.value(), dk->typed_data()); });
+}
+
+ffi::Error ConvForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k, int64_t stride_h,
+                       int64_t stride_w, int64_t top, int64_t left, ffi::ResultBuffer<ffi::F32> y) {
+  const auto g = MakeGeometry(x.dimensions(), k.dimensions(), y->dimensions(), stride_h, stride_w, top, left);
+  if (g.has_error()) return g.error();
+  return Guarded([&] { Forward(pool, x.typed_data(), k.typed_data(), g.value(), y->typed_data()); });
+}
+
+// Both handlers' signature: the thread pool, two operands, the strides and
+// leading pads, one result.
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Attr<int64_t>("stride_h")
+      .Attr<int64_t>("stride_w")
+      .Attr<int64_t>("top")
+      .Attr<int64_t>("left")
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvKernelGradF32, ConvKernelGradient,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("stride_h")
-                                  .Attr<int64_t>("stride_w")
-                                  .Attr<int64_t>("top")
-                                  .Attr<int64_t>("left")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvForwardF32, ConvForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("stride_h")
-                                  .Attr<int64_t>("stride_w")
-                                  .Attr<int64_t>("top")
-                                  .Attr<int64_t>("left")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvKernelGradF32, ConvKernelGradient, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvForwardF32, ConvForward, Binding());
