@@ -481,9 +481,10 @@ def recompute_elementwise(norm: ModuleDef) -> ModuleDef:
   it, as arrays the size of the activations, and XLA:CPU then writes and
   reads each of them once more: in ResNet20 ``x - mean`` alone took 52-59 ms
   of the 650-735 ms of op time in a step (one device,
-  ``benchmarks/bench_resnet_step.py``'s profile). Under :func:`flax.linen.remat` with this policy the layer keeps
-  only its input and what is not elementwise (the statistics, a selection),
-  and the backward pass recomputes the rest inside its own fusions. The
+  ``benchmarks/bench_resnet_step.py``'s profile). Under
+  :func:`flax.linen.remat` with this policy the layer keeps only its input
+  and what is not elementwise (the statistics, a selection), and the
+  backward pass recomputes the rest inside its own fusions. The
   function, parameters and ``batch_stats`` are unchanged, and so are the
   values up to float rounding (the same operations, fused differently; the
   benchmark's step agreed bit for bit).
