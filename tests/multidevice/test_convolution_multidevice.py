@@ -17,12 +17,15 @@ import multidevice_helpers as md
 md.require_devices()
 
 
+def _normal(seed, *shapes):
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+
+
 @pytest.mark.parametrize("spec", [P("b"), P(None, "b"), P()], ids=str)
 def test_sharded_batch_gives_the_whole_batch_gradient(spec):
   mesh = md.mesh("b")
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((8, 8, 8, 16)).astype(np.float32)
-  g = rng.standard_normal((8, 4, 4, 32)).astype(np.float32)
+  x, g = _normal(0, (8, 8, 8, 16), (8, 4, 4, 32))
   fn = lambda x, g: convolution.conv_kernel_gradient(x, g, (3, 3), 2, "SAME")
   want = np.asarray(jax.jit(fn)(x, g))
   xs = jax.device_put(x, NamedSharding(mesh, spec))
@@ -38,10 +41,7 @@ def test_sharded_batch_gives_the_whole_batch_gradient(spec):
 @pytest.mark.parametrize("spec", [P("b"), P(None, "b"), P()], ids=str)
 def test_sharded_batch_convolves_each_device_s_images(spec):
   mesh = md.mesh("b")
-  rng = np.random.default_rng(1)
-  x = rng.standard_normal((8, 8, 8, 16)).astype(np.float32)
-  k = rng.standard_normal((3, 3, 16, 16)).astype(np.float32)
-  g = rng.standard_normal((8, 8, 8, 16)).astype(np.float32)
+  x, k, g = _normal(1, (8, 8, 8, 16), (3, 3, 16, 16), (8, 8, 8, 16))
 
   def fn(x, k, g):
     y, vjp = jax.vjp(lambda x, k: convolution.conv(x, k), x, k)
