@@ -100,24 +100,33 @@ def _one_at_a_time(native):
   return call
 
 
+def _xla_forward(x, kernel, strides, pads):
+  return lax.conv_general_dilated(
+      x, kernel, strides, pads, dimension_numbers=_DIMENSIONS
+  )
+
+
 def _xla_kernel_gradient(x, g, kernel_shape, strides, pads):
   kernel = jnp.zeros(kernel_shape, x.dtype)
-  conv = lambda k: lax.conv_general_dilated(
-      x, k, strides, pads, dimension_numbers=_DIMENSIONS
-  )
+  conv = lambda k: _xla_forward(x, k, strides, pads)
   return jax.vjp(conv, kernel)[1](g)[0]
 
 
-def _native_call(x, g, kernel_shape, strides, tops):
-  out = jax.ShapeDtypeStruct(kernel_shape, jnp.float32)
-  return jax.ffi.ffi_call(_TARGET, out)(
-      x,
-      g,
+def _ffi(target, out, a, b, strides, tops):
+  """Both compiled kernels' call: two operands, the strides, leading pads."""
+  return jax.ffi.ffi_call(target, out)(
+      a,
+      b,
       stride_h=np.int64(strides[0]),
       stride_w=np.int64(strides[1]),
       top=np.int64(tops[0]),
       left=np.int64(tops[1]),
   )
+
+
+def _native_call(x, g, kernel_shape, strides, tops):
+  out = jax.ShapeDtypeStruct(kernel_shape, jnp.float32)
+  return _ffi(_TARGET, out, x, g, strides, tops)
 
 
 def _batch_axes(sharding):
@@ -208,9 +217,7 @@ def conv_kernel_gradient(
   kernel_shape = (*kernel_size, x.shape[-1], g.shape[-1])
   strides, pads = _strides_and_pads(strides, padding, x.shape[1:3], kernel_size)
   expected = jax.eval_shape(
-      lambda k: lax.conv_general_dilated(
-          x, k, strides, pads, dimension_numbers=_DIMENSIONS
-      ),
+      lambda k: _xla_forward(x, k, strides, pads),
       jax.ShapeDtypeStruct(kernel_shape, x.dtype),
   ).shape
   if g.shape != expected:
@@ -235,22 +242,9 @@ def conv_kernel_gradient(
 # --- The forward convolution.
 
 
-def _xla_forward(x, kernel, strides, pads):
-  return lax.conv_general_dilated(
-      x, kernel, strides, pads, dimension_numbers=_DIMENSIONS
-  )
-
-
 def _native_forward_call(x, kernel, out_hw, strides, tops):
   out = jax.ShapeDtypeStruct((x.shape[0], *out_hw, kernel.shape[-1]), x.dtype)
-  return jax.ffi.ffi_call(_FORWARD_TARGET, out)(
-      x,
-      kernel,
-      stride_h=np.int64(strides[0]),
-      stride_w=np.int64(strides[1]),
-      top=np.int64(tops[0]),
-      left=np.int64(tops[1]),
-  )
+  return _ffi(_FORWARD_TARGET, out, x, kernel, strides, tops)
 
 
 def _forward_partition(out_hw, strides, tops, mesh, arg_shapes, result_shape):

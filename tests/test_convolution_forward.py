@@ -22,15 +22,9 @@ from gbn_jax import convolution
 from gbn_jax.convolution import conv
 
 from test_convolution import CASES
+from test_convolution import DIMENSIONS
+from test_convolution import _pads
 from test_convolution import reference as kernel_gradient_reference
-
-DIMENSIONS = ("NHWC", "HWIO", "NHWC")
-
-
-def _pads(shape, kernel_size, strides, padding):
-  if isinstance(padding, str):
-    return lax.padtype_to_pads(shape[1:3], kernel_size, strides, padding)
-  return padding
 
 
 def _windows(xp, kh, kw, sh, sw, p, q):
