@@ -3,7 +3,8 @@
 Times the training suite's real jitted step (``train.train.train_step`` and
 the state, optimizer, mesh and shardings ``train`` builds) on random
 CIFAR-10-shaped data (``train.cifar``'s defaults: batch 256, 32x32x3, plain
-SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
+SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses, whose
+host memory is set up as the CLI's (:mod:`train.host_memory`):
 
 1. ``convs``: ResNet20's six convolution shapes alone, forward and
    forward+backward, in each exact formulation (:data:`FORMULATIONS`),
@@ -21,7 +22,8 @@ SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses:
 3. ``profile``: a traced step of ``base`` and ``flax``: XLA op time by kind
    (conv forward, input and kernel gradients, transposes, reductions,
    elementwise), by phase and by stage, and the top ops.
-4. ``flags``: XLA:CPU flag sets (``bench_lenet_step``'s), a process each,
+4. ``flags``: XLA:CPU flag sets (``bench_lenet_step``'s; ``glibc_malloc``
+   is glibc's own malloc settings instead of the CLI's), a process each,
    timing ``base`` against default-flag processes first and last.
 5. ``final``: 1 vs 2 host devices (the batch split as the CLI does) x
    default vs the best exact flag set, ``base``, ``stored_norm``,
@@ -77,6 +79,7 @@ from benchmarks.resnet_formulations import FINAL_VARIANTS
 from benchmarks.resnet_formulations import FORMULATIONS
 from benchmarks.resnet_formulations import VARIANTS
 from train import configs
+from train import host_memory
 from train import train as trainlib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +93,7 @@ _MODULE = "benchmarks.bench_resnet_step"
 
 DEFAULT_FLAG_SETS = tuple(
     "ynn_off ynn_no_conv ynn_no_dot onednn_dot eigen_1thread "
-    "no_concurrency_sched nproc1".split()
+    "no_concurrency_sched nproc1 glibc_malloc".split()
 )
 
 # --- The real step.
@@ -505,6 +508,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["--child"]:
+    host_memory.configure()  # as the CLI does (GBN_HOST_MALLOC=default: not)
     child = child_convs if argv[1] == "convs" else child_time
     result = child(json.loads(argv[2]))
     print(_RESULT + json.dumps(result), flush=True)

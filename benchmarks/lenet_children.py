@@ -28,6 +28,7 @@ from benchmarks.lenet_setup import compare_outputs
 from benchmarks.lenet_setup import summarize
 from benchmarks.lenet_setup import time_interleaved
 from benchmarks.machine import machine_info
+from train import host_memory
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
@@ -64,6 +65,9 @@ FLAG_SETS: dict[str, tuple[str, dict[str, str]]] = {
     "fast_math": ("--xla_cpu_enable_fast_math=true", {}),  # not exact
     "nproc1": ("", {"PJRT_NPROC": "1"}),  # intra-op thread pool size
     "nproc4": ("", {"PJRT_NPROC": "4"}),
+    # glibc's malloc defaults instead of the CLI's heap reuse
+    # (train/host_memory.py): each step's temporaries in fresh pages.
+    "glibc_malloc": ("", {"GBN_HOST_MALLOC": "default"}),
 }
 DEFAULT_FLAG_SETS = (
     "ynn_off",
@@ -168,7 +172,12 @@ def child_profile(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_main(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-  """A child's run (``--child KIND SPEC``): the result, printed as JSON."""
+  """A child's run (``--child KIND SPEC``): the result, printed as JSON.
+
+  Host memory is set up as the CLI sets it (:mod:`train.host_memory`; the
+  ``glibc_malloc`` flag set keeps glibc's defaults instead).
+  """
+  host_memory.configure()
   result = {"time": child_time, "profile": child_profile}[kind](spec)
   print(RESULT + json.dumps(result), flush=True)
   return result

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 import sys
 
 from train import host_devices
+from train import host_memory
 
-if __name__ == "__main__":  # before JAX starts: one host device per core
-  host_devices.configure()
+if __name__ == "__main__":  # before JAX starts: a host device per core, and
+  host_devices.configure()  # the step's memory reused from step to step
+  host_memory.configure()
 
 # pylint: disable=g-import-not-at-top
 from train import configs
