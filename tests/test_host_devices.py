@@ -6,7 +6,11 @@ import sys
 
 import pytest
 
+from train import cifar
+from train import configs
 from train import host_devices
+from train import main as train_main
+from train import mnist
 
 
 def test_choose():
@@ -49,3 +53,48 @@ def test_configure_splits_the_cpu_and_the_loop_uses_a_divisor():
       },
       batch=8,
   ) == (2, 2)
+
+
+def test_auto_keeps_one_device_models_on_one():
+  assert host_devices.choose(cores=2, setting="auto", model="resnet20") == 1
+  assert host_devices.choose(cores=2, setting="auto", model="lenet") == 2
+  assert host_devices.choose(cores=2, setting="2", model="resnet20") == 2
+
+
+def test_model_from_argv_reads_the_model_as_the_cli_parser_does():
+  read = host_devices.model_from_argv
+  assert read([], "resnet20") == "resnet20"
+  assert read(["--norm", "sqd2", "--model", "lenet"], "resnet20") == "lenet"
+  assert read(["--model=lenet", "--epochs", "3"], "resnet20") == "lenet"
+  assert read(["--model"], "resnet20") == "resnet20"  # the CLI reports it
+  for argv in (["--model", "lenet"], ["--model=resnet20"], ["--mod", "lenet"]):
+    parsed = train_main.build_parser(configs.CIFAR, "prog").parse_args(argv)
+    assert parsed.model == read(argv, cifar.DEFAULT_MODEL)
+
+
+def test_each_clis_default_model_is_its_configs():
+  assert cifar.DEFAULT_MODEL == configs.CIFAR.model
+  assert mnist.DEFAULT_MODEL == configs.MNIST.model
+
+
+def test_resnet20_gets_one_device_and_lenet_every_core_before_jax_starts():
+  code = (  # what train.cifar does before JAX starts
+      "import sys; from train import host_devices;"
+      "host_devices.configure(host_devices.model_from_argv(sys.argv[1:],"
+      f" {cifar.DEFAULT_MODEL!r})); import jax; print(jax.device_count())"
+  )
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+  env.update(GBN_HOST_DEVICES="auto", JAX_PLATFORMS="cpu")
+  seen = {}
+  for argv in ([], ["--model", "lenet"]):
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    seen[tuple(argv)] = int(out.stdout.split()[-1])
+  assert seen[()] == 1
+  assert seen[("--model", "lenet")] == (os.cpu_count() or 1)

@@ -13,13 +13,17 @@ import sys
 from train import host_devices
 from train import host_memory
 
-if __name__ == "__main__":  # before JAX starts: a host device per core, and
-  host_devices.configure()  # the step's memory reused from step to step
+DEFAULT_MODEL = "resnet20"  # configs.CIFAR.model (tested), known before JAX starts
+
+if __name__ == "__main__":  # before JAX starts: host devices for the model,
+  host_devices.configure(  # and the step's memory reused from step to step
+      host_devices.model_from_argv(sys.argv[1:], DEFAULT_MODEL)
+  )
   host_memory.configure()
 
 # pylint: disable=g-import-not-at-top
-from train import configs
-from train import main as train_main
+from train import configs  # noqa: E402 (after the pre-JAX setup)
+from train import main as train_main  # noqa: E402
 
 _ABOUT = (
     "Defaults: the GBN paper's ResNet20 CIFAR-10 setting (batch 256, plain "
