@@ -46,6 +46,18 @@ def _run(**env_extra):
   return json.loads(out.stdout.splitlines()[-1])
 
 
+glibc_only = pytest.mark.skipif(
+    not host_memory._glibc(),  # pylint: disable=protected-access
+    reason="the settings are glibc's",
+)
+
+
+@pytest.fixture(scope="module")
+def fresh():
+  """glibc's defaults: the baseline that every reuse is measured against."""
+  return _run(GBN_HOST_MALLOC="default")
+
+
 def test_choose():
   assert host_memory.choose("reuse")
   assert host_memory.choose(" reuse ")
@@ -55,12 +67,9 @@ def test_choose():
       host_memory.choose(bad)
 
 
-@pytest.mark.skipif(
-    not host_memory._glibc(), reason="the settings are glibc's"  # pylint: disable=protected-access
-)
-def test_reuse_stops_the_page_faults_and_changes_no_result():
+@glibc_only
+def test_reuse_stops_the_page_faults_and_changes_no_result(fresh):
   reused = _run(GBN_HOST_MALLOC="reuse")
-  fresh = _run(GBN_HOST_MALLOC="default")
   assert reused["applied"] and not fresh["applied"]
   # glibc's defaults: every call faults in its temporaries' pages again (at
   # least one 64 MB array: 16384 pages); reused: the settled heap has them.
@@ -69,9 +78,14 @@ def test_reuse_stops_the_page_faults_and_changes_no_result():
   assert reused["out"] == fresh["out"]  # bit for bit
 
 
-@pytest.mark.skipif(
-    not host_memory._glibc(), reason="the settings are glibc's"  # pylint: disable=protected-access
-)
+@glibc_only
+def test_the_documented_tunables_do_the_same_without_the_module(fresh):
+  tuned = _run(GBN_HOST_MALLOC="default", GLIBC_TUNABLES=host_memory.TUNABLES)
+  assert not tuned["applied"]
+  assert sum(tuned["faults"][-5:]) < 0.05 * sum(fresh["faults"][-5:])
+
+
+@glibc_only
 def test_the_users_glibc_tunables_win():
   tuned = _run(
       GBN_HOST_MALLOC="reuse", GLIBC_TUNABLES="glibc.malloc.arena_max=2"
