@@ -13,7 +13,8 @@ import sys
 from train import host_devices
 from train import host_memory
 
-DEFAULT_MODEL = "resnet20"  # configs.CIFAR.model (tested), known before JAX starts
+# configs.CIFAR.model (a test checks), known before JAX starts.
+DEFAULT_MODEL = "resnet20"
 
 if __name__ == "__main__":  # before JAX starts: host devices for the model,
   host_devices.configure(  # and the step's memory reused from step to step

@@ -13,7 +13,8 @@ import sys
 from train import host_devices
 from train import host_memory
 
-DEFAULT_MODEL = "lenet"  # configs.MNIST.model (tested), known before JAX starts
+# configs.MNIST.model (a test checks), known before JAX starts.
+DEFAULT_MODEL = "lenet"
 
 if __name__ == "__main__":  # before JAX starts: host devices for the model,
   host_devices.configure(  # and the step's memory reused from step to step
