@@ -1,8 +1,6 @@
 """train.host_devices: one XLA host device per core, set before JAX starts."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -11,6 +9,8 @@ from train import configs
 from train import host_devices
 from train import main as train_main
 from train import mnist
+
+from process_helpers import run_python
 
 
 def test_choose():
@@ -28,17 +28,8 @@ def _devices_seen(env_extra, batch):
       "import jax; from train import train;"
       f"print(jax.device_count(), len(train.data_parallel_devices({batch})))"
   )
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(env_extra, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "-c", code],
-      env=env,
-      capture_output=True,
-      text=True,
-      check=True,
-      cwd=os.path.dirname(os.path.dirname(__file__)),
-  )
-  return tuple(int(v) for v in out.stdout.split())
+  out = run_python(code, env_extra, drop=["XLA_FLAGS"])
+  return tuple(int(v) for v in out.split())
 
 
 def test_configure_splits_the_cpu_and_the_loop_uses_a_divisor():
@@ -83,18 +74,11 @@ def test_resnet20_gets_one_device_and_lenet_every_core_before_jax_starts():
       "host_devices.configure(host_devices.model_from_argv(sys.argv[1:],"
       f" {cifar.DEFAULT_MODEL!r})); import jax; print(jax.device_count())"
   )
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env.update(GBN_HOST_DEVICES="auto", JAX_PLATFORMS="cpu")
-  seen = {}
-  for argv in ([], ["--model", "lenet"]):
-    out = subprocess.run(
-        [sys.executable, "-c", code, *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    seen[tuple(argv)] = int(out.stdout.split()[-1])
-  assert seen[()] == 1
-  assert seen[("--model", "lenet")] == (os.cpu_count() or 1)
+
+  def devices(*argv):
+    env = {"GBN_HOST_DEVICES": "auto"}
+    out = run_python(code, env, drop=["XLA_FLAGS"], args=argv)
+    return int(out.split()[-1])
+
+  assert devices() == 1
+  assert devices("--model", "lenet") == (os.cpu_count() or 1)

@@ -1,13 +1,12 @@
 """train.host_memory: a step's temporaries reused from the heap, not new pages."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from train import host_memory
+
+from process_helpers import run_python
 
 # A jitted function with large temporaries (two 64 MB arrays), called until
 # the heap settles; prints the page faults of each call and the result.
@@ -33,17 +32,8 @@ print(json.dumps({"applied": applied, "faults": faults,
 
 
 def _run(**env_extra):
-  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-  env.update(env_extra, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "-c", _CHILD],
-      env=env,
-      capture_output=True,
-      text=True,
-      check=True,
-      cwd=os.path.dirname(os.path.dirname(__file__)),
-  )
-  return json.loads(out.stdout.splitlines()[-1])
+  out = run_python(_CHILD, env_extra, drop=["GLIBC_TUNABLES"])
+  return json.loads(out.splitlines()[-1])
 
 
 glibc_only = pytest.mark.skipif(
