@@ -168,3 +168,26 @@ def test_main_runs_sections_and_compares_with_the_peer(tmp_path):
   assert sum(shares) == pytest.approx(1, abs=1e-4 * len(shares))
   assert any(k.startswith("conv/dot") for k in prof["by_kind"])
   assert {"stage1", "stage2", "stage3"} <= set(prof["by_stage"])
+
+
+def test_final_runs_each_norm_in_a_process_of_its_own(monkeypatch):
+  calls = []
+
+  def fake_child(kind, spec, *, devices, flag_set="default"):
+    calls.append((kind, spec["norms"], devices, flag_set))
+    (norm,) = spec["norms"]
+    if norm == "sqd2":
+      return {"error": "exited 1: boom", "wall_s": 2.0}
+    row = {"variants": {"base": {"median_ms": 10.0}}}
+    return {"norms": {norm: row}, "machine": {"cpu": "x"}, "wall_s": 1.0}
+
+  monkeypatch.setattr(bench, "run_child", fake_child)
+  spec = {"variants": ["base"], "runs": 1}
+  merged = bench._per_norm_processes(spec, ["bn", "sqd2"], 2, "default")  # pylint: disable=protected-access
+  assert calls == [
+      ("time", ["bn"], 2, "default"),
+      ("time", ["sqd2"], 2, "default"),
+  ]
+  assert set(merged["norms"]) == {"bn"}
+  assert merged["wall_s"] == 3.0 and merged["machine"] == {"cpu": "x"}
+  assert "sqd2: exited 1: boom" in merged["error"]
