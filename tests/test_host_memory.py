@@ -8,8 +8,8 @@ from train import host_memory
 
 from process_helpers import run_python
 
-# A jitted function with large temporaries (two 64 MB arrays), called until
-# the heap settles; prints the page faults of each call and the result.
+# A jitted function with a 128 MB temporary, called 30 times; prints the page
+# faults of each call and the result.
 _CHILD = r"""
 import json, resource
 from train import host_memory
@@ -18,11 +18,10 @@ import jax, jax.numpy as jnp
 import numpy as np
 @jax.jit
 def f(x):
-  y = jnp.cumsum(x, axis=0)
-  return (y * y[::-1]).sum(axis=0)
+  return jnp.cumsum(x, axis=0).sum(axis=0)
 x = jnp.asarray(np.random.default_rng(0).random((4096, 4096), np.float32))
 faults = []
-for _ in range(20):
+for _ in range(30):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   out = jax.block_until_ready(f(x))
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -34,6 +33,16 @@ print(json.dumps({"applied": applied, "faults": faults,
 def _run(**env_extra):
   out = run_python(_CHILD, env_extra, drop=["GLIBC_TUNABLES"])
   return json.loads(out.splitlines()[-1])
+
+
+def _mostly_without_faults(faults, fresh_faults):
+  """Most of the last 20 calls fault in under 1 % of a fresh call's pages.
+
+  Now and then a call still finds no hole in the heap that fits and grows it
+  (1-4 of 20 in trials), so this asks for most calls, not every one.
+  """
+  few = 0.01 * min(fresh_faults[-20:])
+  return sum(f < few for f in faults[-20:]) >= 11
 
 
 glibc_only = pytest.mark.skipif(
@@ -61,10 +70,10 @@ def test_choose():
 def test_reuse_stops_the_page_faults_and_changes_no_result(fresh):
   reused = _run(GBN_HOST_MALLOC="reuse")
   assert reused["applied"] and not fresh["applied"]
-  # glibc's defaults: every call faults in its temporaries' pages again (at
-  # least one 64 MB array: 16384 pages); reused: the settled heap has them.
-  assert min(fresh["faults"][-5:]) >= 16384
-  assert sum(reused["faults"][-5:]) < 0.05 * sum(fresh["faults"][-5:])
+  # glibc's defaults: every call faults in its temporary's pages again (at
+  # least 16384 pages of 4 KB, 64 MB); reused: the heap has them.
+  assert min(fresh["faults"][-20:]) >= 16384
+  assert _mostly_without_faults(reused["faults"], fresh["faults"])
   assert reused["out"] == fresh["out"]  # bit for bit
 
 
@@ -72,7 +81,7 @@ def test_reuse_stops_the_page_faults_and_changes_no_result(fresh):
 def test_the_documented_tunables_do_the_same_without_the_module(fresh):
   tuned = _run(GBN_HOST_MALLOC="default", GLIBC_TUNABLES=host_memory.TUNABLES)
   assert not tuned["applied"]
-  assert sum(tuned["faults"][-5:]) < 0.05 * sum(fresh["faults"][-5:])
+  assert _mostly_without_faults(tuned["faults"], fresh["faults"])
 
 
 @glibc_only
