@@ -7,13 +7,15 @@ the batch: it copies the input and the output gradient batch-minor first and
 runs at a fraction of the forward convolution's speed.
 :func:`conv_kernel_gradient` computes it instead as the matrix product it
 is, with a compiled kernel (``gbn_jax/csrc/conv_cpu.cc``, built by ``pip
-install`` when a C++17 compiler is present): ResNet20's 19 convolutions at
-batch 256, forward and backward, took 456 ms with it against 823 ms with
-XLA's kernel gradient on a 2-core CPU (``docs/performance.md``).
-:func:`conv` is the whole convolution, differentiable, whose forward pass
-and stride-1 input gradient run in a second compiled kernel of the same
-kind (the input windows of a tile of output positions times the kernel),
-faster than XLA:CPU's own convolutions on ResNet20's shapes.
+install`` when a C++17 compiler is present). :func:`conv` is the whole
+convolution, differentiable: its forward pass and input gradient run in
+two more compiled kernels of the same kind (the input windows, read where
+they lie in a zero-padded image, times the kernel, in AVX-512 or AVX2
+registers where the CPU has them), faster than XLA:CPU's own convolutions
+on ResNet20's shapes (``docs/performance.md``). ``GBN_CONV_MAX_ISA``
+(``avx512``, ``avx2`` or ``scalar``, read once per process) caps the
+instruction set: AVX-512 and AVX2 give the same bits; ``scalar``'s plain
+loops round twice per term, not once.
 
 Where the kernels are not built, and on every other backend, XLA computes
 the same things. Under ``jit`` with the batch sharded over devices, each
@@ -41,6 +43,7 @@ Padding = str | Sequence[tuple[int, int]]
 _LIBRARY = "gbn_jax._conv_cpu"
 _TARGET = "gbn_conv_kernel_grad_f32"
 _FORWARD_TARGET = "gbn_conv_forward_f32"
+_INPUT_GRADIENT_TARGET = "gbn_conv_input_grad_f32"
 _DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
 
@@ -55,6 +58,7 @@ def native_available() -> bool:
     handlers = {
         _TARGET: library.GbnConvKernelGradF32,
         _FORWARD_TARGET: library.GbnConvForwardF32,
+        _INPUT_GRADIENT_TARGET: library.GbnConvInputGradF32,
     }
   except (OSError, AttributeError):
     return False
@@ -247,24 +251,34 @@ def _native_forward_call(x, kernel, out_hw, strides, tops):
   return _ffi(_FORWARD_TARGET, out, x, kernel, strides, tops)
 
 
-def _forward_partition(out_hw, strides, tops, mesh, arg_shapes, result_shape):
-  # Each device convolves its images (any other sharding of x is gathered
-  # first) with the whole kernel.
-  del result_shape
-  axes = _batch_axes(arg_shapes[0].sharding)
-  batch_sharded = jax.sharding.NamedSharding(mesh, jax.P(axes))
-  replicated = jax.sharding.NamedSharding(mesh, jax.P())
-
-  def lower(x, kernel):
-    return _native_forward_call(x, kernel, out_hw, strides, tops)
-
-  return mesh, lower, batch_sharded, (batch_sharded, replicated)
+def _native_input_gradient_call(g, kernel, in_hw, strides, tops):
+  out = jax.ShapeDtypeStruct((g.shape[0], *in_hw, kernel.shape[2]), g.dtype)
+  return _ffi(_INPUT_GRADIENT_TARGET, out, g, kernel, strides, tops)
 
 
-def _forward_result_sharding(
-    out_hw, strides, tops, mesh, arg_shapes, result_shape
+def _per_image_partition(call):
+  """A partition for ``call(images, kernel, hw, strides, tops)``, per image."""
+
+  def partition(hw, strides, tops, mesh, arg_shapes, result_shape):
+    # Each device takes its images (any other sharding of them is gathered
+    # first) and the whole kernel.
+    del result_shape
+    axes = _batch_axes(arg_shapes[0].sharding)
+    batch_sharded = jax.sharding.NamedSharding(mesh, jax.P(axes))
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+
+    def lower(images, kernel):
+      return call(images, kernel, hw, strides, tops)
+
+    return mesh, lower, batch_sharded, (batch_sharded, replicated)
+
+  return partition
+
+
+def _per_image_result_sharding(
+    hw, strides, tops, mesh, arg_shapes, result_shape
 ):
-  del out_hw, strides, tops, result_shape
+  del hw, strides, tops, result_shape
   axes = _batch_axes(arg_shapes[0].sharding)
   return jax.sharding.NamedSharding(mesh, jax.P(axes))
 
@@ -274,9 +288,20 @@ def _native_forward():
   """The native forward pass, partitioned per device."""
   return _partitioned(
       _native_forward_call,
-      _forward_partition,
-      _forward_result_sharding,
+      _per_image_partition(_native_forward_call),
+      _per_image_result_sharding,
       "n h w c, i j c f -> n p q f",
+  )
+
+
+@functools.lru_cache(maxsize=None)
+def _native_input_gradient():
+  """The native input gradient at any stride, partitioned per device."""
+  return _partitioned(
+      _native_input_gradient_call,
+      _per_image_partition(_native_input_gradient_call),
+      _per_image_result_sharding,
+      "n p q f, i j c f -> n h w c",
   )
 
 
@@ -304,7 +329,18 @@ def _input_gradient(x, kernel, strides, pads, g):
   if strides == (1, 1) and min(p for pair in flipped_pads for p in pair) >= 0:
     flipped = jnp.swapaxes(kernel[::-1, ::-1], 2, 3)
     return _forward(g, flipped, (1, 1), flipped_pads)
-  return jax.vjp(lambda v: _xla_forward(v, kernel, strides, pads), x)[1](g)[0]
+  xla = lambda g, kernel: jax.vjp(
+      lambda v: _xla_forward(v, kernel, strides, pads), x
+  )[1](g)[0]
+  if not _native_applies(g, kernel, pads=pads):
+    return xla(g, kernel)
+  # Elsewhere (strided): each window's gradient, g times the kernel
+  # transposed, added into the input's shape.
+  tops = (pads[0][0], pads[1][0])
+  native = _one_at_a_time(
+      lambda g, k: _native_input_gradient()(g, k, x.shape[1:3], strides, tops)
+  )
+  return lax.platform_dependent(g, kernel, cpu=native, default=xla)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

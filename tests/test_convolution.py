@@ -86,6 +86,10 @@ CASES = [
     ((1, 2, 2, 4), (3, 3), 1, "SAME", 8),  # window larger than the image
     ((5, 3, 11, 7), (2, 4), (2, 1), "SAME", 40),
     ((1, 1, 1, 1), (1, 1), 1, "VALID", 1),
+    # Output rows longer than a block (6 positions in AVX2, 12 in AVX-512),
+    # 32 + 16 features:
+    ((2, 5, 29, 16), (3, 3), 1, "SAME", 48),
+    ((2, 9, 30, 16), (3, 3), 2, "SAME", 32),  # 15 positions a row
 ]
 
 

@@ -4,13 +4,14 @@ The references are numpy in float64, written from the definition: the input
 zero-padded, each output the sum over the window and the input channels of
 input times kernel; the input gradient each output gradient spread back over
 its window; the kernel gradient ``test_convolution.reference``'s. Shapes
-cover the compiled forward kernel's vector path (features a multiple of 8,
-blocks of 6 positions and their remainder) and its plain loops, strides,
+cover the compiled kernels' vector paths (features a multiple of 16 or 8, blocks of
+12 or 6 positions and their remainder) and their plain loops, strides,
 SAME/VALID/asymmetric padding, windows larger than the image, and repeated
-values.
+values; each instruction set is run in a process of its own.
 """
 
 import os
+import subprocess
 
 import jax
 from jax import lax
@@ -21,6 +22,7 @@ import pytest
 from gbn_jax import convolution
 from gbn_jax.convolution import conv
 
+from process_helpers import run_python
 from test_convolution import CASES
 from test_convolution import DIMENSIONS
 from test_convolution import _pads
@@ -128,6 +130,12 @@ def test_the_compiled_kernels_are_what_runs_on_a_cpu():
   assert text.count('custom_call_target="gbn_conv_forward_f32"') == 2
   assert 'custom_call_target="gbn_conv_kernel_grad_f32"' in text
   assert " convolution(" not in text
+  # Strided: the input gradient has a kernel of its own.
+  strided = jax.jit(jax.grad(lambda x, k: jnp.sum(conv(x, k, 2) ** 2), (0, 1)))
+  text = strided.lower(x, k).compile().as_text()
+  for target in ("forward", "input_grad", "kernel_grad"):
+    assert text.count(f'custom_call_target="gbn_conv_{target}_f32"') == 1
+  assert " convolution(" not in text
 
 
 def test_repeated_calls_are_bit_identical():
@@ -188,19 +196,94 @@ def test_gradients_match_finite_differences():
       )
 
 
+@pytest.mark.parametrize("strides", [1, 2])
 @pytest.mark.parametrize("in_axes", [(0, 0), (None, 0), (0, None)], ids=str)
-def test_vmap_convolves_each_pair(in_axes):
+def test_vmap_convolves_each_pair(in_axes, strides):
   rng = np.random.default_rng(0)
   xs = rng.standard_normal((3, 2, 6, 6, 8)).astype(np.float32)
   ks = rng.standard_normal((3, 3, 3, 8, 16)).astype(np.float32)
+  gs = rng.standard_normal((3, 2, 6 // strides, 6 // strides, 16))
+  gs = gs.astype(np.float32)
   x = xs if in_axes[0] == 0 else xs[0]
   k = ks if in_axes[1] == 0 else ks[0]
-  got = jax.jit(jax.vmap(conv, in_axes))(x, k)
+
+  def forward_and_gradients(x, k, g):
+    y, vjp = jax.vjp(lambda x, k: conv(x, k, strides), x, k)
+    return y, *vjp(g)
+
+  got = jax.jit(jax.vmap(forward_and_gradients, (*in_axes, 0)))(x, k, gs)
+  pads = _pads(xs.shape[1:], (3, 3), (strides, strides), "SAME")
   for i in range(3):
-    want = forward_reference(
-        xs[i if in_axes[0] == 0 else 0],
-        ks[i if in_axes[1] == 0 else 0],
-        (1, 1),
-        ((1, 1), (1, 1)),
+    xi = xs[i if in_axes[0] == 0 else 0]
+    ki = ks[i if in_axes[1] == 0 else 0]
+    strides_hw = (strides, strides)
+    want = (
+        forward_reference(xi, ki, strides_hw, pads),
+        input_gradient_reference(xi, ki, gs[i], strides_hw, pads),
+        kernel_gradient_reference(xi, gs[i], (3, 3), strides_hw, pads),
     )
-    _close(got[i], want, want)
+    for a, b in zip(got, want):
+      _close(a[i], b, b)
+
+
+# Forward pass and both gradients of CASES' float32 convolutions, saved to
+# argv[1]: a child per instruction set (GBN_CONV_MAX_ISA is read once).
+_ISA_CHILD = """
+import sys
+import jax
+import numpy as np
+from gbn_jax.convolution import conv
+import test_convolution_forward as t
+
+out = {}
+for n, case in enumerate(t.CASES):
+  x, k, g, strides, pads = t._case(*case, "normal")
+  y, vjp = jax.vjp(lambda x, k: conv(x, k, strides, pads), x, k)
+  for name, a in zip("y dx dk".split(), (y, *vjp(g))):
+    out[f"{n}/{name}"] = np.asarray(a)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def _convolutions_under(isa, path):
+  env = {"GBN_CONV_MAX_ISA": isa, "PYTHONPATH": os.path.dirname(__file__)}
+  run_python(_ISA_CHILD, env, args=[str(path)])
+  return dict(np.load(path))
+
+
+def test_every_instruction_set_gives_the_same_bits(tmp_path):
+  if not convolution.native_available() or jax.default_backend() != "cpu":
+    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  # AVX-512 and AVX2 (+ FMA) sum each output in the same order with one
+  # rounding per term: the same bits (on a CPU without AVX-512, both caps
+  # give AVX2). The plain loops round twice per term: close.
+  widest = _convolutions_under("", tmp_path / "widest.npz")
+  for isa in ("avx512", "avx2"):
+    got = _convolutions_under(isa, tmp_path / f"{isa}.npz")
+    for key, want in widest.items():
+      np.testing.assert_array_equal(got[key], want, err_msg=f"{isa} {key}")
+  plain = _convolutions_under("scalar", tmp_path / "scalar.npz")
+  for n, case in enumerate(CASES):
+    x, k, g, strides, pads = _case(*case, "normal")
+    want = (
+        forward_reference(x, k, strides, pads),
+        input_gradient_reference(x, k, g, strides, pads),
+        kernel_gradient_reference(x, g, k.shape[:2], strides, pads),
+    )
+    for name, w in zip("y dx dk".split(), want):
+      _close(plain[f"{n}/{name}"], w, w)
+
+
+def test_an_unknown_instruction_set_is_an_error():
+  if not convolution.native_available() or jax.default_backend() != "cpu":
+    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  code = (
+      "import jax.numpy as jnp\n"
+      "from gbn_jax.convolution import conv\n"
+      "conv(jnp.ones((1, 4, 4, 8)), jnp.ones((3, 3, 8, 8))).block_until_ready()"
+  )
+  with pytest.raises(subprocess.CalledProcessError) as error:
+    run_python(code, {"GBN_CONV_MAX_ISA": "sse9"})
+  assert "GBN_CONV_MAX_ISA must be scalar, avx2, avx512 or unset" in (
+      error.value.stderr
+  )

@@ -311,12 +311,14 @@ CONV_SCRIPT = textwrap.dedent(r"""
         "conv_asan", jax.ffi.pycapsule(library.GbnConvKernelGradF32), platform="cpu")
     jax.ffi.register_ffi_target(
         "conv_forward_asan", jax.ffi.pycapsule(library.GbnConvForwardF32), platform="cpu")
+    jax.ffi.register_ffi_target(
+        "conv_input_grad_asan", jax.ffi.pycapsule(library.GbnConvInputGradF32), platform="cpu")
     rng = np.random.default_rng(0)
     cases = 0
     for _ in range(60):
-      n, h, w, c = rng.integers(1, 6), rng.integers(1, 12), rng.integers(1, 12), rng.integers(1, 20)
+      n, h, w, c = rng.integers(1, 6), rng.integers(1, 12), rng.integers(1, 30), rng.integers(1, 20)
       kh, kw, sh, sw = rng.integers(1, 5, size=4)
-      f = int(rng.choice([1, 3, 8, 16, 24, 40]))
+      f = int(rng.choice([1, 3, 8, 16, 24, 32, 40, 48]))
       top, left = rng.integers(0, kh), rng.integers(0, kw)
       bottom, right = rng.integers(0, kh), rng.integers(0, kw)
       p = (h + top + bottom - kh) // sh + 1
@@ -347,15 +349,29 @@ CONV_SCRIPT = textwrap.dedent(r"""
           window = xp[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw]
           want += np.einsum("npqc,cf->npqf", window, k[i, j])
       np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+      # The input gradient: each output's gradient spread over its window.
+      dx = jax.ffi.ffi_call("conv_input_grad_asan", jax.ShapeDtypeStruct(x.shape, jnp.float32))(
+          g, k, stride_h=np.int64(sh), stride_w=np.int64(sw), top=np.int64(top),
+          left=np.int64(left))
+      want = np.zeros(xp.shape)
+      for i in range(kh):
+        for j in range(kw):
+          want[:, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw] += np.einsum(
+              "npqf,cf->npqc", g.astype(np.float64), k[i, j])
+      want = want[:, top : top + h, left : left + w]
+      np.testing.assert_allclose(np.asarray(dx), want, rtol=1e-4, atol=1e-4)
       cases += 1
     print(f"CONV OK {cases} cases")
 """)
 
 
-def test_conv_kernel_under_sanitizers(sanitized_conv_build):
+# Each instruction set the CPU has (GBN_CONV_MAX_ISA caps it; "": the widest).
+@pytest.mark.parametrize("isa", ["", "avx2", "scalar"])
+def test_conv_kernel_under_sanitizers(sanitized_conv_build, isa):
   library, preload = sanitized_conv_build
   env = dict(
       os.environ,
+      GBN_CONV_MAX_ISA=isa,
       LD_PRELOAD=" ".join(preload),
       ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1",
       UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",

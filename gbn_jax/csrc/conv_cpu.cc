@@ -1,28 +1,29 @@
 // Two parts of a 2-D NHWC x HWIO -> NHWC float32 convolution as XLA FFI
 // handlers for the CPU, used by gbn_jax/convolution.py when they are built:
-// the forward convolution and the kernel gradient. Both gather the input
-// windows ("patches") of tiles of consecutive output positions into a small
-// row-major (T, KH*KW*C) buffer and multiply it, 6 x 16 outputs in AVX2
-// registers at a time (AVX2 + FMA where the CPU has them, plain loops
-// otherwise), on a fixed split of the positions into tasks on XLA's intra-op
-// thread pool.
+// the forward convolution and the kernel gradient. Both are matrix products
+// whose one operand is the input's windows ("patches"); they read the windows
+// where they lie, in a zero-padded copy of one image at a time (no copy of
+// the patches, which would hold each input value KH*KW times), and multiply
+// them in register tiles (conv_tiles.h: AVX-512, or AVX2 + FMA, where the
+// CPU has them, plain loops otherwise), on a fixed split of the output
+// positions into tasks on XLA's intra-op thread pool.
 //
 // Kernel gradient: dk[i, j, c, f] = sum over (n, p, q) of
 // x[n, p*s_h + i - top, q*s_w + j - left, c] * g[n, p, q, f], positions
 // outside x contributing nothing. XLA:CPU computes it as a convolution whose
 // contracted dimension is the batch, which needs batch-minor copies of x and
 // g and runs far below the forward convolution's speed. Here it is what it
-// is, a matrix product over the output positions: a tile's patches,
-// transposed, times the tile of g (contiguous rows in NHWC) is added into a
-// per-task (KH*KW*C, F) sum; the tasks' sums are added in task order, so the
-// result does not depend on the thread count or scheduling. Each tile is
-// summed from zero before it is added, which keeps float32 rounding well
-// below a sequential sum's.
+// is, a matrix product over the output positions: a tile's windows, as
+// rows, transposed, times the tile of g (contiguous rows in NHWC) is added
+// into a per-task (KH*KW*C, F) sum; the tasks' sums are added in task order,
+// so the result does not depend on the thread count or scheduling. Each tile
+// (positions of one image) is summed from zero before it is added, which
+// keeps float32 rounding well below a sequential sum's.
 //
 // Forward: y[n, p, q, f] = sum over (i, j, c) of the same window times
-// k[i, j, c, f]: a tile's patches times the kernel, (T, KH*KW*C) x
-// (KH*KW*C, F), written straight into the tile's rows of y (each output is
-// one dot product, summed in (i, j, c) order).
+// k[i, j, c, f], the windows of a run of positions in one output row times
+// the kernel, written straight into the run's rows of y (each output is one
+// dot product, summed in (i, j, c) order).
 //
 // Inputs: x (N, H, W, C) and g (N, P, Q, F), or x and k (KH, KW, C, F);
 // attributes: strides (s_h, s_w) and the padding before the first row and
@@ -30,7 +31,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernel.h"
@@ -40,11 +44,12 @@ namespace {
 using gbn_jax::ParallelFor;
 
 // Tasks the output positions are split into (a constant, for a result that
-// is the same on any number of threads), and the floats a tile's patches
-// may take (a tile is at most kMaxTile positions).
+// is the same on any number of threads), and the largest tile of the kernel
+// gradient, in positions and in floats of g (the tile's rows of g stay in
+// the core's L1 while every row of the kernel gradient passes over them).
 constexpr int kTasks = 8;
-constexpr int64_t kTileFloats = 1 << 15;
 constexpr int64_t kMaxTile = 256;
+constexpr int64_t kTileFloats = 1 << 13;
 
 struct Geometry {
   int64_t n, h, w, c;      // x
@@ -53,198 +58,180 @@ struct Geometry {
   int64_t stride_h, stride_w, top, left;
   int64_t rows() const { return kh * kw * c; }
   int64_t positions() const { return n * p * q; }
+  // One image zero-padded so that every window lies inside it: x's (y, z)
+  // at (y + top, z + left) of (padded_h, padded_w).
+  int64_t padded_h() const { return (p - 1) * stride_h + kh; }
+  int64_t padded_w() const { return (q - 1) * stride_w + kw; }
+  // Where the window of output (row, col) starts in the padded image.
+  int64_t window_at(int64_t row, int64_t col) const { return (row * stride_h * padded_w() + col * stride_w) * c; }
 };
 
-// Patches of output positions [first, first + count) into patches (count x
-// rows(), row-major, zero where the window leaves x).
-void GatherPatches(const float* x, const Geometry& g, int64_t first, int64_t count, float* patches) {
-  const int64_t rows = g.rows();
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t position = first + t;
-    const int64_t col = position % g.q, row = (position / g.q) % g.p, image = position / (g.q * g.p);
-    float* out = patches + t * rows;
-    for (int64_t i = 0; i < g.kh; ++i) {
-      const int64_t y = row * g.stride_h + i - g.top;
-      for (int64_t j = 0; j < g.kw; ++j, out += g.c) {
-        const int64_t z = col * g.stride_w + j - g.left;
-        // Loops, not memset/memcpy: a call per window row costs more than
-        // the copy when channels are few (the stem's 3).
-        if (y < 0 || y >= g.h || z < 0 || z >= g.w) {
-          for (int64_t k = 0; k < g.c; ++k) out[k] = 0.0f;
-        } else {
-          const float* in = x + ((image * g.h + y) * g.w + z) * g.c;
-          for (int64_t k = 0; k < g.c; ++k) out[k] = in[k];
-        }
-      }
+// A window in a padded image: rows of width consecutive floats (KW*C),
+// row_step floats apart.
+struct Window {
+  int64_t rows, width, row_step;
+};
+
+Window WindowOf(const Geometry& g) { return {g.kh, g.kw * g.c, g.padded_w() * g.c}; }
+
+// x's image into out (padded_h x padded_w x c), zeros outside x. Rows and
+// columns of x that no window reaches are left out.
+void PadImage(const float* x, const Geometry& g, int64_t image, float* out) {
+  const int64_t width = g.padded_w() * g.c;
+  const int64_t first = std::max<int64_t>(0, g.left), last = std::min(g.padded_w(), g.left + g.w);
+  for (int64_t row = 0; row < g.padded_h(); ++row, out += width) {
+    const int64_t y = row - g.top;
+    if (y < 0 || y >= g.h || first >= last) {
+      std::fill(out, out + width, 0.0f);
+      continue;
     }
+    const float* in = x + ((image * g.h + y) * g.w + (first - g.left)) * g.c;
+    std::fill(out, out + first * g.c, 0.0f);
+    std::copy(in, in + (last - first) * g.c, out + first * g.c);
+    std::fill(out + last * g.c, out + width, 0.0f);
   }
 }
 
-// sum[r, f] += sum over t of patches[t, r] * grad[t, f], for t < count.
-void AddTileScalar(const float* patches, const float* grad, int64_t count, int64_t rows, int64_t f,
+// sum[e, :] += sum over t < count of x[at[t] + e] * grad[t, :] for the
+// window's elements e, in plain loops.
+void AddTileScalar(const float* x, const int64_t* at, int64_t count, const Window& w, const float* grad, int64_t f,
                    float* sum, float* scratch) {
-  for (int64_t r = 0; r < rows; ++r) {
-    std::fill(scratch, scratch + f, 0.0f);
-    for (int64_t t = 0; t < count; ++t) {
-      const float a = patches[t * rows + r];
-      const float* b = grad + t * f;
-      for (int64_t k = 0; k < f; ++k) scratch[k] += a * b[k];
+  for (int64_t i = 0; i < w.rows; ++i, x += w.row_step) {
+    for (int64_t e = 0; e < w.width; ++e, sum += f) {
+      std::fill(scratch, scratch + f, 0.0f);
+      for (int64_t t = 0; t < count; ++t) {
+        const float a = x[at[t] + e];
+        const float* b = grad + t * f;
+        for (int64_t k = 0; k < f; ++k) scratch[k] += a * b[k];
+      }
+      for (int64_t k = 0; k < f; ++k) sum[k] += scratch[k];
     }
-    for (int64_t k = 0; k < f; ++k) sum[r * f + k] += scratch[k];
   }
 }
 
 #ifdef GBN_X86
-// R rows x V vectors of 8 outputs in registers, over the tile.
-template <int R, int V>
-__attribute__((target("avx2,fma"), always_inline)) inline void AddBlockAvx2(
-    const float* patches, const float* grad, int64_t count, int64_t rows, int64_t f, float* sum) {
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < count; ++t, patches += rows, grad += f) {
-    __m256 b[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) b[v] = _mm256_loadu_ps(grad + 8 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(patches + r);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, b[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) {
-      float* out = sum + r * f + 8 * v;
-      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), acc[r][v]));
-    }
-}
+// The tiles in AVX2 + FMA: 16 ymm registers, 6 rows x 2 vectors of
+// accumulators.
+namespace avx2 {
+#define GBN_TILE __attribute__((target("avx2,fma")))
+using Vec = __m256;
+constexpr int kLanes = 8, kMaxRows = 6;
+GBN_TILE inline Vec Zero() { return _mm256_setzero_ps(); }
+GBN_TILE inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+GBN_TILE inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+GBN_TILE inline Vec Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+GBN_TILE inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+GBN_TILE inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+#include "conv_tiles.h"
+#undef GBN_TILE
+}  // namespace avx2
 
-// R rows (at most 6) of AddTileScalar, for f a multiple of 8.
-template <int R>
-__attribute__((target("avx2,fma"))) void AddRowsAvx2(const float* patches, const float* grad, int64_t count,
-                                                     int64_t rows, int64_t f, float* sum) {
-  int64_t k = 0;
-  for (; k + 16 <= f; k += 16) AddBlockAvx2<R, 2>(patches, grad + k, count, rows, f, sum + k);
-  if (k < f) AddBlockAvx2<R, 1>(patches, grad + k, count, rows, f, sum + k);
-}
-
-// AddTileScalar for f a multiple of 8: 6 rows at a time, then the rest.
-__attribute__((target("avx2,fma"))) void AddTileAvx2(const float* patches, const float* grad, int64_t count,
-                                                     int64_t rows, int64_t f, float* sum) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) AddRowsAvx2<6>(patches + r, grad, count, rows, f, sum + r * f);
-  patches += r, sum += r * f;
-  switch (rows - r) {
-    case 5: return AddRowsAvx2<5>(patches, grad, count, rows, f, sum);
-    case 4: return AddRowsAvx2<4>(patches, grad, count, rows, f, sum);
-    case 3: return AddRowsAvx2<3>(patches, grad, count, rows, f, sum);
-    case 2: return AddRowsAvx2<2>(patches, grad, count, rows, f, sum);
-    case 1: return AddRowsAvx2<1>(patches, grad, count, rows, f, sum);
-  }
-}
+// The tiles in AVX-512: 32 zmm registers, 12 rows x 2 vectors.
+namespace avx512 {
+#define GBN_TILE __attribute__((target("avx512f")))
+using Vec = __m512;
+constexpr int kLanes = 16, kMaxRows = 12;
+GBN_TILE inline Vec Zero() { return _mm512_setzero_ps(); }
+GBN_TILE inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+GBN_TILE inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+GBN_TILE inline Vec Broadcast(const float* p) { return _mm512_set1_ps(*p); }
+GBN_TILE inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+GBN_TILE inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+#include "conv_tiles.h"
+#undef GBN_TILE
+}  // namespace avx512
 #endif
 
-#ifdef GBN_X86
-// out[r, :] = patches[r, :] . k for R rows, V vectors of 8 outputs in
-// registers, over the rows' length.
-template <int R, int V>
-__attribute__((target("avx2,fma"), always_inline)) inline void ForwardBlockAvx2(
-    const float* patches, const float* k, int64_t rows, int64_t f, float* out) {
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t e = 0; e < rows; ++e, k += f) {
-    __m256 b[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) b[v] = _mm256_loadu_ps(k + 8 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(patches + r * rows + e);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, b[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + r * f + 8 * v, acc[r][v]);
-}
-
-template <int R>
-__attribute__((target("avx2,fma"))) void ForwardRowsAvx2(const float* patches, const float* k, int64_t rows,
-                                                         int64_t f, float* out) {
-  int64_t j = 0;
-  for (; j + 16 <= f; j += 16) ForwardBlockAvx2<R, 2>(patches, k + j, rows, f, out + j);
-  if (j < f) ForwardBlockAvx2<R, 1>(patches, k + j, rows, f, out + j);
-}
-
-// ForwardTileScalar for f a multiple of 8: 6 positions at a time, then the
-// rest.
-__attribute__((target("avx2,fma"))) void ForwardTileAvx2(const float* patches, const float* k, int64_t count,
-                                                         int64_t rows, int64_t f, float* out) {
-  int64_t t = 0;
-  for (; t + 6 <= count; t += 6) ForwardRowsAvx2<6>(patches + t * rows, k, rows, f, out + t * f);
-  patches += t * rows, out += t * f;
-  switch (count - t) {
-    case 5: return ForwardRowsAvx2<5>(patches, k, rows, f, out);
-    case 4: return ForwardRowsAvx2<4>(patches, k, rows, f, out);
-    case 3: return ForwardRowsAvx2<3>(patches, k, rows, f, out);
-    case 2: return ForwardRowsAvx2<2>(patches, k, rows, f, out);
-    case 1: return ForwardRowsAvx2<1>(patches, k, rows, f, out);
-  }
-}
-#endif
-
-// out[t, :] = patches[t, :] . k for t < count.
-void ForwardTileScalar(const float* patches, const float* k, int64_t count, int64_t rows, int64_t f,
+// out[t, :] = the window at x + t * step, dotted with k, for t < count, in
+// plain loops.
+void ForwardTileScalar(const float* x, int64_t step, int64_t count, const Window& w, const float* k, int64_t f,
                        float* out) {
   for (int64_t t = 0; t < count; ++t, out += f) {
     std::fill(out, out + f, 0.0f);
-    const float* a = patches + t * rows;
-    for (int64_t e = 0; e < rows; ++e) {
-      const float* b = k + e * f;
-      for (int64_t j = 0; j < f; ++j) out[j] += a[e] * b[j];
-    }
+    const float* row = x + t * step;
+    const float* b = k;
+    for (int64_t i = 0; i < w.rows; ++i, row += w.row_step)
+      for (int64_t e = 0; e < w.width; ++e, b += f)
+        for (int64_t j = 0; j < f; ++j) out[j] += row[e] * b[j];
   }
 }
 
-bool UseAvx2(int64_t f) {
+// The vector instructions a tile runs in, narrowest first.
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+// The widest set this CPU has, capped by the environment variable
+// GBN_CONV_MAX_ISA ("scalar", "avx2" or "avx512"), which lets tests run each
+// set on one machine; unset or empty: no cap. known is false for any other
+// value (the handlers then fail).
+struct CpuIsa {
+  bool known;
+  Isa isa;
+};
+
+CpuIsa DetectIsa() {
+  Isa widest = Isa::kScalar;
 #ifdef GBN_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has && f % 8 == 0;
-#else
-  (void)f;
-  return false;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) widest = Isa::kAvx2;
+  if (__builtin_cpu_supports("avx512f")) widest = Isa::kAvx512;
 #endif
+  const char* cap = std::getenv("GBN_CONV_MAX_ISA");
+  if (cap == nullptr || *cap == '\0') return {true, widest};
+  const std::pair<const char*, Isa> names[] = {{"scalar", Isa::kScalar}, {"avx2", Isa::kAvx2}, {"avx512", Isa::kAvx512}};
+  for (const auto& [name, isa] : names)
+    if (std::strcmp(cap, name) == 0) return {true, std::min(widest, isa)};
+  return {false, widest};
 }
 
-void KernelGradient(ffi::ThreadPool& pool, const float* x, const float* grad, const Geometry& g, float* dk) {
-  const int64_t rows = g.rows(), size = rows * g.f, positions = g.positions();
-  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kMaxTile, kTileFloats / std::max<int64_t>(rows, 1)));
-  const bool avx2 = UseAvx2(g.f);
+ffi::ErrorOr<Isa> Cpu() {
+  static const CpuIsa cpu = DetectIsa();
+  if (!cpu.known)
+    return ffi::Unexpected(ffi::Error::InvalidArgument("GBN_CONV_MAX_ISA must be scalar, avx2, avx512 or unset"));
+  return cpu.isa;
+}
+
+// The set that computes f outputs per row: the widest whose vectors divide f.
+Isa IsaFor(Isa cpu, int64_t f) {
+  if (cpu >= Isa::kAvx512 && f % 16 == 0) return Isa::kAvx512;
+  if (cpu >= Isa::kAvx2 && f % 8 == 0) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+void KernelGradient(ffi::ThreadPool& pool, Isa cpu, const float* x, const float* grad, const Geometry& g,
+                    float* dk) {
+  const int64_t size = g.rows() * g.f, positions = g.positions(), per_image = g.p * g.q;
+  if (positions == 0) {
+    std::fill(dk, dk + size, 0.0f);
+    return;
+  }
+  const int64_t tile = std::clamp<int64_t>(kTileFloats / g.f, 1, kMaxTile);
+  const Isa isa = IsaFor(cpu, g.f);
+  const Window window = WindowOf(g);
   std::vector<float> sums(size_t(kTasks) * size, 0.0f);
   ParallelFor(pool, kTasks, [&](int task) {
     const int64_t begin = positions * task / kTasks, end = positions * (task + 1) / kTasks;
-    std::vector<float> patches(size_t(tile * rows)), scratch(size_t(g.f));
+    std::vector<float> image(size_t(g.padded_h() * g.padded_w() * g.c)), scratch(size_t(g.f));
+    std::vector<int64_t> at(static_cast<size_t>(tile));
     float* sum = sums.data() + size_t(task) * size;
-    for (int64_t first = begin; first < end; first += tile) {
-      const int64_t count = std::min(tile, end - first);
-      GatherPatches(x, g, first, count, patches.data());
+    for (int64_t first = begin, padded = -1; first < end;) {
+      const int64_t n = first / per_image;
+      const int64_t count = std::min({tile, end - first, (n + 1) * per_image - first});
+      if (n != padded) PadImage(x, g, padded = n, image.data());
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t in_image = first + t - n * per_image;
+        at[t] = g.window_at(in_image / g.q, in_image % g.q);
+      }
       const float* rows_of_grad = grad + first * g.f;
 #ifdef GBN_X86
-      if (avx2) {
-        AddTileAvx2(patches.data(), rows_of_grad, count, rows, g.f, sum);
-        continue;
-      }
+      if (isa == Isa::kAvx512) {
+        avx512::AddTile(image.data(), at.data(), count, window, rows_of_grad, g.f, sum);
+      } else if (isa == Isa::kAvx2) {
+        avx2::AddTile(image.data(), at.data(), count, window, rows_of_grad, g.f, sum);
+      } else
 #endif
-      AddTileScalar(patches.data(), rows_of_grad, count, rows, g.f, sum, scratch.data());
+      {
+        AddTileScalar(image.data(), at.data(), count, window, rows_of_grad, g.f, sum, scratch.data());
+      }
+      first += count;
     }
   });
   for (int64_t e = 0; e < size; ++e) {
@@ -254,26 +241,93 @@ void KernelGradient(ffi::ThreadPool& pool, const float* x, const float* grad, co
   }
 }
 
-// Positions a forward tile takes (its patches stay in the core's L2).
-constexpr int64_t kForwardTile = 96;
-
-void Forward(ffi::ThreadPool& pool, const float* x, const float* k, const Geometry& g, float* y) {
-  const int64_t rows = g.rows(), positions = g.positions();
-  const bool avx2 = UseAvx2(g.f);
+void Forward(ffi::ThreadPool& pool, Isa cpu, const float* x, const float* k, const Geometry& g, float* y) {
+  const int64_t positions = g.positions(), per_image = g.p * g.q, step = g.stride_w * g.c;
+  if (positions == 0) return;
+  const Isa isa = IsaFor(cpu, g.f);
+  const Window window = WindowOf(g);
   ParallelFor(pool, kTasks, [&](int task) {
     const int64_t begin = positions * task / kTasks, end = positions * (task + 1) / kTasks;
-    std::vector<float> patches(size_t(kForwardTile * rows));
-    for (int64_t first = begin; first < end; first += kForwardTile) {
-      const int64_t count = std::min(kForwardTile, end - first);
-      GatherPatches(x, g, first, count, patches.data());
+    std::vector<float> image(size_t(g.padded_h() * g.padded_w() * g.c));
+    // A run of positions in one output row at a time: their windows are
+    // step floats apart.
+    for (int64_t first = begin, padded = -1; first < end;) {
+      const int64_t n = first / per_image, in_image = first - n * per_image;
+      const int64_t row = in_image / g.q, col = in_image % g.q;
+      const int64_t count = std::min(end - first, g.q - col);
+      if (n != padded) PadImage(x, g, padded = n, image.data());
+      const float* windows = image.data() + g.window_at(row, col);
       float* out = y + first * g.f;
 #ifdef GBN_X86
-      if (avx2) {
-        ForwardTileAvx2(patches.data(), k, count, rows, g.f, out);
-        continue;
-      }
+      if (isa == Isa::kAvx512) {
+        avx512::ForwardTile(windows, step, count, window, k, g.f, out);
+      } else if (isa == Isa::kAvx2) {
+        avx2::ForwardTile(windows, step, count, window, k, g.f, out);
+      } else
 #endif
-      ForwardTileScalar(patches.data(), k, count, rows, g.f, out);
+      {
+        ForwardTileScalar(windows, step, count, window, k, g.f, out);
+      }
+      first += count;
+    }
+  });
+}
+
+// Input gradient at any stride: dx[n, y, z, c] = sum over the windows that
+// hold (y, z) of g[n, p, q, f] * k[i, j, c, f]. Per image, per output row:
+// the row's g times the kernel transposed gives each window's gradient
+// (Q x KH*KW*C, the forward's product with one window row of F floats),
+// which is added into a zero-padded image at the window; the image's inner
+// part is dx's. An image is one task's, so the result does not depend on
+// the threads either.
+void InputGradient(ffi::ThreadPool& pool, Isa cpu, const float* grad, const float* k, const Geometry& g,
+                   float* dx) {
+  const int64_t rows = g.rows(), image_size = g.h * g.w * g.c;
+  if (g.p * g.q == 0) {
+    std::fill(dx, dx + g.n * image_size, 0.0f);
+    return;
+  }
+  std::vector<float> transposed(size_t(rows * g.f));
+  for (int64_t e = 0; e < rows; ++e)
+    for (int64_t j = 0; j < g.f; ++j) transposed[size_t(j * rows + e)] = k[e * g.f + j];
+  const Isa isa = IsaFor(cpu, rows);
+  const Window window = WindowOf(g), row_of_grad{1, g.f, 0};
+  const int items = int(std::min<int64_t>(kTasks, g.n));
+  ParallelFor(pool, items, [&](int task) {
+    std::vector<float> image(size_t(g.padded_h() * window.row_step)), windows(size_t(g.q * rows));
+    for (int64_t n = g.n * task / items; n < g.n * (task + 1) / items; ++n) {
+      std::fill(image.begin(), image.end(), 0.0f);
+      for (int64_t row = 0; row < g.p; ++row) {
+        const float* g_row = grad + (n * g.p + row) * g.q * g.f;
+#ifdef GBN_X86
+        if (isa == Isa::kAvx512) {
+          avx512::ForwardTile(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
+        } else if (isa == Isa::kAvx2) {
+          avx2::ForwardTile(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
+        } else
+#endif
+        {
+          ForwardTileScalar(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
+        }
+        for (int64_t col = 0; col < g.q; ++col) {
+          float* to = image.data() + g.window_at(row, col);
+          const float* from = windows.data() + col * rows;
+          for (int64_t i = 0; i < window.rows; ++i, to += window.row_step, from += window.width)
+            for (int64_t e = 0; e < window.width; ++e) to[e] += from[e];
+        }
+      }
+      // dx's rows and columns that no window reaches get zeros.
+      float* out = dx + n * image_size;
+      for (int64_t y = 0; y < g.h; ++y)
+        for (int64_t z = 0; z < g.w; ++z, out += g.c) {
+          const int64_t row = y + g.top, col = z + g.left;
+          if (row < g.padded_h() && col < g.padded_w()) {
+            const float* from = image.data() + (row * g.padded_w() + col) * g.c;
+            std::copy(from, from + g.c, out);
+          } else {
+            std::fill(out, out + g.c, 0.0f);
+          }
+        }
     }
   });
 }
@@ -310,17 +364,31 @@ ffi::Error ConvKernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
                               ffi::ResultBuffer<ffi::F32> dk) {
   const auto g = MakeGeometry(x.dimensions(), dk->dimensions(), grad.dimensions(), stride_h, stride_w, top, left);
   if (g.has_error()) return g.error();
-  return Guarded([&] { KernelGradient(pool, x.typed_data(), grad.typed_data(), g.value(), dk->typed_data()); });
+  const auto cpu = Cpu();
+  if (cpu.has_error()) return cpu.error();
+  return Guarded([&] { KernelGradient(pool, cpu.value(), x.typed_data(), grad.typed_data(), g.value(), dk->typed_data()); });
 }
 
 ffi::Error ConvForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k, int64_t stride_h,
                        int64_t stride_w, int64_t top, int64_t left, ffi::ResultBuffer<ffi::F32> y) {
   const auto g = MakeGeometry(x.dimensions(), k.dimensions(), y->dimensions(), stride_h, stride_w, top, left);
   if (g.has_error()) return g.error();
-  return Guarded([&] { Forward(pool, x.typed_data(), k.typed_data(), g.value(), y->typed_data()); });
+  const auto cpu = Cpu();
+  if (cpu.has_error()) return cpu.error();
+  return Guarded([&] { Forward(pool, cpu.value(), x.typed_data(), k.typed_data(), g.value(), y->typed_data()); });
 }
 
-// Both handlers' signature: the thread pool, two operands, the strides and
+ffi::Error ConvInputGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad, ffi::Buffer<ffi::F32> k,
+                             int64_t stride_h, int64_t stride_w, int64_t top, int64_t left,
+                             ffi::ResultBuffer<ffi::F32> dx) {
+  const auto g = MakeGeometry(dx->dimensions(), k.dimensions(), grad.dimensions(), stride_h, stride_w, top, left);
+  if (g.has_error()) return g.error();
+  const auto cpu = Cpu();
+  if (cpu.has_error()) return cpu.error();
+  return Guarded([&] { InputGradient(pool, cpu.value(), grad.typed_data(), k.typed_data(), g.value(), dx->typed_data()); });
+}
+
+// The handlers' signature: the thread pool, two operands, the strides and
 // leading pads, one result.
 auto Binding() {
   return ffi::Ffi::Bind()
@@ -338,3 +406,4 @@ auto Binding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvKernelGradF32, ConvKernelGradient, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvForwardF32, ConvForward, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GbnConvInputGradF32, ConvInputGradient, Binding());

@@ -1,4 +1,4 @@
-"""conv_kernel_gradient on a batch sharded over 4 host devices.
+"""conv and conv_kernel_gradient on a batch sharded over 4 host devices.
 
 Each device sums its own images and the parts are added (an all-reduce, no
 gather of the activations); the result equals the single-device one.
@@ -38,13 +38,15 @@ def test_sharded_batch_gives_the_whole_batch_gradient(spec):
     assert "all-reduce" in text and "all-gather" not in text
 
 
+@pytest.mark.parametrize("strides", [1, 2])
 @pytest.mark.parametrize("spec", [P("b"), P(None, "b"), P()], ids=str)
-def test_sharded_batch_convolves_each_device_s_images(spec):
+def test_sharded_batch_convolves_each_device_s_images(spec, strides):
   mesh = md.mesh("b")
-  x, k, g = _normal(1, (8, 8, 8, 16), (3, 3, 16, 16), (8, 8, 8, 16))
+  out_hw = 8 // strides
+  x, k, g = _normal(1, (8, 8, 8, 16), (3, 3, 16, 16), (8, out_hw, out_hw, 16))
 
   def fn(x, k, g):
-    y, vjp = jax.vjp(lambda x, k: convolution.conv(x, k), x, k)
+    y, vjp = jax.vjp(lambda x, k: convolution.conv(x, k, strides), x, k)
     return y, *vjp(g)
 
   want = jax.jit(fn)(x, k, g)
@@ -54,8 +56,11 @@ def test_sharded_batch_convolves_each_device_s_images(spec):
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
   if convolution.native_available() and spec == P("b"):
-    # The forward pass and the input gradient stay on each device's images;
+    # The forward pass and the input gradient (a forward convolution at
+    # stride 1, its own kernel when strided) stay on each device's images;
     # only the kernel gradient is summed.
     text = compiled.as_text()
     assert "all-gather" not in text
-    assert text.count('custom_call_target="gbn_conv_forward_f32"') == 2
+    forwards = text.count('custom_call_target="gbn_conv_forward_f32"')
+    input_grads = text.count('custom_call_target="gbn_conv_input_grad_f32"')
+    assert (forwards, input_grads) == ((2, 0) if strides == 1 else (1, 1))
