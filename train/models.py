@@ -24,8 +24,7 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
   convolutions run in gbn_jax's compiled kernels (forward pass, kernel
-  gradient and stride-1 input gradient, :func:`gbn_jax.convolution.conv`),
-  strided ones take their input gradient as a matmul and a col2im, every
+  gradient and input gradient, :func:`gbn_jax.convolution.conv`), every
   convolution's input is computed once (:class:`ResNetConv`), and the norm
   layers' backward pass recomputes their elementwise work
   (:func:`recompute_elementwise`): the same parameters and function, up to
@@ -414,30 +413,15 @@ conv_matmul_grads.defvjp(_col2im_dgrad_fwd, _matmul_grads_bwd)
 
 
 def conv_compiled(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
-  """:func:`conv_same` with its forward pass compiled too.
+  """:func:`conv_same` with its forward pass and gradients compiled.
 
-  At stride 1, :func:`gbn_jax.convolution.conv` (on XLA:CPU with the
-  compiled kernels: the forward pass, the kernel gradient and the input
-  gradient as a forward convolution of the output gradient). Strided: the
-  compiled forward pass and kernel gradient, and the input gradient as
-  :func:`conv_col2im_dgrad`'s col2im. Equal to :func:`conv_same` and its
-  gradients up to float32 summation order.
+  :func:`gbn_jax.convolution.conv` (on XLA:CPU with the compiled kernels:
+  the forward pass, the kernel gradient, and the input gradient, as a
+  forward convolution of the output gradient at stride 1 and as each
+  window's gradient added into place when strided). Equal to
+  :func:`conv_same` and its gradients up to float32 summation order.
   """
-  if strides == 1:
-    return gbn_conv(x, kernel, 1, "SAME")
-  return _conv_compiled_strided(x, kernel, strides)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv_compiled_strided(x, kernel, strides):
   return gbn_conv(x, kernel, strides, "SAME")
-
-
-def _conv_compiled_strided_fwd(x, kernel, strides):
-  return gbn_conv(x, kernel, strides, "SAME"), (x, kernel)
-
-
-_conv_compiled_strided.defvjp(_conv_compiled_strided_fwd, _matmul_grads_bwd)
 
 
 def computed_once(x: jax.Array) -> jax.Array:
@@ -516,7 +500,7 @@ class ResNetConv(nn.Module):
   The same parameter (``kernel``, HWIO, from ``kernel_init``: the same
   values from the same key), the same SAME padding and the same function up
   to float32 summation order: computed by :func:`conv_compiled` (the
-  compiled forward pass, kernel gradient and stride-1 input gradient of
+  compiled forward pass, kernel gradient and input gradient of
   :mod:`gbn_jax.convolution`), with the input through
   :func:`computed_once`. ResNet's formulation on a CPU
   (``benchmarks/bench_resnet_step.py``).
@@ -535,9 +519,10 @@ class ResNetConv(nn.Module):
       gradient, :func:`conv_col2im_dgrad` for strided convolutions, an
       earlier formulation, for the benchmark).
     compiled_forward: With ``matmul_kernel_gradient``, compute the forward
-      pass and the stride-1 input gradients by the compiled kernel too
-      (:func:`conv_compiled`, the default; ``False``: XLA's, an earlier
-      formulation, for the benchmark).
+      pass and the input gradients by the compiled kernels too
+      (:func:`conv_compiled`, the default; ``False``: XLA's forward pass and
+      stride-1 input gradient, :func:`conv_col2im_dgrad`'s when strided, an
+      earlier formulation, for the benchmark).
   """
 
   features: int
