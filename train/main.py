@@ -404,9 +404,9 @@ def _first_epoch_notes(
   ):
     lines.append(
         f"{prog}: note: this runs on the CPU; ResNet20 is meant for a GPU. "
-        "On 2 cores a ResNet20 epoch at batch 256 takes about 2 minutes (a "
-        "train step 0.5-0.6 s, about 1.1-1.3x PyTorch's); for a quick CPU run, "
-        "--model lenet takes about 25 s per CIFAR-10 epoch."
+        "On 2 cores a ResNet20 epoch at batch 256 takes 2-3 minutes (a train "
+        "step 0.6-0.8 s, about PyTorch's speed on the same cores); for a quick "
+        "CPU run, --model lenet takes 25-45 s per CIFAR-10 epoch."
     )
   return lines
 
