@@ -176,6 +176,36 @@ def test_bad_shapes_are_errors():
     conv(jnp.ones((1, 4, 4, 3)), jnp.ones((3, 3, 4, 8)))
 
 
+@pytest.mark.parametrize(
+    "target, operands, out",
+    [
+        ("forward", ((1, 4, 4, 8), (3, 3, 8, 16)), (1, 4, 4, 16)),
+        ("kernel_grad", ((1, 4, 4, 8), (1, 4, 4, 16)), (3, 3, 8, 16)),
+        ("input_grad", ((1, 2, 2, 16), (3, 3, 8, 16)), (1, 4, 4, 8)),
+    ],
+)
+def test_the_compiled_handlers_refuse_a_bad_geometry(target, operands, out):
+  if not convolution.native_available() or jax.default_backend() != "cpu":
+    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+
+  def call(a, b, out=out, **changes):
+    attrs = dict(stride_h=1, stride_w=1, top=1, left=1) | changes
+    target_call = jax.ffi.ffi_call(
+        f"gbn_conv_{target}_f32", jax.ShapeDtypeStruct(out, jnp.float32)
+    )
+    attrs = {k: np.int64(v) for k, v in attrs.items()}
+    return target_call(jnp.ones(a), jnp.ones(b), **attrs)
+
+  np.asarray(call(*operands, stride_h=2 if target == "input_grad" else 1))
+  # The XLA FFI error's message is the handler's.
+  with pytest.raises(Exception, match="must be >= 0"):
+    np.asarray(call(*operands, top=-1))
+  with pytest.raises(Exception, match="strides must be positive"):
+    np.asarray(call(*operands, stride_w=0))
+  with pytest.raises(Exception, match="do not agree"):
+    np.asarray(call(*operands, out=(*out[:-1], out[-1] + 1)))
+
+
 def test_gradients_match_finite_differences():
   x, k, _, strides, pads = _case((2, 5, 5, 8), (3, 3), 1, "SAME", 8, "normal")
   x, k = x.astype(np.float64), k.astype(np.float64)

@@ -343,6 +343,8 @@ ffi::ErrorOr<Geometry> MakeGeometry(ffi::Span<const int64_t> xd, ffi::Span<const
   if (yd[0] != g.n || kd[2] != g.c || kd[3] != g.f)
     return ffi::Unexpected(ffi::Error::InvalidArgument("shapes (N,H,W,C), (KH,KW,C,F) and (N,P,Q,F) do not agree"));
   if (stride_h < 1 || stride_w < 1) return ffi::Unexpected(ffi::Error::InvalidArgument("strides must be positive"));
+  if (top < 0 || left < 0)
+    return ffi::Unexpected(ffi::Error::InvalidArgument("the padding before the first row and column must be >= 0"));
   return g;
 }
 
