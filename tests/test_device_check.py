@@ -29,7 +29,7 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
       OUT=str(out),
       WORK=str(work),
       PYTHON=sys.executable,
-      BUDGET="420",
+      BUDGET="840",
   )
   proc = subprocess.run(
       ["bash", "benchmarks/device_check.sh"],
@@ -37,7 +37,7 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path):
       env=env,
       capture_output=True,
       text=True,
-      timeout=600,
+      timeout=1000,
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # What comes back from a device: the log, the results, and the ResNet20
