@@ -84,6 +84,11 @@ def _close(got, want, scale_of):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
 
 
+def _require_compiled_kernels():
+  if not convolution.native_available() or jax.default_backend() != "cpu":
+    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+
+
 @pytest.mark.parametrize("kind", ["normal", "repeated"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_forward_and_gradients_equal_the_definition(case, kind):
@@ -119,8 +124,7 @@ def test_string_padding_and_int_strides():
 def test_the_compiled_kernels_are_what_runs_on_a_cpu():
   if os.environ.get("GBN_EXPECT_NATIVE") == "1":
     assert convolution.native_available()
-  if not convolution.native_available() or jax.default_backend() != "cpu":
-    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  _require_compiled_kernels()
   x = jnp.ones((2, 8, 8, 16))
   k = jnp.ones((3, 3, 16, 16))
   step = jax.jit(jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2), (0, 1)))
@@ -185,8 +189,7 @@ def test_bad_shapes_are_errors():
     ],
 )
 def test_the_compiled_handlers_refuse_a_bad_geometry(target, operands, out):
-  if not convolution.native_available() or jax.default_backend() != "cpu":
-    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  _require_compiled_kernels()
 
   def call(a, b, out=out, **changes):
     attrs = dict(stride_h=1, stride_w=1, top=1, left=1) | changes
@@ -282,8 +285,7 @@ def _convolutions_under(isa, path):
 
 
 def test_every_instruction_set_gives_the_same_bits(tmp_path):
-  if not convolution.native_available() or jax.default_backend() != "cpu":
-    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  _require_compiled_kernels()
   # AVX-512 and AVX2 (+ FMA) sum each output in the same order with one
   # rounding per term: the same bits (on a CPU without AVX-512, both caps
   # give AVX2). The plain loops round twice per term: close.
@@ -305,8 +307,7 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
 
 
 def test_an_unknown_instruction_set_is_an_error():
-  if not convolution.native_available() or jax.default_backend() != "cpu":
-    pytest.skip("the compiled kernels are not built, or this is not a CPU")
+  _require_compiled_kernels()
   code = (
       "import jax.numpy as jnp\n"
       "from gbn_jax.convolution import conv\n"
