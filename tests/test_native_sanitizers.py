@@ -287,6 +287,9 @@ def test_kernel_fuzz_under_sanitizers(sanitized_build, code):
 def _run_script(script: str, args: list[str], env: dict, ok: str) -> None:
   """Runs ``script`` in a fresh interpreter; fails on any sanitizer report
   or unless it exits 0 having printed ``ok``."""
+  # Compiled here, not read from the suite's cache: the instrumented library
+  # must be the one that runs.
+  env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   proc = subprocess.run(
       [sys.executable, "-c", script, *args],
       env=env,
