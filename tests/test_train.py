@@ -501,7 +501,12 @@ def test_cli_help_explains_every_flag(capsys):
 
 @pytest.fixture(scope="module")
 def cache_env(tmp_path_factory):
-  """Lets the subprocesses share compiled programs (JAX's persistent cache)."""
+  """Lets the subprocesses share compiled programs (JAX's persistent cache).
+
+  A cache of this module's own, not the suite's (tests/conftest.py): a run
+  killed below may leave a half-written entry (jax writes entries in place),
+  which the other workers' processes should not read.
+  """
   return {
       "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
