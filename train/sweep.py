@@ -40,7 +40,7 @@ its memory.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import ctypes
 import dataclasses
 import fcntl
@@ -355,15 +355,52 @@ def _format_duration(seconds: float) -> str:
   )
 
 
+def eta_seconds(
+    epochs_left: int,
+    new_epochs: int,
+    at_last_epoch: float,
+    elapsed: float,
+) -> float | None:
+  """Seconds left, from the time per epoch this sweep has finished.
+
+  The rate is measured when the last epoch finished (``at_last_epoch``
+  seconds into the sweep, after ``new_epochs`` epochs), and the estimate then
+  made counts down with the clock until the next one finishes: it never
+  rises while nothing finishes, and holds at 0 once overdue.
+
+  Args:
+    epochs_left: Epochs still to train.
+    new_epochs: Epochs this sweep has trained so far (resumed ones excluded).
+    at_last_epoch: Seconds from the sweep's start to the last of them.
+    elapsed: Seconds from the sweep's start to now.
+
+  Returns:
+    The estimate, or ``None`` before the first epoch has finished.
+  """
+  if not new_epochs:
+    return None
+  estimate = epochs_left * at_last_epoch / new_epochs
+  return max(0.0, estimate - (elapsed - at_last_epoch))
+
+
 class _Progress:
   """One status line: runs done/total, epochs done/total, ETA."""
 
-  def __init__(self, stream: TextIO, total_runs: int, total_epochs: int):
+  def __init__(
+      self,
+      stream: TextIO,
+      total_runs: int,
+      total_epochs: int,
+      clock: Callable[[], float] = time.monotonic,
+  ):
     self.stream = stream
     self.tty = stream.isatty()
     self.total_runs, self.total_epochs = total_runs, total_epochs
-    self.started = time.monotonic()
+    self.clock = clock
+    self.started = clock()
     self.last_text, self.last_print = "", 0.0
+    # When the count of new epochs last changed: the ETA's rate is from then.
+    self.new_epochs, self.at_last_epoch = 0, 0.0
 
   def update(
       self,
@@ -373,14 +410,18 @@ class _Progress:
       failed: int,
       force: bool = False,
   ) -> None:
-    elapsed = time.monotonic() - self.started
+    now = self.clock()
+    elapsed = now - self.started
+    if new_epochs != self.new_epochs:
+      self.new_epochs, self.at_last_epoch = new_epochs, elapsed
     left = self.total_epochs - epochs_done
+    seconds = eta_seconds(left, new_epochs, self.at_last_epoch, elapsed)
     eta = (
-        "ETA " + _format_duration(left * elapsed / new_epochs)
-        if new_epochs and left
+        "done"
+        if not left
         else "ETA ?"
-        if left
-        else "done"
+        if seconds is None
+        else "ETA " + _format_duration(seconds)
     )
     text = (
         f"sweep: runs {runs_done}/{self.total_runs}, epochs "
@@ -388,7 +429,6 @@ class _Progress:
         + (f", {failed} failed" if failed else "")
         + f", {_format_duration(elapsed)} elapsed, {eta}"
     )
-    now = time.monotonic()
     if self.tty:
       self.stream.write("\r" + text.ljust(len(self.last_text)))
       self.stream.flush()
