@@ -30,6 +30,9 @@ TensorFlow) and takes the first of these sources that has the dataset:
    ``~/tensorflow_datasets`` is read without TensorFlow; preparing
    (downloading) it needs TensorFlow and internet access.
 
+4. With ``fetch=True`` (the training CLI) and no ``data_dir``: the official
+   files, downloaded into ``~/.cache/gbn_jax`` and verified (`train.download`).
+
 Nothing is ever unpickled: the CIFAR "python version" is refused with a
 pointer to the binary version. A file that is not in its canonical format
 (bad IDX magic number, truncated records, wrong dimensions, labels out of
@@ -850,6 +853,7 @@ def load_dataset(
     *,
     use_tfds: bool = True,
     download: bool = True,
+    fetch: bool = False,
 ) -> Dataset:
   """Loads a dataset into memory from the first source that has it.
 
@@ -864,6 +868,8 @@ def load_dataset(
       are found.
     download: Whether tensorflow-datasets may download and prepare data it
       does not have yet.
+    fetch: Without ``data_dir``, download what no source has into the user
+      folder (`train.download`, off with ``$GBN_NO_DOWNLOAD=1``).
 
   Returns:
     The dataset, with uint8 NHWC images and int32 labels.
@@ -875,6 +881,10 @@ def load_dataset(
     MalformedDataError: A file was found but is not in its canonical format.
   """
   info = dataset_info(name)
+  if fetch and data_dir is None:
+    from train import download as fetcher  # pylint: disable=g-import-not-at-top
+
+    return fetcher.load_dataset(name, use_tfds=use_tfds, download=download)
   if data_dir is not None:
     return _load_from_data_dir(
         name, data_dir, use_tfds=use_tfds, download=download
