@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 from pathlib import Path
 import re
 import sys
@@ -190,7 +191,8 @@ def find_runs(dirs: Iterable[str | Path]) -> list[Run]:
         except (OSError, ValueError):
           failure = "failed"
       found[run_dir.resolve()] = Run(run_dir, config, rows, failure)
-  return sorted(found.values(), key=lambda r: str(r.path))
+  # By resolved path: the order must not depend on how a DIR was written.
+  return sorted(found.values(), key=lambda r: str(r.path.resolve()))
 
 
 def distinct_runs(runs: Sequence[Run]) -> list[Run]:
@@ -1031,20 +1033,34 @@ def activations_figure(runs: Sequence[Run], path: Path) -> Path | None:
   return path
 
 
+def run_names(runs: Sequence[Run], out: Path) -> list[str]:
+  """Each run's name: its path below the deepest folder holding every run
+  and the report (``results/`` for the README's reports).
+
+  Only resolved paths enter, so the names do not depend on how a DIR was
+  written (relative, ``./``-prefixed, absolute, through a symlink). Where
+  that folder is the filesystem's root (runs and report far apart), the
+  names are below the deepest folder holding the runs' folders.
+  """
+  paths = [run.path.resolve() for run in runs]
+  if not paths:
+    return []
+  base = Path(os.path.commonpath([*paths, out.resolve()]))
+  if base == Path(base.anchor):
+    base = Path(os.path.commonpath([p.parent for p in paths]))
+  return [str(p.relative_to(base)) if p != base else p.name for p in paths]
+
+
 def run_list(runs: Sequence[Run], out: Path) -> list[str]:
   lines = [
       "| run | norm | seed | epochs | best test error (%) | state |",
       "|---|---|---|---|---|---|",
   ]
-  for run in runs:
+  for run, where in zip(runs, run_names(runs, out)):
     best = run.best_error()
     state = run.state + (
         f": {run.failure}" if run.failure and not run.finished else ""
     )
-    try:
-      where = run.path.resolve().relative_to(out.resolve().parent)
-    except ValueError:
-      where = run.path
     lines.append(
         f"| {where} | {run.config['norm']} | {run.config['seed']} | "
         f"{run.epochs_done}/{run.config['epochs']} | "
