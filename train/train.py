@@ -79,6 +79,7 @@ import tqdm
 import gbn_jax
 from train import checkpointing
 from train import configs
+from train import health
 from train import input_pipeline
 from train import models
 
@@ -783,7 +784,10 @@ def train_and_evaluate(
       workdir, config, overwrite=overwrite, is_primary=primary
   )
   if dataset is None:
-    dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
+    # No data folder given: what no source has is downloaded (train.download).
+    dataset = input_pipeline.load_dataset(
+        config.dataset, data_dir=data_dir, fetch=True
+    )
   mesh = make_mesh(data_parallel_devices(config.batch_size))
   _validate_sizes(config, dataset, mesh.size)
   _validate_precise_stats(
@@ -919,6 +923,7 @@ def _train_epochs(
   elapsed = history[-1]["elapsed_seconds"] if history else 0.0
   best = history[-1]["best_test_error"] if history else None
   last_good = start - 1 if start > 1 else None
+  watch = health.DeadTrainingWatch(config)
   for epoch in range(start, config.epochs + 1):
     t_start = time.perf_counter()
     images, labels = program.prepare(
@@ -1021,3 +1026,6 @@ def _train_epochs(
     if on_first_epoch is not None and epoch == start:
       for line in on_first_epoch(config, seconds, list(devices), epoch=epoch):
         log(line)
+    note = watch.after_epoch(epoch, losses_np)  # once: loss at chance level
+    if note:
+      log(note)

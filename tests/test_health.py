@@ -1,0 +1,187 @@
+"""Tests of train.health: telling the user that training is dead.
+
+The decision is checked on synthetic loss sequences against chance level
+written out here (``math.log`` of the class count); one short training run
+on images that carry no information checks that the epoch loop says it once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from train import configs
+from train import health
+from train import input_pipeline
+from train import train
+
+LN10 = math.log(10)
+
+
+def _flat(value: float, steps: int = 60) -> np.ndarray:
+  return np.full(steps, value)
+
+
+def _learning(steps: int = 60) -> np.ndarray:
+  # A healthy first epoch: from chance down to well below it.
+  return LN10 * np.exp(-np.linspace(0, 1.5, steps))
+
+
+# ---------------------------------------------------------------------------
+# at_chance.
+
+
+def test_flat_at_chance_is_dead_and_learning_is_not():
+  assert health.at_chance(_flat(LN10), 10)
+  assert not health.at_chance(_learning(), 10)
+  assert health.at_chance(_flat(math.log(100)), 100)
+  assert not health.at_chance(_flat(LN10), 100)  # ln 10 is not chance for 100
+
+
+def test_tolerance_is_one_percent_of_ln_classes():
+  assert health.at_chance(_flat(LN10 * 1.009), 10)
+  assert health.at_chance(_flat(LN10 * 0.991), 10)
+  assert not health.at_chance(_flat(LN10 * 1.011), 10)
+  assert not health.at_chance(_flat(LN10 * 0.989), 10)
+  assert health.at_chance(_flat(LN10 * 1.03), 10, tolerance=0.05)
+
+
+def test_noisy_steps_count_by_their_parts_means():
+  rng = np.random.default_rng(0)
+  # Each batch's loss is noisy (±5 %), the network still at chance.
+  noisy = LN10 * (1 + rng.choice([-0.05, 0.05], size=200))
+  noisy[1::2] = 2 * LN10 - noisy[::2]  # pairs average to chance exactly
+  assert np.abs(noisy / LN10 - 1).max() > 0.04
+  assert health.at_chance(noisy, 10)
+  # One tenth of the epoch that learns is enough to say it is not dead.
+  late = _flat(LN10, 200)
+  late[-20:] = 1.5
+  assert not health.at_chance(late, 10)
+  early = _flat(LN10, 200)
+  early[:20] = 1.5
+  assert not health.at_chance(early, 10)
+
+
+def test_too_few_steps_or_non_finite_say_nothing():
+  assert not health.at_chance(_flat(LN10, health.MIN_STEPS - 1), 10)
+  assert health.at_chance(_flat(LN10, health.MIN_STEPS), 10)
+  with_nan = _flat(LN10)
+  with_nan[5] = np.nan
+  assert not health.at_chance(with_nan, 10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(losses=_flat(LN10), num_classes=1), "num_classes"),
+        (dict(losses=_flat(LN10), num_classes=10.0), "num_classes"),
+        (dict(losses=_flat(LN10), num_classes=True), "num_classes"),
+        (dict(losses=np.ones((5, 5)), num_classes=10), "losses"),
+        (dict(losses=_flat(LN10), num_classes=10, tolerance=-1), "tolerance"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    health.at_chance(**kwargs)
+
+
+# ---------------------------------------------------------------------------
+# dead_training_note.
+
+
+def _note(norm, calibration="none", losses=None, lr=0.1):
+  return health.dead_training_note(
+      _flat(LN10) if losses is None else losses,
+      epoch=3,
+      num_classes=10,
+      norm=norm,
+      learning_rate=lr,
+      calibration=calibration,
+  )
+
+
+@pytest.mark.parametrize("norm", ["bn", "sd", "sqd2", "sqd:0.3", "bn_gain:rsd"])
+def test_no_note_while_learning(norm):
+  assert _note(norm, losses=_learning()) is None
+
+
+def test_gbn_note_names_the_gain_and_both_fixes():
+  note = _note("sqd2")
+  assert "epoch 3" in note and "chance" in note and "ln 10 = 2.3026" in note
+  assert "sqd2's gain" in note and "--lr 0.1" in note
+  assert "--calibration normal" in note
+  assert "smaller --lr (e.g. 0.01)" in note
+
+
+@pytest.mark.parametrize("norm", ["bn", "sd"])
+def test_batchnorm_note_blames_the_learning_rate_only(norm):
+  note = _note(norm, lr=0.5)
+  assert "--lr 0.5 is too large" in note and "e.g. 0.05" in note
+  assert "calibration" not in note and "gain" not in note
+
+
+def test_calibrated_or_gain_runs_are_not_told_to_calibrate():
+  calibrated = _note("sqd1", calibration="normal")
+  assert "--calibration normal" not in calibrated
+  assert "smaller --lr" in calibrated and "already BatchNorm's" in calibrated
+  gain = _note("bn_gain:rbd")
+  assert "--calibration" not in gain and "smaller --lr" in gain
+
+
+# ---------------------------------------------------------------------------
+# DeadTrainingWatch and the epoch loop.
+
+
+def test_watch_speaks_once():
+  watch = health.DeadTrainingWatch(configs.CIFAR.replace(norm="sqd1"))
+  assert watch.after_epoch(1, _learning()) is None
+  first = watch.after_epoch(2, _flat(LN10))
+  assert first is not None and "epoch 2" in first and "sqd1" in first
+  assert watch.after_epoch(3, _flat(LN10)) is None
+  # CIFAR-100's chance level is ln 100.
+  watch = health.DeadTrainingWatch(
+      configs.CIFAR.replace(dataset="cifar100", norm="bn")
+  )
+  assert watch.after_epoch(1, _flat(LN10)) is None
+  assert "ln 100" in watch.after_epoch(2, _flat(math.log(100)))
+
+
+def _blank_dataset(n_train: int, n_test: int) -> input_pipeline.Dataset:
+  """Identical images, classes in turn: nothing to learn from the input.
+
+  Every norm then outputs exactly its bias (zero) for every image, so the
+  logits are the last layer's bias and the loss stays at ln 10.
+  """
+  shape = input_pipeline.dataset_info("mnist").image_shape
+  return input_pipeline.Dataset(
+      name="mnist",
+      train_images=np.full((n_train, *shape), 128, np.uint8),
+      train_labels=(np.arange(n_train) % 10).astype(np.int32),
+      test_images=np.full((n_test, *shape), 128, np.uint8),
+      test_labels=(np.arange(n_test) % 10).astype(np.int32),
+      num_classes=10,
+      source="blank",
+  )
+
+
+def test_epoch_loop_says_it_once(tmp_path):
+  config = configs.MNIST.replace(
+      epochs=2, batch_size=10, learning_rate=0.01, norm="sqd2"
+  )
+  steps = health.MIN_STEPS
+  lines = []
+  history = train.train_and_evaluate(
+      config,
+      tmp_path / "run",
+      dataset=_blank_dataset(steps * config.batch_size, 10),
+      progress=False,
+      log=lines.append,
+  )
+  assert len(history) == 2
+  for row in history:  # the premise: both epochs sat at chance
+    assert abs(row["train_loss"] - LN10) <= 0.01 * LN10, row
+  notes = [line for line in lines if "sat at chance level" in line]
+  assert len(notes) == 1, lines
+  assert notes[0].startswith("warning: epoch 1's") and "sqd2" in notes[0]
