@@ -225,10 +225,10 @@ def places(tmp_path, monkeypatch):
   return paths
 
 
-def _serve_mnist(server, monkeypatch):
+def _serve_mnist(server, monkeypatch, n_train=7, n_test=3):
   """Serves a tiny MNIST as the four official .gz files; its splits."""
-  train = dh.random_split(3, 7, (28, 28, 1), 10)
-  test = dh.random_split(4, 3, (28, 28, 1), 10)
+  train = dh.random_split(3, n_train, (28, 28, 1), 10)
+  test = dh.random_split(4, n_test, (28, 28, 1), 10)
   remotes = []
   for split, (images, labels) in (("train", train), ("t10k", test)):
     for kind, array in (
@@ -283,6 +283,33 @@ def test_load_dataset_failed_download_explains(server, places, monkeypatch):
   assert "Automatic download of mnist failed" in message
   assert "stopped early" in message and "curl -fL" in message
   assert _files_in(places["user"] / "mnist") == []
+
+
+def test_training_cli_downloads_only_without_data_dir(
+    server, places, monkeypatch, tmp_path, capsys
+):
+  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  from train import configs  # pylint: disable=g-import-not-at-top
+  from train import main as train_main  # pylint: disable=g-import-not-at-top
+
+  _serve_mnist(server, monkeypatch, n_train=32, n_test=8)
+  run = ["--batch-size", "16", "--epochs", "1", "--no-progress"]
+  monkeypatch.setenv(download.ENV_NO_DOWNLOAD, "1")
+  code = train_main.run(
+      [*run, "--workdir", str(tmp_path / "off")], configs.MNIST, "train.mnist"
+  )
+  err = capsys.readouterr().err
+  assert code == 1 and server.requests == []
+  assert err.startswith("train.mnist: error: could not find the mnist dataset")
+  assert download.ENV_NO_DOWNLOAD in err and "curl -fL" in err
+  monkeypatch.delenv(download.ENV_NO_DOWNLOAD)
+  code = train_main.run(
+      [*run, "--workdir", str(tmp_path / "run")], configs.MNIST, "train.mnist"
+  )
+  assert code == 0, capsys.readouterr().err
+  assert len(server.requests) == 4
+  source = (tmp_path / "run" / checkpointing.DATA_SOURCE_FILE).read_text()
+  assert str(places["user"] / "mnist") in source
 
 
 # ---------------------------------------------------------------------------
