@@ -195,6 +195,21 @@ def test_no_download_env_turns_it_off(server, tmp_path, fetch, monkeypatch):
   assert fetch("mnist", tmp_path / "cache", {"mnist": (remote,)}).is_dir()
 
 
+def test_command_line(server, tmp_path, monkeypatch, capsys):
+  monkeypatch.delenv(download.ENV_NO_DOWNLOAD, raising=False)
+  remote = _serve(server, "/svhn/test_32x32.mat", b"matlab bytes")
+  monkeypatch.setitem(download.SOURCES, "svhn", (remote,))
+  argv = ["svhn", "--cache-dir", str(tmp_path), "--no-progress"]
+  assert download._main(argv) == 0  # pylint: disable=protected-access
+  assert capsys.readouterr().out == f"svhn: {tmp_path / 'svhn'}\n"
+  assert (tmp_path / "svhn" / "test_32x32.mat").read_bytes() == b"matlab bytes"
+  server.cut["/svhn/test_32x32.mat"] = 0
+  (tmp_path / "svhn" / "test_32x32.mat").unlink()
+  assert download._main(argv) == 1  # pylint: disable=protected-access
+  err = capsys.readouterr().err
+  assert err.startswith("python -m train.download: error: Automatic download")
+
+
 def test_remote_rejects_bad_entries():
   url = "http://example.invalid/f.gz"
   with pytest.raises(ValueError, match="sha256"):
