@@ -44,7 +44,12 @@
 # The torch step runs before table2, which takes whatever time is left.
 # Every step is capped by the time left (BUDGET seconds from the start, less a
 # margin to pack); a step cut off keeps what it wrote, since the benchmarks
-# rewrite their JSON after every row and the sweep writes every epoch.
+# rewrite their JSON after every row and the sweep writes every epoch. How a
+# step ended is in the log: "NAME: rc=0" finished; "NAME: rc=124" (or 137,
+# killed) followed by "NAME: cut off by its cap of Ns" was stopped by its cap,
+# and its JSON, if it got as far as its first row, says "complete": false;
+# "NAME: skipped, no time left" never started. table2 logs "sweep finished"
+# or "budget spent"; a run it stopped has the epochs it finished.
 # Everything lands in WORK (default /tmp/gbn_device), and after every step it
 # is packed into OUT/device_results.tgz (checkpoints left out), with the log
 # in OUT/log.txt, and the ResNet20 runs with their newest checkpoint into
@@ -115,6 +120,8 @@ run_capped() {
   timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$WORK/$name.log"
   local rc=${PIPESTATUS[0]}
   log "$name: rc=$rc"
+  # timeout's status when it stopped the step (TERM, or KILL 5 s later).
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then log "$name: cut off by its cap of ${limit}s"; fi
   pack
   return "$rc"
 }
