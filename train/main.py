@@ -19,9 +19,10 @@ import argparse
 from collections.abc import Sequence
 import functools
 import os
+import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from train import configs
 
@@ -32,6 +33,22 @@ _HEARTBEAT_ENV = "GBN_DISTRIBUTED_HEARTBEAT_SECONDS"
 
 _positive_int = configs.parse_positive_int
 _nonnegative_int = configs.parse_nonnegative_int
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+  """An argument parser whose errors take three lines, not the usage block.
+
+  The full usage lists every flag (20 lines and more), which buries the one
+  line that says what was wrong; ``--help`` still shows it all.
+  """
+
+  def error(self, message: str) -> NoReturn:
+    self.exit(
+        2,
+        f"usage: {self.prog} [-h] [--FLAG VALUE ...]\n"
+        f"{self.prog}: error: {message}\n"
+        f"Run '{self.prog} --help' for every flag and its default.\n",
+    )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -135,7 +152,7 @@ def build_parser(
     prog: Program name for usage lines.
     about: Extra description (what the defaults reproduce).
   """
-  parser = argparse.ArgumentParser(
+  parser = _ArgumentParser(
       prog=prog,
       description=(
           "Train a classifier with BatchNorm or a Generalized Batch "
@@ -258,12 +275,63 @@ def maybe_initialize_distributed() -> bool:
   return True
 
 
-def _fail(prog: str, message: str, distributed: bool) -> int:
+def _missing_folders(path: str) -> list[str]:
+  """``path`` and those of its parent folders that do not exist yet,
+  deepest first: what a run in ``path`` creates."""
+  missing = []
+  path = os.path.abspath(path)
+  while not os.path.lexists(path):
+    missing.append(path)
+    parent = os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return missing
+
+
+def _remove_unstarted(created: Sequence[str]) -> None:
+  """Removes a workdir this command created if nothing in it was trained.
+
+  ``created`` is from :func:`_missing_folders` before the run: a workdir that
+  existed before is never touched (it may hold another run's checkpoints),
+  nor one with a metrics row or a checkpoint. Its parent folders go only if
+  empty: another run may have made its own folder there meanwhile.
+  """
+  if not created or not os.path.isdir(created[0]):
+    return
+  from train import checkpointing  # pylint: disable=g-import-not-at-top
+
+  workdir = created[0]
+  checkpoints = os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
+  if checkpointing.read_metrics(workdir) or (
+      os.path.isdir(checkpoints) and os.listdir(checkpoints)
+  ):
+    return
+  shutil.rmtree(workdir, ignore_errors=True)
+  for parent in created[1:]:
+    try:
+      os.rmdir(parent)
+    except OSError:
+      break
+
+
+def _fail(
+    prog: str,
+    message: str,
+    distributed: bool,
+    created: Sequence[str] = (),
+) -> int:
   """Prints the error; a multi-process run then exits at once.
 
   A normal exit would wait in ``jax.distributed``'s shutdown barrier for
   peers that may be gone, until the heartbeat timeout, then abort.
+  A single-process run first removes the workdir it ``created`` (see
+  :func:`_remove_unstarted`), so that a failure before the first step (no
+  data, say) leaves nothing behind; a multi-process run leaves it, since
+  its peers may still be writing there.
   """
+  if not distributed:
+    _remove_unstarted(created)
   print(f"{prog}: error: {message}", file=sys.stderr)
   if distributed:
     sys.stderr.flush()
@@ -293,6 +361,7 @@ def run(
         file=sys.stderr,
     )
     return _EXIT_ERROR
+  created = _missing_folders(workdir)
 
   distributed = maybe_initialize_distributed()
   import jax  # pylint: disable=g-import-not-at-top
@@ -329,10 +398,13 @@ def run(
       train.NonFiniteLossError,
       input_pipeline.DataNotFoundError,
   ) as e:
-    return _fail(prog, str(e), distributed)
+    return _fail(prog, str(e), distributed, created)
   except OSError as e:  # e.g. a --workdir that can't be created or written
     return _fail(
-        prog, f"{e.strerror or e}: {e.filename or workdir}", distributed
+        prog,
+        f"{e.strerror or e}: {e.filename or workdir}",
+        distributed,
+        created,
     )
   except jax.errors.JaxRuntimeError as e:
     if not distributed:
