@@ -14,10 +14,13 @@ itself.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from typing import Any, Protocol
 
 from flax.core import FrozenDict
 import jax
+from jax import lax
+import jax.numpy as jnp
 
 from gbn_jax import _normalization
 from gbn_jax import _renorm
@@ -59,6 +62,94 @@ def validate(
   return _renorm.freeze_renorm_clipping(renorm, renorm_clipping)
 
 
+def check_momentum(momentum: Any) -> None:
+  """Raises ValueError unless ``momentum`` is a number in [0, 1].
+
+  Flax takes any value, and outside [0, 1] the running statistics diverge
+  or flip sign, silently; 1 (never update) and 0 (the last batch) are kept.
+  """
+  ok = False
+  # float() would take "0.9" and True: neither is a momentum.
+  if not isinstance(momentum, (bool, str, bytes)):
+    try:
+      ok = 0 <= float(momentum) <= 1
+    except (TypeError, ValueError):
+      pass
+  if not ok:
+    raise ValueError(
+        f"momentum must be a number in [0, 1] (the weight of the old running"
+        f" statistics), got momentum={momentum!r}."
+    )
+
+
+def check_axis(axis: Any, ndim: int) -> None:
+  """Raises ValueError if a feature ``axis`` is not an axis of a rank-``ndim``
+  input (flax raises an IndexError from deep inside instead)."""
+  for a in axis if isinstance(axis, (tuple, list)) else (axis,):
+    if not -ndim <= a < ndim:
+      raise ValueError(
+          f"axis={axis!r} is out of range for an input of rank {ndim}: a"
+          f" feature axis must be in [{-ndim}, {ndim - 1}]."
+      )
+
+
+def check_mask(mask: Any) -> None:
+  """Raises TypeError unless ``mask`` is ``None`` or a boolean array.
+
+  A float or int mask would be cast to bool, so that every nonzero weight
+  counts as 1: a weighted mask is not supported, and is refused.
+  """
+  if mask is None:
+    return
+  dtype = mask.dtype if hasattr(mask, "dtype") else jnp.asarray(mask).dtype
+  if dtype != jnp.bool_:
+    raise TypeError(
+        f"mask must be a boolean array (True: the element counts in the"
+        f" statistics), got dtype {dtype}; pass e.g. `mask=weights > 0`."
+    )
+
+
+def check_num_features(
+    num_features: int, x: Array, feature_axes: tuple[int, ...]
+) -> None:
+  """Raises ValueError if ``x`` does not have ``num_features`` features."""
+  size = math.prod(x.shape[a] for a in feature_axes)
+  if size != num_features:
+    where = feature_axes[0] if len(feature_axes) == 1 else feature_axes
+    raise ValueError(
+        f"num_features={num_features} but the input has {size} features"
+        f" along axis {where} (input shape {tuple(x.shape)})."
+    )
+
+
+def has_elements(
+    mask: Array | None,
+    shape: tuple[int, ...],
+    reduction: _normalization.Reduction,
+) -> Array | None:
+  """Per feature, whether any element is masked in (across ``axis_name``).
+
+  ``None`` without a mask. A feature with no masked-in element has NaN
+  batch statistics: its running statistics must keep their value (see
+  :func:`running_average`), while the other features' are updated.
+  """
+  if mask is None:
+    return None
+  mask = jnp.broadcast_to(jnp.asarray(mask, bool), shape)
+  found = jnp.any(mask, axis=reduction.reduction_axes)
+  if reduction.axis_name is not None:
+    # Another device's elements count: the statistics pool the devices.
+    found = (
+        lax.psum(
+            found.astype(jnp.int32),
+            reduction.axis_name,
+            axis_index_groups=reduction.axis_index_groups,
+        )
+        > 0
+    )
+  return found
+
+
 def reduction(
     layer: LayerFields,
     ndim: int,
@@ -72,6 +163,7 @@ def reduction(
   reduces on one device while it initializes, and nnx always reduces in
   float32 (see the modules).
   """
+  check_axis(layer.axis, ndim)
   feature_axes = _normalization.canonicalize_axes(ndim, layer.axis)
   return _normalization.Reduction(
       reduction_axes=tuple(i for i in range(ndim) if i not in feature_axes),
@@ -120,7 +212,15 @@ def normalize_training(
   )
 
 
-def running_average(momentum: float, old: Array, batch: Array) -> Array:
+def running_average(
+    momentum: float, old: Array, batch: Array, found: Array | None = None
+) -> Array:
   """The running statistic's update: ``momentum * old + (1 - momentum) *
-  batch``, flax's expression (and so flax's rounding)."""
-  return momentum * old + (1 - momentum) * batch
+  batch``, flax's expression (and so flax's rounding).
+
+  ``found`` (from :func:`has_elements`) keeps ``old`` for the features
+  without a masked-in element, whose batch statistics are NaN: flax's
+  BatchNorm makes them NaN for good instead.
+  """
+  new = momentum * old + (1 - momentum) * batch
+  return new if found is None else jnp.where(found, new, old)

@@ -30,7 +30,11 @@ class GBatchNorm(nn.BatchNorm):
   Running statistics live in the ``batch_stats`` collection under flax's names:
   ``mean`` holds the running ``S`` and ``var`` the running ``D^2`` (so for
   ``'sd'`` they are exactly BatchNorm's mean and variance). They are updated as
-  ``momentum * old + (1 - momentum) * batch`` and never while initializing.
+  ``momentum * old + (1 - momentum) * batch`` and never while initializing;
+  under a ``mask``, a feature with no masked-in element in the batch (on any
+  device along ``axis_name``) keeps them, where flax's BatchNorm would make
+  them NaN for good (its batch statistics are NaN: there is nothing to
+  average).
 
   An input with no axis left to reduce (only feature axes: an unbatched
   call, or one example per device under ``vmap``/``pmap`` with
@@ -114,7 +118,8 @@ class GBatchNorm(nn.BatchNorm):
       ``'dmax'`` (>= 0): ``r`` is clipped to ``[rmin, rmax]`` and ``d`` to
       ``[-dmax, dmax]``; a key left out leaves that side unclipped. Stored
       as a ``FrozenDict``.
-    (other fields): as in ``flax.linen.BatchNorm``.
+    (other fields): as in ``flax.linen.BatchNorm``; ``momentum`` must be in
+      [0, 1] (checked at construction).
   """
 
   measure: str | MeasureFn = "sd"
@@ -125,7 +130,8 @@ class GBatchNorm(nn.BatchNorm):
 
   def __post_init__(self):
     # Fail at construction, not at the first call, for a bad measure, alpha,
-    # calibration or clipping (kept hashable, like the module).
+    # calibration, clipping (kept hashable, like the module) or momentum.
+    _layer.check_momentum(self.momentum)
     object.__setattr__(
         self,
         "renorm_clipping",
@@ -155,11 +161,18 @@ class GBatchNorm(nn.BatchNorm):
       use_running_average: if true, use the running ``S`` and ``D^2`` from
         ``batch_stats`` instead of the batch's.
       mask: boolean array broadcastable to ``x``; statistics are computed over
-        the masked-in elements only (all of ``x`` is normalized).
+        the masked-in elements only (all of ``x`` is normalized). A feature
+        with no masked-in element keeps its running statistics (flax's
+        BatchNorm makes them NaN for good); its output is NaN.
 
     Returns:
       The normalized input, of the shape of ``x``.
+
+    Raises:
+      ValueError: ``axis`` is not an axis of ``x``.
+      TypeError: ``mask`` is not boolean.
     """
+    _layer.check_mask(mask)
     use_running_average = linen_module.merge_param(
         "use_running_average", self.use_running_average, use_running_average
     )
@@ -204,11 +217,12 @@ class GBatchNorm(nn.BatchNorm):
           self, x, scale, bias, ra_mean.value, ra_var.value, reduction, mask
       )
       if not initializing:
+        found = _layer.has_elements(mask, x.shape, reduction)
         ra_mean.value = _layer.running_average(
-            self.momentum, ra_mean.value, statistic
+            self.momentum, ra_mean.value, statistic, found
         )
         ra_var.value = _layer.running_average(
-            self.momentum, ra_var.value, deviation_sq
+            self.momentum, ra_var.value, deviation_sq, found
         )
       return y
 

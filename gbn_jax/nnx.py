@@ -32,7 +32,12 @@ class GBatchNorm(nnx.BatchNorm):
   ``nnx.BatchNorm``, plus ``measure``, ``alpha``, ``calibration``, ``renorm``
   and ``renorm_clipping`` (see :class:`gbn_jax.GBatchNorm`, the linen layer,
   which computes the same). ``mean`` holds the running statistic ``S`` and
-  ``var`` the running ``D^2``; with ``measure='sd'`` it is BatchNorm.
+  ``var`` the running ``D^2``; with ``measure='sd'`` it is BatchNorm. Beyond
+  flax's checks: ``momentum`` outside [0, 1] fails here; an ``axis`` the
+  input lacks, an input without ``num_features`` features and a non-boolean
+  ``mask`` fail at the call. Under a ``mask``, a feature with no masked-in
+  element keeps its running statistics, which flax's BatchNorm would make
+  NaN for good.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
@@ -118,6 +123,7 @@ class GBatchNorm(nnx.BatchNorm):
     renorm_clipping = _layer.validate(
         measure, alpha, use_fast_variance, calibration, renorm, renorm_clipping
     )
+    _layer.check_momentum(momentum)
     # Left out when not given, so that nnx's own defaults apply.
     optional = dict(
         promote_dtype=promote_dtype,
@@ -162,14 +168,20 @@ class GBatchNorm(nnx.BatchNorm):
       use_running_average: if true, use the running ``S`` and ``D^2``
         instead of the batch's; takes precedence over the attribute.
       mask: boolean array broadcastable to ``x``; statistics are computed over
-        the masked-in elements only (all of ``x`` is normalized).
+        the masked-in elements only (all of ``x`` is normalized). A feature
+        with no masked-in element keeps its running statistics (flax's
+        BatchNorm makes them NaN for good); its output is NaN.
 
     Returns:
       The normalized input, of the shape of ``x``.
 
     Raises:
-      ValueError: ``use_running_average`` is ``None`` here and on the layer.
+      ValueError: ``use_running_average`` is ``None`` here and on the layer;
+        ``axis`` is not an axis of ``x``; ``x`` has not ``num_features``
+        features.
+      TypeError: ``mask`` is not boolean.
     """
+    _layer.check_mask(mask)
     if use_running_average is None:
       use_running_average = self.use_running_average
     if use_running_average is None:
@@ -178,6 +190,7 @@ class GBatchNorm(nnx.BatchNorm):
           " pass it to the constructor or the call, or use .train()/.eval()."
       )
     reduction = _layer.reduction(self, x.ndim, axis_name=self.axis_name)
+    _layer.check_num_features(self.num_features, x, reduction.feature_axes)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, statistic, deviation_sq, scale, bias = self.promote_dtype(
@@ -187,11 +200,14 @@ class GBatchNorm(nnx.BatchNorm):
       y, statistic, deviation_sq = _layer.normalize_training(
           self, x, scale, bias, statistic, deviation_sq, reduction, mask
       )
+      found = _layer.has_elements(mask, x.shape, reduction)
       for variable, batch in ((self.mean, statistic), (self.var, deviation_sq)):
         _update(
             variable,
             jax.lax.stop_gradient(
-                _layer.running_average(self.momentum, variable[...], batch)
+                _layer.running_average(
+                    self.momentum, variable[...], batch, found
+                )
             ),
         )
       return y
