@@ -158,10 +158,12 @@ def precise_batch_stats(
     the batches of that layer's batch statistic; other leaves are kept.
 
   Raises:
-    ValueError: no batches; no ``mean``/``var`` leaves; or, when not traced,
-      a statistic left unchanged by its update (a layer with momentum 1), or
-      a model whose training-mode output reads its running statistics (see
-      below). Under ``jit`` those statistics come back NaN.
+    ValueError: no batches; no ``mean``/``var`` leaves; a statistic left
+      unchanged by its update (a layer with momentum 1, or run with
+      ``use_running_average=True``); a model whose training-mode output
+      reads its running statistics (see below). Under ``jit`` (or ``scan``,
+      ``shard_map``) these are decided while tracing, from the program: also
+      an update whose momentum is not a constant of it.
 
   How the statistics are read: each layer updates ``new = m * old + (1 - m)
   * s`` with a momentum ``m`` this function is not told. The first batch is
@@ -177,7 +179,11 @@ def precise_batch_stats(
   That probing needs a training-mode output that does not read the running
   statistics (true of BatchNorm and GBN, not of ``renorm=True``). The
   outputs of the two probe calls are compared: if they differ, this raises
-  ``ValueError``, or under ``jit`` returns NaN statistics.
+  ``ValueError``. Under ``jit`` the same is decided while tracing: the
+  outputs must not depend on the running statistics in the program at all
+  (so ``renorm=True`` is refused even where its clipping makes the
+  dependence vanish), and the momentum is read off the program as the
+  update's derivative in the old statistic.
 
   Example: one GBN layer (a model of many, flax's BatchNorm among them, is
   no different)::
@@ -243,9 +249,10 @@ def average_batch_statistics(
     dtype of ``old``.
 
   Raises:
-    ValueError: no batches; or, when not traced, a statistic that the calls
-      did not update, or outputs that depend on the running statistics (see
-      :func:`precise_batch_stats`). Under ``jit`` those statistics are NaN.
+    ValueError: no batches; a statistic that the calls did not update, or
+      outputs that depend on the running statistics; under a trace, also a
+      momentum that is not a constant of the program (see
+      :func:`precise_batch_stats`).
   """
   zeros = [jnp.zeros_like(v) for v in old]
   probe_values = [_probe(jnp.result_type(v)) for v in old]
@@ -277,7 +284,11 @@ def average_batch_statistics(
       _complement((p - z) / b)
       for z, p, b in zip(new_zero, new_probe, probe_values)
   ]
-  _check_updated(complements, names)
+  # Traced (jit, scan, shard_map), the probes' values are unknown until run:
+  # the same refusals are decided from the program instead.
+  traced = not _check_updated(complements, names)
+  if traced:
+    _check_program(run, old, first, names)
 
   def statistics(new):
     return [n / c for n, c in zip(new, complements)]
@@ -295,6 +306,8 @@ def average_batch_statistics(
       count += 1
   means = [(t / count).astype(v.dtype) for t, v in zip(total, old)]
 
+  if traced:  # _check_program found the outputs free of the statistics
+    return means
   consistent = _same_outputs(outputs_zero, outputs_probe)
   varying = varying_axes(consistent)
   if varying:  # under shard_map: all devices must agree
@@ -302,28 +315,33 @@ def average_batch_statistics(
   try:
     consistent = bool(consistent)
   except jax.errors.ConcretizationTypeError:
-    means = [jnp.where(consistent, m, jnp.nan) for m in means]
+    _check_program(run, old, first, names)
   else:
     if not consistent:
-      raise ValueError(
-          "the model's training-mode output depends on its running"
-          " statistics (e.g. GBatchNorm(renorm=True)), so their batch"
-          " statistics cannot be read off their updates."
-      )
+      raise ValueError(_READS_RUNNING)
   return means
 
 
-def _check_updated(complements: list[Array], names: list[str]) -> None:
+_READS_RUNNING = (
+    "the model's training-mode output depends on its running statistics"
+    " (e.g. GBatchNorm(renorm=True)), so their batch statistics cannot be"
+    " read off their updates."
+)
+
+
+def _check_updated(complements: list[Array], names: list[str]) -> bool:
   """Raises for statistics whose update left them unchanged (``m = 1``).
 
   Such a statistic holds no batch value to back out: the layer ran with its
-  running statistics, or has momentum 1. Under ``jit`` it can't be told and
-  the backed-out statistic is ``0 / 0``, NaN.
+  running statistics, or has momentum 1.
+
+  Returns:
+    Whether it could tell: False where ``complements`` are traced.
   """
   try:
     stale = [n for n, c in zip(names, complements) if bool((c == 0).any())]
   except jax.errors.ConcretizationTypeError:
-    return
+    return False
   if stale:
     raise ValueError(
         "the running statistics "
@@ -332,3 +350,78 @@ def _check_updated(complements: list[Array], names: list[str]) -> None:
         " with use_running_average=True, or momentum 1): no batch statistic"
         " to read off them."
     )
+  return True
+
+
+def _check_program(
+    run: Callable[[list[Array], Any], tuple[Any, list[Array]]],
+    old: list[Array],
+    batch: Any,
+    names: list[str],
+) -> None:
+  """The refusals of the eager probes, decided while tracing.
+
+  Under a trace the probe calls' values are unknown, but what they would
+  show is a property of the model's program, read here from a jaxpr of one
+  training-mode call and its pullback in the statistics (so a misuse raises
+  while tracing rather than returning NaN): the outputs read the running
+  statistics iff they depend on them (dead-code elimination keeps those
+  inputs; a dependence that the clipping of ``renorm`` makes numerically
+  void is refused too), and a layer's momentum ``m`` is the derivative of
+  its update ``m * old + (1 - m) * s`` in ``old``, a constant of the
+  program, evaluated at trace time (``m = 1``: not updated).
+
+  Raises:
+    ValueError: as the eager checks; or when an update's derivative in the
+      old statistic is not a constant of the program, so that ``m`` can't
+      be told while tracing.
+  """
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.interpreters import partial_eval as pe
+
+  def outputs_and_slopes(stats, cotangents):
+    # The pullback (not a jvp) also goes through custom_vjp layers.
+    _, pullback, outputs = jax.vjp(
+        lambda s: run(s, batch)[::-1], stats, has_aux=True
+    )
+    return outputs, pullback(cotangents)[0]
+
+  closed = jax.make_jaxpr(outputs_and_slopes)(old, old)
+  n_consts, n_stats = len(closed.jaxpr.constvars), len(old)
+  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+  n_outputs = len(jaxpr.outvars) - n_stats
+  # Inputs: closed-over values, then the statistics, then the cotangents.
+  slopes_jaxpr, used = pe.dce_jaxpr(
+      jaxpr, [False] * n_outputs + [True] * n_stats
+  )
+  if any(used[: n_consts + n_stats]):
+    unknown = [
+        name
+        for i, name in enumerate(names)
+        if any(
+            pe.dce_jaxpr(
+                jaxpr, [False] * n_outputs + [j == i for j in range(n_stats)]
+            )[1][: n_consts + n_stats]
+        )
+    ]
+    raise ValueError(
+        "under a JAX transformation (jit, scan, shard_map) the updates of the"
+        " running statistics " + ", ".join(unknown) + " have a derivative in"
+        " the old statistic that is not a constant of the program, so their"
+        " momentum can't be told while tracing; call precise_batch_stats"
+        " outside the transformation."
+    )
+  ones = [
+      np.ones(v.shape, jnp.result_type(v))
+      for v, u in zip(old, used[n_consts + n_stats :])
+      if u
+  ]
+  with jax.ensure_compile_time_eval():
+    slopes = jax.core.eval_jaxpr(slopes_jaxpr, [], *ones)
+    complements = [
+        _complement(jnp.asarray(m, v.dtype)) for m, v in zip(slopes, old)
+    ]
+    _check_updated(complements, names)
+  _, used = pe.dce_jaxpr(jaxpr, [True] * n_outputs + [False] * n_stats)
+  if any(used[n_consts : n_consts + n_stats]):
+    raise ValueError(_READS_RUNNING)

@@ -240,21 +240,81 @@ def test_errors():
     precise_batch_stats(forgetful, variables, batches)
 
 
-def _assert_refused(model, match):
-  """A clear error eagerly; under jit (no error possible) NaN statistics."""
+def _assert_refused(model, match, **call):
+  """The same clear error eagerly and while tracing (jit; jit of a scan)."""
   x = _batches(count=2, shape=(8, 3))
+  variables = model.init(jax.random.key(0), x[0], **call)
+  apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"], **call)
+  with pytest.raises(ValueError, match=match):
+    precise_batch_stats(apply, variables, list(x))
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda v: precise_batch_stats(apply, v, list(x)))(variables)
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda v, b: precise_batch_stats(apply, v, b, stacked=True))(
+        variables, x
+    )
+
+
+@pytest.mark.parametrize("cls", [GBatchNorm, nn.BatchNorm])
+def test_statistics_that_do_not_move_are_refused(cls):
+  # Momentum 1: the update keeps the running value, no batch value in it.
+  model = cls(use_running_average=False, momentum=1.0)
+  _assert_refused(model, "mean, var were not updated")
+
+
+def test_statistics_of_a_layer_in_inference_mode_are_refused():
+  # use_running_average=True: the statistics come back as they went in.
+  model = nn.BatchNorm(momentum=0.9)
+  _assert_refused(model, "mean, var were not updated", use_running_average=True)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9997])
+def test_traced_calls_accept_every_momentum_below_one(momentum):
+  # Under jit the momentum is read off the program (its update's derivative
+  # in the old value); the result equals the eager call's, no NaN.
+  model = Net(momentum)
+  batches = _batches(count=2)
+  variables = _variables(model, batches[0])
+  eager = precise_batch_stats(_apply(model), variables, list(batches))
+  apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
+  traced = jax.jit(lambda v: precise_batch_stats(apply, v, list(batches)))(
+      variables
+  )
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(traced))
+  _close(traced, eager, rtol=1e-6, atol=1e-7)
+
+
+class ParamMomentum(nn.Module):
+  """A norm whose momentum is a parameter: no constant of the program."""
+
+  @nn.compact
+  def __call__(self, x):
+    mean = self.variable("batch_stats", "mean", jnp.zeros, x.shape[-1:])
+    var = self.variable("batch_stats", "var", jnp.ones, x.shape[-1:])
+    logit = self.param("momentum_logit", nn.initializers.zeros, ())
+    s, d2 = x.mean(0), x.var(0)
+    if not self.is_initializing():
+      m = jax.nn.sigmoid(logit)  # 0.5
+      mean.value = m * mean.value + (1 - m) * s
+      var.value = m * var.value + (1 - m) * d2
+    return (x - s) / jnp.sqrt(d2 + 1e-5)
+
+
+def test_a_momentum_that_is_no_constant_is_refused_under_jit():
+  x = _batches(count=2, shape=(8, 3))
+  model = ParamMomentum()
   variables = model.init(jax.random.key(0), x[0])
   apply = lambda v, b: model.apply(v, b, mutable=["batch_stats"])
-  with pytest.raises(ValueError, match=match):
-    precise_batch_stats(apply, variables, x)
-  traced = jax.jit(lambda v: precise_batch_stats(apply, v, x))(variables)
-  assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(traced))
-
-
-def test_statistics_that_do_not_move_are_refused():
-  # Momentum 1: the update keeps the running value, no batch value in it.
-  model = GBatchNorm(use_running_average=False, momentum=1.0, measure="mad")
-  _assert_refused(model, "mean, var were not updated")
+  eager = precise_batch_stats(apply, variables, list(x))
+  want = [np.asarray(b, np.float64) for b in x]
+  np.testing.assert_allclose(
+      eager["mean"], np.mean([b.mean(0) for b in want], 0), rtol=1e-4
+  )
+  np.testing.assert_allclose(
+      eager["var"], np.mean([b.var(0) for b in want], 0), rtol=1e-4
+  )
+  with pytest.raises(ValueError, match="mean, var have a derivative in"):
+    jax.jit(lambda v: precise_batch_stats(apply, v, list(x)))(variables)
 
 
 def test_renorm_models_are_refused():
@@ -419,8 +479,15 @@ def test_nnx_errors():
   x = _batches(count=2, shape=(8, 3))
   with pytest.raises(ValueError, match="depends on its running statistics"):
     gnnx.precise_batch_stats(renorm, x)
-  nnx.jit(gnnx.precise_batch_stats)(renorm, x)
-  assert np.isnan(renorm.mean[...]).all() and np.isnan(renorm.var[...]).all()
+  renorm_stats = (np.array(renorm.mean[...]), np.array(renorm.var[...]))
+  with pytest.raises(ValueError, match="depends on its running statistics"):
+    nnx.jit(gnnx.precise_batch_stats)(renorm, x)
+  np.testing.assert_array_equal(renorm.mean[...], renorm_stats[0])
+  np.testing.assert_array_equal(renorm.var[...], renorm_stats[1])
+  with pytest.raises(ValueError, match="gbn2/mean, gbn2/var were not updated"):
+    nnx.jit(lambda m, b: gnnx.precise_batch_stats(m, b, forward=frozen))(
+        model, batches
+    )
   jax.tree.map(np.testing.assert_array_equal, _nnx_stats(model), before)
 
 
