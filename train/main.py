@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any, NoReturn
 
+from train import compile_cache
 from train import configs
 
 _EXIT_ERROR = 1
@@ -138,6 +139,16 @@ RUN_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--record-feature",
         dict(type=int, default=0, help="the channel of that layer to record"),
+    ),
+    (
+        "--no-compile-cache",
+        dict(
+            action="store_true",
+            help="don't keep compiled programs between runs (by default they "
+            "are kept in $XDG_CACHE_HOME/gbn_jax/jax_cache, else "
+            "~/.cache/gbn_jax/jax_cache, unless GBN_COMPILE_CACHE=0; a "
+            "JAX_COMPILATION_CACHE_DIR you set is used instead)",
+        ),
     ),
 )
 
@@ -365,6 +376,11 @@ def run(
 
   distributed = maybe_initialize_distributed()
   import jax  # pylint: disable=g-import-not-at-top
+
+  try:  # before the first compilation
+    compile_cache.configure(args.no_compile_cache)
+  except ValueError as e:
+    return _fail(prog, str(e), distributed)
 
   # Imported here so that `--help` and flag errors stay fast.
   from train import checkpointing  # pylint: disable=g-import-not-at-top
