@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gbn_jax
 from train import checkpointing
+from train import compile_cache
 from train import configs
 from train import input_pipeline
 from train import main as train_main
@@ -143,6 +145,34 @@ def test_train_step_decreases_loss():
   # The norms' running averages moved away from their initial values.
   stats = state.batch_stats["norm1"]
   assert not np.allclose(stats["mean"], 0) and not np.allclose(stats["var"], 1)
+
+
+def test_program_cache_is_keyed_by_the_selection_config_in_scope():
+  # The selection method is chosen while tracing; a program compiled under
+  # the default must not serve a run under selection_config(method="sort").
+  ds = small_dataset()
+  mesh = train.make_mesh()
+  # sqd's superquantile needs the batch's quantile: a selection.
+  config = train.resolve(TINY.replace(norm="sqd1"))
+  args = (
+      config,
+      mesh,
+      train.place_train(ds, mesh),
+      train.place_test(ds, mesh, config.batch_size),
+      ds.num_classes,
+  )
+  default, _ = train.compile_program(*args)
+  assert train.compile_program(*args) == (default, True)
+  with gbn_jax.selection_config(method="sort"):
+    sort, cached = train.compile_program(*args)
+    assert not cached and sort is not default
+    assert train.compile_program(*args) == (sort, True)
+  assert train.compile_program(*args) == (default, True)
+  default_text, sort_text = default.step.as_text(), sort.step.as_text()
+  assert default_text != sort_text
+  # Only the forced method sorts the median's rows; the default selects
+  # without sorting (docs: a float sort is ~60x slower on XLA:CPU).
+  assert " sort(" in sort_text and " sort(" not in default_text
 
 
 def test_make_mesh_is_auto_over_all_devices():
@@ -605,6 +635,109 @@ def test_cli_real_nan(tmp_path, cache_env):
   assert "training loss became nan" in result.stderr
   assert "smaller --lr" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+# --- the CLI's persistent compilation cache (train/compile_cache.py) -------------
+
+
+def test_compile_cache_dir_follows_xdg_then_home(tmp_path):
+  assert compile_cache.default_dir({"XDG_CACHE_HOME": str(tmp_path)}) == (
+      tmp_path / "gbn_jax" / "jax_cache"
+  )
+  home = Path(os.path.expanduser("~"))
+  for env in ({}, {"XDG_CACHE_HOME": ""}):
+    assert compile_cache.default_dir(env) == (
+        home / ".cache" / "gbn_jax" / "jax_cache"
+    )
+  env = {"XDG_CACHE_HOME": str(tmp_path)}
+  assert compile_cache.choose_dir(False, env) == (
+      tmp_path / "gbn_jax" / "jax_cache"
+  )
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
+def test_compile_cache_is_turned_off_by_the_environment(tmp_path, value):
+  env = {"XDG_CACHE_HOME": str(tmp_path), "GBN_COMPILE_CACHE": value}
+  assert not compile_cache.enabled_by_env(env)
+  assert compile_cache.choose_dir(False, env) is None
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", "yes", ""])
+def test_compile_cache_stays_on_for_on_values(tmp_path, value):
+  env = {"XDG_CACHE_HOME": str(tmp_path), "GBN_COMPILE_CACHE": value}
+  assert compile_cache.enabled_by_env(env)
+  assert compile_cache.choose_dir(False, env) == (
+      tmp_path / "gbn_jax" / "jax_cache"
+  )
+
+
+def test_compile_cache_is_turned_off_by_the_flag(tmp_path):
+  env = {"XDG_CACHE_HOME": str(tmp_path), "GBN_COMPILE_CACHE": "1"}
+  assert compile_cache.choose_dir(True, env) is None
+
+
+def test_compile_cache_leaves_a_user_set_folder_alone(tmp_path):
+  env = {"XDG_CACHE_HOME": str(tmp_path)}
+  mine = {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine")}
+  assert compile_cache.choose_dir(False, mine) is None
+  assert compile_cache.choose_dir(False, env, configured="/else") is None
+
+
+def test_compile_cache_bad_environment_value_is_a_clear_error(
+    tmp_path, monkeypatch, capsys
+):
+  with pytest.raises(ValueError, match="GBN_COMPILE_CACHE must be one of"):
+    compile_cache.enabled_by_env({"GBN_COMPILE_CACHE": "maybe"})
+  monkeypatch.setenv("GBN_COMPILE_CACHE", "maybe")
+  code = train_main.run(
+      ["--workdir", str(tmp_path / "run")], configs.MNIST, prog="train.mnist"
+  )
+  assert code == 1
+  err = capsys.readouterr().err
+  assert "train.mnist: error: GBN_COMPILE_CACHE must be one of" in err
+  assert "'maybe'" in err and not (tmp_path / "run").exists()
+
+
+def _cache_entries(folder: Path) -> set[str]:
+  return {p.name for p in folder.rglob("*-cache")} if folder.exists() else set()
+
+
+def test_cli_keeps_compiled_programs_in_the_user_cache(tmp_path):
+  """The first run writes the cache, the second reads it back."""
+  data = write_tiny_mnist(tmp_path / "data")
+  args = ["--data-dir", str(data), "--batch-size", "16", "--epochs", "1"]
+  args += ["--no-progress", "--overwrite", "--workdir", str(tmp_path / "run")]
+  # The suite's own cache folder (tests/conftest.py) would win.
+  env = {
+      k: v
+      for k, v in os.environ.items()
+      if k
+      not in (
+          "JAX_COMPILATION_CACHE_DIR",
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+          "GBN_COMPILE_CACHE",
+      )
+  }
+
+  def run(xdg: Path, *extra: str):
+    result = subprocess.run(
+        [sys.executable, "-m", "train.mnist", *args, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "XDG_CACHE_HOME": str(xdg)},
+    )
+    assert result.returncode == 0, result.stderr
+    return xdg / "gbn_jax" / "jax_cache"
+
+  folder = run(tmp_path / "xdg")
+  entries = _cache_entries(folder)
+  # At least the train step, the evaluation and the epoch's batches.
+  assert len(entries) >= 3, sorted(p.name for p in folder.rglob("*"))
+  # The same programs again: read back, none compiled anew.
+  assert _cache_entries(run(tmp_path / "xdg")) == entries
+  assert not run(tmp_path / "off", "--no-compile-cache").exists()
 
 
 @pytest.mark.slow

@@ -77,6 +77,9 @@ import optax
 import tqdm
 
 import gbn_jax
+from gbn_jax import convolution
+from gbn_jax._selection import config as selection_config
+from gbn_jax._selection import native as selection_native
 from train import checkpointing
 from train import configs
 from train import health
@@ -588,6 +591,37 @@ _PROGRAM_CACHE: dict[Any, Program] = {}
 _PROGRAM_CACHE_SIZE = 4
 
 
+def _program_context() -> tuple[Any, ...]:
+  """What, beyond the run's shapes and config, decides the compiled program.
+
+  JAX keys its own jit caches on its trace context: its config flags
+  (``jax_enable_x64``, the default matmul precision, ...) and user contexts
+  such as :func:`gbn_jax.selection_config`, which picks the selection method
+  at trace time. A program compiled under one of them must not serve a run
+  under another, so the key holds the same context; the selection setting is
+  also named on its own in case a JAX release moves the private accessor.
+  The backend and whether the compiled CPU kernels load decide which
+  implementations are traced (tests patch the latter).
+  """
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src import config as jax_config
+
+    trace_context = jax_config.trace_context()
+  except (ImportError, AttributeError):
+    trace_context = (
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+    )
+  return (
+      trace_context,
+      selection_config.current(),
+      jax.default_backend(),
+      convolution.native_available(),
+      selection_native.available(),
+  )
+
+
 def compile_program(
     config: configs.Config,
     mesh: jax.sharding.Mesh,
@@ -619,6 +653,7 @@ def compile_program(
       donate,
       record,
       precise_stats,
+      _program_context(),
       # The functions themselves, so that a patched one is recompiled.
       create_train_state,
       prepare_epoch,
