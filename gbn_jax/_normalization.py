@@ -231,11 +231,12 @@ def normalize_batch(
   d)``, if given, is the batch renormalization correction passed to
   :func:`normalize`.
 
-  Plain GBN on one device (or under SPMD ``jit``) has its backward pass
-  written out (:func:`_fused_normalize`), so that it costs what BatchNorm's
-  does plus the measure's own vector-Jacobian product. With ``axis_name``,
-  complex input or a correction it is left to autodiff, whose collectives
-  JAX transposes for pmap and shard_map alike.
+  Plain GBN on one device (or under SPMD ``jit``) has its derivative
+  written out (:func:`_fused_normalize`, a JVP that JAX transposes), so that
+  its backward pass costs what BatchNorm's does plus the measure's own
+  vector-Jacobian product, and forward mode works as well. With
+  ``axis_name``, complex input or a correction it is left to autodiff, whose
+  collectives JAX transposes for pmap and shard_map alike.
   """
   # The written-out backward is for real x and an uncorrected output.
   if (
@@ -260,51 +261,83 @@ def normalize_batch(
   return y, statistic, deviation_sq
 
 
-def _fused_forward(measure, reduction: Reduction, x, scale, bias, mask):
-  stats = lambda v: batch_statistics(measure, v, mask, reduction)
-  (statistic, deviation_sq), stats_vjp = jax.vjp(stats, x)
-  y = normalize(x, statistic, deviation_sq, scale, bias, reduction)
-  return (y, statistic, deviation_sq), stats_vjp
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _fused_normalize(measure, reduction: Reduction, x, scale, bias, mask):
-  return _fused_forward(measure, reduction, x, scale, bias, mask)[0]
+  statistic, deviation_sq = batch_statistics(measure, x, mask, reduction)
+  y = normalize(x, statistic, deviation_sq, scale, bias, reduction)
+  return y, statistic, deviation_sq
 
 
-def _fused_normalize_fwd(measure, reduction, x, scale, bias, mask):
-  out, stats_vjp = _fused_forward(measure, reduction, x, scale, bias, mask)
-  _, statistic, deviation_sq = out
-  return out, (x, statistic, deviation_sq, scale, bias, mask, stats_vjp)
+def _fused_normalize_jvp(measure, reduction, primals, tangents):
+  """BatchNorm's derivative, generalized, written as a JVP.
 
+  With ``r = (D^2 + eps)^-1/2`` and ``y = (x - S) r scale + bias``::
 
-def _fused_normalize_bwd(measure, reduction, residuals, cotangents):
-  """BatchNorm's backward, generalized.
+    dy = (dx - dS) r scale + (x - S) (r dscale - r^3 scale dD^2 / 2) + dbias
 
-  With ``xhat = (x - S) r``, ``r = (D^2 + eps)^-1/2`` and ``y = xhat * scale
-  + bias``, two reductions of the output cotangent ``g`` give everything:
-  ``dbias = sum g``, ``dscale = sum g xhat``, ``dS = -r scale sum g`` and
-  ``d(D^2) = -r^2 scale sum(g xhat) / 2``; the measure's own VJP turns
-  ``(dS, dD^2)`` into its share of ``dx``.
+  with ``(dS, dD^2)`` the measure's own JVP. JAX transposes this for reverse
+  mode into BatchNorm's backward pass (the two reductions ``sum g`` and
+  ``sum g (x - S)``, plus the measure's VJP), and differentiates it again for
+  forward-over-reverse; a ``custom_vjp`` would allow reverse mode only. Zero
+  tangents stay symbolic, so that differentiating the parameters alone (the
+  first layer of a network, whose input is data) adds no pass over the
+  measure.
   """
-  x, statistic, deviation_sq, scale, bias, mask, stats_vjp = residuals
-  g, g_statistic, g_deviation_sq = cotangents
-  del measure  # its VJP is stats_vjp
-  axes = reduction.reduction_axes
-  expand = lambda v: jnp.expand_dims(v, axes)
+  x, scale, bias, mask = primals
+  x_dot, scale_dot, bias_dot, _ = tangents
+  stats = lambda v: batch_statistics(measure, v, mask, reduction)
+  if _is_zero(x_dot):
+    statistic, deviation_sq = stats(x)
+    statistic_dot = deviation_sq_dot = None
+  else:
+    (statistic, deviation_sq), (statistic_dot, deviation_sq_dot) = jax.jvp(
+        stats, (x,), (x_dot.astype(x.dtype),)
+    )
+  y = normalize(x, statistic, deviation_sq, scale, bias, reduction)
+
+  dtype = statistic.dtype
+  expand = lambda v: jnp.expand_dims(v, reduction.reduction_axes)
   r = lax.rsqrt(deviation_sq + reduction.epsilon)
-  g = g.astype(statistic.dtype)
-  xhat = (x - expand(statistic)) * expand(r)
-  sum_g = jnp.sum(g, axes)
-  sum_g_xhat = jnp.sum(g * xhat, axes)
-  gain = r if scale is None else r * scale.astype(r.dtype)
-  g_statistic = g_statistic - gain * sum_g
-  g_deviation_sq = g_deviation_sq - 0.5 * r * gain * sum_g_xhat
-  (dx_stats,) = stats_vjp((g_statistic, g_deviation_sq))
-  dx = (g * expand(gain) + dx_stats).astype(x.dtype)
-  dscale = None if scale is None else sum_g_xhat.astype(scale.dtype)
-  dbias = None if bias is None else sum_g.astype(bias.dtype)
-  return dx, dscale, dbias, None
+  gain = r if scale is None else r * _feature_vector(scale, dtype)
+  # dy = dx gain + (x - S) centered + constant, with per-feature
+  # coefficients (None where zero). dS joins dbias in the constant, so that
+  # the transpose reduces g once for both (BatchNorm's sum g).
+  centered = constant = None
+  if statistic_dot is not None:
+    centered = -0.5 * r * r * gain * deviation_sq_dot
+    constant = -gain * statistic_dot
+  if scale is not None and not _is_zero(scale_dot):
+    term = r * _feature_vector(scale_dot, dtype)
+    centered = term if centered is None else centered + term
+  if bias is not None and not _is_zero(bias_dot):
+    term = _feature_vector(bias_dot, dtype)
+    constant = term if constant is None else constant + term
+  y_dot = None
+  if statistic_dot is not None:
+    y_dot = x_dot.astype(dtype) * expand(gain)
+  if centered is not None:
+    term = (x.astype(dtype) - expand(statistic)) * expand(centered)
+    y_dot = term if y_dot is None else y_dot + term
+  if constant is not None:
+    y_dot = expand(constant) if y_dot is None else y_dot + expand(constant)
+  y_dot = (
+      jnp.zeros_like(y)
+      if y_dot is None
+      else jnp.broadcast_to(y_dot, y.shape).astype(y.dtype)
+  )
+  if statistic_dot is None:
+    statistic_dot = jnp.zeros_like(statistic)
+    deviation_sq_dot = jnp.zeros_like(deviation_sq)
+  return (y, statistic, deviation_sq), (y_dot, statistic_dot, deviation_sq_dot)
 
 
-_fused_normalize.defvjp(_fused_normalize_fwd, _fused_normalize_bwd)
+def _is_zero(tangent: Any) -> bool:
+  return isinstance(tangent, jax.custom_derivatives.SymbolicZero)
+
+
+def _feature_vector(v: Array, dtype: Any) -> Array:
+  """A scale or bias (feature-shaped, as the statistics are) in ``dtype``."""
+  return jnp.asarray(v, dtype)
+
+
+_fused_normalize.defjvp(_fused_normalize_jvp, symbolic_zeros=True)
