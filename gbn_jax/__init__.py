@@ -10,9 +10,12 @@ GBN normalizes each feature by ``(x - S(x)) / D(x)`` over the batch, where
 pooled reductions a measure is built from: :func:`quantile`,
 :func:`superquantile`, :func:`extreme`, :func:`mean` (backend scoped by
 :func:`selection_config`); running statistics recomputed over many batches:
-:func:`precise_batch_stats`.
+:func:`precise_batch_stats`; serializing a model with :mod:`jax.export`:
+:func:`export_disabled_checks`, :func:`register_native_kernels`.
 """
 
+from gbn_jax._export import export_disabled_checks
+from gbn_jax._export import register_native_kernels
 from gbn_jax._selection.dispatch import selection_config
 from gbn_jax.linen import GBatchNorm
 from gbn_jax.measures import MEASURES
@@ -48,6 +51,7 @@ __all__ = [
     "MEASURES",
     "Measure",
     "MeasureSpec",
+    "export_disabled_checks",
     "extreme",
     "get_measure",
     "mean",
@@ -56,6 +60,7 @@ __all__ = [
     "quantile",
     "quantile_rank",
     "register_measure",
+    "register_native_kernels",
     "selection_config",
     "superquantile",
 ]

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import ctypes
 import functools
 import importlib.util
+import warnings
 
 import jax
 from jax import lax
@@ -47,20 +48,41 @@ _INPUT_GRADIENT_TARGET = "gbn_conv_input_grad_f32"
 _DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
 
+#: The custom-call targets of the compiled kernels (XLA:CPU only).
+TARGETS = (_TARGET, _FORWARD_TARGET, _INPUT_GRADIENT_TARGET)
+
+
+def library_path() -> str | None:
+  """Where the installed ``gbn_jax._conv_cpu`` extension is; None if absent."""
+  spec = importlib.util.find_spec(_LIBRARY)
+  return spec.origin if spec is not None and spec.origin else None
+
+
 @functools.lru_cache(maxsize=None)
 def native_available() -> bool:
-  """Whether the compiled kernels are installed and registered with XLA:CPU."""
-  spec = importlib.util.find_spec(_LIBRARY)
-  if spec is None or not spec.origin:
+  """Whether the compiled kernels are installed and registered with XLA:CPU.
+
+  An extension that is found but does not load warns (once: the result is
+  cached), and XLA computes the convolutions.
+  """
+  path = library_path()
+  if path is None:
     return False
   try:
-    library = ctypes.CDLL(spec.origin)
+    library = ctypes.CDLL(path)
     handlers = {
         _TARGET: library.GbnConvKernelGradF32,
         _FORWARD_TARGET: library.GbnConvForwardF32,
         _INPUT_GRADIENT_TARGET: library.GbnConvInputGradF32,
     }
-  except (OSError, AttributeError):
+  except (OSError, AttributeError) as e:
+    # A broken build: say so, since everything still works, only slower.
+    warnings.warn(
+        f"gbn_jax: the compiled convolution kernels {path!r} were found but"
+        f" do not load ({e}); XLA computes the convolutions instead.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return False
   for target, handler in handlers.items():
     jax.ffi.register_ffi_target(

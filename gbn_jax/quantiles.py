@@ -43,6 +43,7 @@ from gbn_jax._selection import fused
 from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import global_sum
 from gbn_jax._selection.reductions import Axis
+from gbn_jax._selection.reductions import count_true
 from gbn_jax._selection.reductions import element_count
 from gbn_jax._selection.reductions import expand
 from gbn_jax._selection.reductions import global_mean
@@ -111,7 +112,8 @@ def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   # of the two, then cast.
   dtype = jnp.promote_types(x_dot.dtype, value.dtype)
   moved = jnp.sum(jnp.where(selected(), x_dot.astype(dtype), 0), axes)
-  ties = fused.known_or_counted(known_ties, selected, axes)
+  # The selection's counts are this platform's compares' (extremes: None).
+  ties = count_true(selected(), axes) if known_ties is None else known_ties
   moved, ties = global_sum((moved, ties), axis_name, groups)
   return value, (moved / jnp.maximum(ties, 1).astype(dtype)).astype(value.dtype)
 
@@ -128,7 +130,7 @@ def _tie_split(
   """``select(x, where)[0]``, an element of ``x``, differentiated as such.
 
   ``select`` returns ``(value, ties)``, ``ties`` the number of elements equal
-  to ``value`` where the selection knew it (``-1`` elsewhere) or ``None``.
+  to ``value`` as the platform's compares count them, or ``None``.
   The tangent is the mean tangent of the elements equal to the selected value,
   so the cotangent is split equally among tied elements; it has the dtype of
   the value, which is float32 for half-precision ``x`` where ``select`` is
@@ -217,16 +219,16 @@ def _superquantile_and_mean(
   otherwise the selection and two means. A NaN element makes the excess,
   hence qbar, NaN, and then q too.
   """
-  parts = fused.superquantile_parts(
-      x, alpha, axes, where, axis_name, _hashable_groups(groups)
-  )
-  if parts is not None:
-    q, mean, mean_excess = parts
-  else:
+
+  def unfused():
     q, mean_excess = _quantile_and_mean_excess(
         x, alpha, axes, where, axis_name, groups
     )
-    mean = global_mean(x, axes, where, axis_name, groups)
+    return q, global_mean(x, axes, where, axis_name, groups), mean_excess
+
+  q, mean, mean_excess = fused.superquantile_parts(
+      x, alpha, axes, where, axis_name, _hashable_groups(groups), unfused
+  )
   qbar = q + mean_excess / (1.0 - alpha)
   return jnp.where(jnp.isnan(qbar), jnp.nan, q), qbar, mean
 

@@ -47,8 +47,11 @@ def fused(monkeypatch):
 
   monkeypatch.setattr(radix, "kth_smallest_with_sums_accelerator", counted)
   monkeypatch.setattr(quantiles, "_quantile_and_mean_excess", unfused)
+  # Traced for the CPU only (as a CPU jit lowers it), not once per kind of
+  # platform: the calls counted are then one trace's.
   with gbn_jax.selection_config(method="accelerator"):
-    yield calls
+    with common.platform_scope(common.CPU):
+      yield calls
 
 
 _QUANTILE_AND_MEAN_EXCESS = quantiles._quantile_and_mean_excess  # pylint: disable=protected-access
@@ -441,7 +444,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, PartitionSpec as P
     import gbn_jax
     from gbn_jax import measures
-    from gbn_jax._selection import radix
+    from gbn_jax._selection import common, radix
 
     calls = []
     original = radix.kth_smallest_with_sums_accelerator
@@ -466,7 +469,8 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
                            in_specs=(P("b"), P("b")), out_specs=(P(), (P(), P())))
     results = {}
     for method in ("accelerator", "sort"):
-      with gbn_jax.selection_config(method=method):
+      # Traced for the CPU only: one trace's calls, not one per platform.
+      with gbn_jax.selection_config(method=method), common.platform_scope("cpu"):
         for masked in (False, True):
           w = where if masked else np.ones_like(where)
           got = jax.jit(jax.value_and_grad(lambda x: pooled(x, w), has_aux=True))(x)

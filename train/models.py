@@ -569,7 +569,9 @@ class LeNet(nn.Module):
     norm: Norm factory from :func:`make_norm`.
     conv_as_matmul: Convolutions as im2col matmuls (:class:`PatchConv`)
       instead of ``nn.Conv``: the same parameters and function, faster on
-      XLA:CPU. ``None`` (default): where the default backend is the CPU.
+      XLA:CPU. ``None`` (default): ``nn.Conv`` computing the matmuls where
+      it is lowered for the CPU and XLA's convolution elsewhere (per
+      lowering, so one trace exports for any platform).
   """
 
   num_classes: int
@@ -580,14 +582,33 @@ class LeNet(nn.Module):
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     norm = functools.partial(self.norm, use_running_average=not train)
     as_matmul = self.conv_as_matmul
+    per_platform = None
     if as_matmul is None:
-      as_matmul = jax.default_backend() == "cpu"
+      # Per lowering, not per process (jax.default_backend()): a LeNet
+      # traced here and lowered for a GPU gets XLA's convolution there.
+      # PatchConv's matmul for VALID, stride-1 convolutions, LeNet's only.
+      def per_platform(lhs, rhs, window_strides, padding, **kwargs):
+        kh, kw, _, out = rhs.shape
+        return lax.platform_dependent(
+            lhs,
+            rhs,
+            cpu=lambda a, b: im2col(a, kh, kw) @ b.reshape(-1, out),
+            default=lambda a, b: lax.conv_general_dilated(
+                a, b, window_strides, padding, **kwargs
+            ),
+        )
+
     for i, features in enumerate((20, 50), start=1):
       if as_matmul:
         x = PatchConv(features, (5, 5), name=f"conv{i}")(x)
       else:
         x = nn.Conv(
-            features, (5, 5), padding="VALID", use_bias=False, name=f"conv{i}"
+            features,
+            (5, 5),
+            padding="VALID",
+            use_bias=False,
+            name=f"conv{i}",
+            conv_general_dilated=per_platform,
         )(x)
       x = norm(name=f"norm{i}")(x)
       x = nn.relu(x)
@@ -664,6 +685,13 @@ class ResNet(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    # A process-level choice on purpose: both choices have the same
+    # parameters and function, so a ResNet traced here is right on any
+    # platform, only tuned for this process's backend. Per lowering it
+    # would take lax.platform_dependent around flax modules: the remat
+    # (a lifted transform of the norm, with its batch_stats) and ResNetConv
+    # (whose convolutions already choose per lowering, gbn_jax.convolution)
+    # traced once per platform inside flax's lifted control flow.
     on_cpu = jax.default_backend() == "cpu"
     norm = self.norm
     if on_cpu if self.recompute_norm is None else self.recompute_norm:

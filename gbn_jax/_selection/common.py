@@ -212,20 +212,100 @@ def replicate_explicit(a: Array) -> Array:
 
 
 # --------------------------------------------------------------------------
-# Backend facts.
+# Backend facts, per lowering.
+#
+# A jitted function is traced once and may be lowered for several platforms
+# (``jax.export``, a CPU computation in a GPU process), so the platform is not
+# the process's ``jax.default_backend()``. :func:`per_platform` traces its
+# function once per kind of platform, each under that kind (a trace context,
+# so JAX's caches tell the traces apart), and ``lax.platform_dependent``
+# lowers the one of the platform being lowered.
+
+CPU = "cpu"
+#: XLA:GPU (CUDA, ROCm): keeps denormals in float compares.
+GPU = "gpu"
+#: TPUs and any other platform: flush denormals like XLA:CPU.
+TPU = "tpu"
+#: A GPU or a TPU, traced once for both where denormals make no difference.
+ACCELERATOR = "accelerator"
+
+_PLATFORM = jax.make_user_context(default_value=None)
+
+
+def lowering_platform() -> str:
+  """The kind of platform being traced for: ``CPU``, ``GPU``, ``TPU`` or ``ACCELERATOR``.
+
+  Inside :func:`per_platform` the kind its branch is traced for; elsewhere
+  (a backend called directly) the default backend's.
+  """
+  kind = _PLATFORM.value
+  if kind is not None:
+    return kind
+  backend = jax.default_backend()
+  return {"cpu": CPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}.get(backend, TPU)
+
+
+def platform_scope(kind: str):
+  """A context manager tracing everything in it for platforms of ``kind`` only."""
+  if kind not in (CPU, GPU, TPU, ACCELERATOR):
+    raise ValueError(
+        f"kind must be one of {(CPU, GPU, TPU, ACCELERATOR)}, got {kind!r}."
+    )
+  return _PLATFORM(kind)
 
 
 def on_cpu() -> bool:
-  return jax.default_backend() == "cpu"
+  """Whether the code being traced is for XLA:CPU (see :func:`per_platform`)."""
+  return lowering_platform() == CPU
 
 
 def compares_keep_denormals() -> bool:
   """Whether float compares order denormals (so key counts equal float counts).
 
   XLA:CPU sets denormals-are-zero (see the native kernel's tie counts);
-  XLA:GPU keeps them unless ``--xla_gpu_ftz``; TPUs flush them.
+  XLA:GPU keeps them unless ``--xla_gpu_ftz``; TPUs flush them. Only
+  meaningful under a :func:`per_platform` that tells GPUs from TPUs.
   """
-  return jax.default_backend() == "gpu"
+  kind = lowering_platform()
+  if kind == ACCELERATOR:
+    raise RuntimeError(
+        "compares_keep_denormals() read in code traced for GPUs and TPUs at"
+        " once: trace it with per_platform(..., denormals=True)."
+    )
+  return kind == GPU
+
+
+def per_platform(fn: Any, *operands: Any, denormals: bool = True) -> Any:
+  """``fn(*operands)``, traced per kind of platform and lowered per platform.
+
+  ``fn`` reads :func:`on_cpu` and :func:`compares_keep_denormals` (and
+  everything built on them) while tracing; each trace must return the same
+  structure, shapes and dtypes. A single-platform lowering keeps only its
+  platform's trace (the CPU's speed is the CPU trace's); a multi-platform
+  one (``jax.export(..., platforms=[...])``) keeps one per platform, chosen
+  when compiled. ``denormals=False``: ``fn`` does not read
+  :func:`compares_keep_denormals`, and GPUs and TPUs share one trace.
+  Within a branch already traced for one kind, ``fn`` is simply called.
+  """
+  current = _PLATFORM.value
+  if current in (CPU, GPU, TPU) or (current == ACCELERATOR and not denormals):
+    return fn(*operands)
+
+  def branch(kind):
+    def traced(*args):
+      with _PLATFORM(kind):
+        return fn(*args)
+
+    return traced
+
+  if denormals:
+    gpu = branch(GPU)
+    accelerators = dict(cuda=gpu, rocm=gpu, default=branch(TPU))
+  else:
+    accelerators = dict(default=branch(ACCELERATOR))
+  if current == ACCELERATOR:  # the CPU is not among this branch's platforms
+    return lax.platform_dependent(*operands, **accelerators)
+  return lax.platform_dependent(*operands, cpu=branch(CPU), **accelerators)
 
 
 # --------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from gbn_jax._selection.common import F32
 from gbn_jax._selection.common import I32
 from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import check_element_count
+from gbn_jax._selection.reductions import count_true
+from gbn_jax._selection.reductions import expand
 
 Array = jax.Array
 
@@ -49,8 +51,10 @@ _BACKENDS = {
 
 #: Exact methods accepted by ``kth_smallest(..., method=...)`` and
 #: :func:`selection_config`. ``"native"``: the compiled C++ kernel (XLA:CPU,
-#: one sweep; ``native``) where it applies: built, CPU backend, no
-#: ``axis_name``; elsewhere it means ``"adaptive"``. ``"adaptive"``: sample +
+#: one sweep; ``native``): forcing it without the kernel built, or with an
+#: ``axis_name``, raises ``ValueError``; a lowering for other platforms too
+#: (``jax.export(..., platforms=["cpu", "cuda"])``) runs it on the CPU and
+#: each other platform's default method there. ``"adaptive"``: sample +
 #: interpolating counting passes + fold; ``"bisect"``: counting passes that
 #: split the int32 key range in four (17 passes, data-independent cost) (both
 #: ``loop``). ``"sort"``: sorts int keys (the reference, ``sort``).
@@ -121,7 +125,11 @@ def selection_config(
 
 
 def default_method(n_rows: int) -> str:
-  """The method for ``n_rows`` reduced rows (over all devices) on this backend."""
+  """The method for ``n_rows`` reduced rows (over all devices).
+
+  For the platform being traced for (``common.per_platform``; outside one,
+  the default backend).
+  """
   if native.applies(None):
     return "native"
   large = n_rows >= _ADAPTIVE_MIN_ROWS
@@ -143,7 +151,8 @@ def fused_sums_backend(
 ) -> str | None:
   """Which backend gives a superquantile's sums in its selection's sweep.
 
-  ``"native"`` where ``native.sums_apply``; ``"accelerator"`` where
+  Read per platform (inside ``common.per_platform``, as
+  ``fused.superquantile_parts`` does). ``"native"`` where ``native.sums_apply``; ``"accelerator"`` where
   :func:`kth_smallest` would select with the radix select (the method in
   scope, else the default for the pooled row count) and ``x`` is float32 or
   half precision (upcast exactly; float64 keeps its float64 selection and
@@ -160,6 +169,33 @@ def fused_sums_backend(
         rows * common.axis_size(axis_name, axis_index_groups)
     )
   return "accelerator" if method == "accelerator" else None
+
+
+def check_forced_native(axis_name: str | None) -> None:
+  """Raises ``ValueError`` where a forced ``method="native"`` can never run."""
+  if axis_name is not None:
+    raise ValueError(
+        f"method='native' was forced with axis_name={axis_name!r}: the native"
+        " kernel sees one device's rows and cannot pool them across devices;"
+        " force another method (e.g. 'adaptive') or leave method unset."
+    )
+  if not native.available():
+    raise ValueError(
+        "method='native' was forced, but the compiled kernel (extension"
+        f" gbn_jax._kth_cpu, or ${native.LIBRARY_ENV}) is not built or did not"
+        " load; reinstall gbn_jax with a C++17 compiler present, force another"
+        " method or leave method unset."
+    )
+
+
+def _flags(x, value, axes, where):
+  equal = x == expand(value, axes)
+  return equal if where is None else equal & where
+
+
+def _tie_count(x, value, axes, where):
+  """How many masked-in ``x`` equal ``value``, as this platform's compares count."""
+  return count_true(_flags(x, value, axes, where), axes)
 
 
 def kth_smallest(
@@ -191,21 +227,30 @@ def kth_smallest(
       a 1024-row sample and per-bucket extremes cross devices).
     axis_index_groups: optional groups within ``axis_name``.
     method: one of :data:`METHODS`; default: the one in scope
-      (:func:`selection_config`), else :func:`default_method`'s.
-    return_ties: also return, per position, how many masked-in elements
-      equal the answer, where the native kernel knows it at no cost: a
-      float32 count as ``x == answer`` counts it, or ``-1`` for a zero or
-      denormal answer where the kernel cannot read the CPU's denormal mode
-      (``native.counts_always_known()`` is False; count those yourself);
-      from ``accelerator`` and ``bracket`` on a GPU, their own key counts
-      (other backends flush denormals in compares, so there ``None``);
-      ``None`` from the other methods.
+      (:func:`selection_config`), else :func:`default_method`'s for each
+      platform the computation is lowered for. ``"native"`` raises
+      ``ValueError`` where it can never run (see :data:`METHODS`).
+    return_ties: also return, per position, how many of this device's
+      masked-in elements equal the answer, as ``x == answer`` counts them on
+      the platform it runs on (XLA:CPU and TPUs read denormals as zero):
+      float32 below 2**24 reduced elements, else int32 (``count_true``'s).
+      From the backend where it knows them at no cost (the native kernel;
+      ``accelerator`` and ``bracket`` on a GPU, whose compares keep
+      denormals as their key counts do), counted here otherwise; a
+      computation that does not use them does not count them.
 
   Returns:
     Array of the non-reduced shape, float32 (float64 for float64 ``x``, under
     ``jax_enable_x64``), holding elements of ``x`` (``-0.0`` returned as
     ``+0.0``), and the tie counts if ``return_ties``.
     Not differentiable (gradient zero): the caller defines the derivative.
+    The backend is chosen per platform the computation is lowered for
+    (``common.per_platform``): a CPU lowering runs the CPU's, a GPU's
+    contains no CPU-only kernel.
+
+  Raises:
+    ValueError: bad axes or method; ``method="native"`` where it can never
+      run.
 
   >>> import jax.numpy as jnp
   >>> kth_smallest(jnp.array([[4., 1.], [2., 8.], [3., 5.]]), 2, (0,))
@@ -216,26 +261,38 @@ def kth_smallest(
   method = method or config.current().method
   if method is not None and method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+  if method == "native":
+    check_forced_native(axis_name)
   x = lax.stop_gradient(x)
   if where is not None:
     where = lax.stop_gradient(jnp.asarray(where, bool))
+  select = lambda: _select(
+      x, k, axes, where, axis_name, axis_index_groups, method, return_ties
+  )
+  # Tie counts differ between GPUs and TPUs (denormals), values do not.
+  return common.per_platform(select, denormals=return_ties)
+
+
+def _select(x, k, axes, where, axis_name, groups, method, return_ties):
+  """:func:`kth_smallest` for the platform being traced for (validated input)."""
+  if method == "native" and not native.applies(axis_name):
+    # Only off the CPU (checked before): that platform's own default.
+    method = None
   if method == "sort" or x.dtype != F32:
     # Other dtypes (the caller upcasts half precision) take the exact sort.
     value = sort.kth_smallest_reference(
-        x,
-        k,
-        axes,
-        where=where,
-        axis_name=axis_name,
-        axis_index_groups=axis_index_groups,
+        x, k, axes, where=where, axis_name=axis_name, axis_index_groups=groups
     )
-    return (value, None) if return_ties else value
-  comm = common.Comm(axis_name, axis_index_groups)
+    return (value, _tie_count(x, value, axes, where)) if return_ties else value
+  comm = common.Comm(axis_name, groups)
   rows, mask, kept_shape = common.to_rows(x, axes, where)
   n_rows, n_cols = rows.shape
   n_total = n_rows * comm.size()
   check_element_count(n_total)
-  method = method or default_method(n_total)
+  if method is None:
+    method = default_method(n_total)
+    if method == "native" and not native.applies(axis_name):
+      method = "adaptive"  # the kernel cannot pool devices
   if method in _BACKENDS:
     result = _BACKENDS[method](
         x,
@@ -243,28 +300,35 @@ def kth_smallest(
         axes,
         where=where,
         axis_name=axis_name,
-        axis_index_groups=axis_index_groups,
+        axis_index_groups=groups,
         return_ties=return_ties,
     )
-    if return_ties and not common.compares_keep_denormals():
-      # Its integer counts tell denormals from zero; XLA:CPU's float compares
-      # (which the caller's tie split uses) do not: let the caller count.
-      return result[0], None
-    return result
-  if method == "native" and not native.applies(axis_name):
-    method = "adaptive"
+    if not return_ties:
+      return result
+    value, ties = result
+    count = lambda: _tie_count(x, value, axes, where)
+    if not common.compares_keep_denormals():
+      # Its integer counts tell denormals from zero; XLA:CPU's and TPUs'
+      # float compares (which the caller's tie split uses) do not.
+      return value, count()
+    return value, ties.astype(jax.eval_shape(count).dtype)
   k = common.prepare_k(k, kept_shape)
   if mask is None:
     n = jnp.full((n_cols,), n_total, I32)
   else:
     n = comm.psum(jnp.sum(mask, axis=0, dtype=I32))
   if method == "native":
-    return native.kth_smallest_native(
+    result = native.kth_smallest_native(
         rows, mask, k, n, n_total, kept_shape, return_ties
     )
+    if not return_ties:
+      return result
+    value, known = result
+    equal = lambda: _flags(x, value, axes, where)
+    return value, native.known_or_counted(known, equal, axes)
   value = loop.kth_smallest_loop(
       x, axes, where, rows, mask, k, n, kept_shape, comm, method=method
   )
   bad_k = (k < 1) | (k > n)
   value = jnp.where(bad_k, jnp.nan, value).reshape(kept_shape)
-  return (value, None) if return_ties else value
+  return (value, _tie_count(x, value, axes, where)) if return_ties else value

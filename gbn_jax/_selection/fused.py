@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,26 +31,8 @@ from gbn_jax._selection.reductions import quantile_rank
 Array = jax.Array
 
 
-def known_or_counted(
-    known: Array | None, flags: Callable[[], Array], axes: tuple[int, ...]
-) -> Array:
-  """Per position, how many of ``flags()`` are true: ``known`` where it is (>= 0).
-
-  The native kernel (one device, no axis_name) counts as ``flags`` would,
-  except where it says -1 (only on CPUs whose denormal mode it cannot read);
-  counting here is a pass over the data, so only then, behind a ``lax.cond``
-  that is left out where the kernel never says -1 (a cond costs tens of
-  microseconds on XLA:CPU). ``flags`` is a function so that the flags are
-  computed inside the branch that counts: a full-size operand of
-  ``lax.cond`` would be materialized on every call.
-  """
-  count = lambda: count_true(flags(), axes)
-  if known is None:
-    return count()
-  dtype = jax.eval_shape(count).dtype
-  if native.counts_always_known():
-    return known.astype(dtype)
-  return jax.lax.cond(jnp.all(known >= 0), lambda: known.astype(dtype), count)
+#: Re-exported: the native kernel's counts, or counted where it does not know.
+known_or_counted = native.known_or_counted
 
 
 def _native_sums(alpha, axes, x):
@@ -126,6 +109,18 @@ def _accelerator_parts(
 def _accelerator_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
   x, where = primals
   x_dot, _ = tangents
+  # Traced after the primal's platform branch is done: choose per platform
+  # again (key counts are the compares' only on a GPU).
+  return common.per_platform(
+      lambda: _accelerator_parts_jvp_traced(
+          alpha, axes, axis_name, groups, x, where, x_dot
+      )
+  )
+
+
+def _accelerator_parts_jvp_traced(
+    alpha, axes, axis_name, groups, x, where, x_dot
+):
   q, ties, mean, mean_excess, n_above, n = _accelerator_sums(
       alpha, axes, axis_name, groups, x, where
   )
@@ -168,16 +163,22 @@ def _accelerator_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
 
 
 def superquantile_parts(
-    x, alpha, axes, where, axis_name, groups
-) -> tuple[Array, ...] | None:
-  """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from a fused backend, or ``None``.
+    x, alpha, axes, where, axis_name, groups, unfused: Callable[[], Any]
+) -> tuple[Array, ...]:
+  """``(q_alpha, E[x], E[(x - q_alpha)^+])``, per platform lowered for.
 
-  ``x``: a prepared float array; ``groups``: hashable axis index groups.
-  ``None`` where no backend fuses the sums (the caller selects and sums).
+  From a fused backend where one applies on that platform
+  (``dispatch.fused_sums_backend``), else ``unfused()`` (the caller's
+  selection and sums, which must return the same dtypes). ``x``: a prepared
+  float array; ``groups``: hashable axis index groups.
   """
-  backend = dispatch.fused_sums_backend(x, axes, where, axis_name, groups)
-  if backend == "native":
-    return _native_parts(alpha, axes, x)
-  if backend == "accelerator":
-    return _accelerator_parts(alpha, axes, axis_name, groups, x, where)
-  return None
+
+  def parts():
+    backend = dispatch.fused_sums_backend(x, axes, where, axis_name, groups)
+    if backend == "native":
+      return _native_parts(alpha, axes, x)
+    if backend == "accelerator":
+      return _accelerator_parts(alpha, axes, axis_name, groups, x, where)
+    return unfused()
+
+  return common.per_platform(parts, denormals=False)

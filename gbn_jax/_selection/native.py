@@ -17,10 +17,12 @@ gets its statistics on a CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import ctypes
 import functools
 import importlib.util
 import os
+import warnings
 
 import jax
 from jax import lax
@@ -30,6 +32,7 @@ import numpy as np
 from gbn_jax._selection import common
 from gbn_jax._selection import config
 from gbn_jax._selection.common import F32
+from gbn_jax._selection.reductions import count_true
 
 Array = jax.Array
 
@@ -40,6 +43,8 @@ _LIBRARY = "gbn_jax._kth_cpu"
 LIBRARY_ENV = "GBN_KTH_LIBRARY"
 _TARGET = "gbn_kth_smallest_f32"
 _SUMS_TARGET = "gbn_kth_smallest_sums_f32"
+#: The kernel's custom-call targets (XLA:CPU only).
+TARGETS = (_TARGET, _SUMS_TARGET)
 
 
 def library_path() -> str | None:
@@ -54,7 +59,12 @@ def library_path() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-  """The compiled kernel, its targets registered with XLA (CPU); None if absent."""
+  """The compiled kernel, its targets registered with XLA (CPU); None if absent.
+
+  An installed extension that is found but does not load warns (once: the
+  result is cached) and the pure-JAX selection runs; one named by
+  ``$GBN_KTH_LIBRARY`` raises ``ImportError``.
+  """
   path = library_path()
   if path is None:
     return None
@@ -70,6 +80,14 @@ def _library() -> ctypes.CDLL | None:
       raise ImportError(
           f"{LIBRARY_ENV}={path!r} is not a loadable gbn_jax kernel: {e}"
       ) from e
+    # A broken build or a library for another Python/CPU: say so, since
+    # everything still works, only several times slower.
+    warnings.warn(
+        f"gbn_jax: the compiled selection kernel {path!r} was found but does"
+        f" not load ({e}); the pure-JAX selection runs instead.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return None
   for target, handler in handlers.items():
     jax.ffi.register_ffi_target(
@@ -93,6 +111,29 @@ def counts_always_known() -> bool:
   """
   library = _library()
   return library is not None and bool(library.GbnKthCountsAlwaysKnown())
+
+
+def known_or_counted(
+    known: Array | None, flags: Callable[[], Array], axes: tuple[int, ...]
+) -> Array:
+  """Per position, how many of ``flags()`` are true: ``known`` where it is (>= 0).
+
+  The native kernel (one device, no axis_name) counts as ``flags`` would,
+  except where it says -1 (only on CPUs whose denormal mode it cannot read);
+  counting here is a pass over the data, so only then, behind a ``lax.cond``
+  that is left out where the kernel never says -1 (a cond costs tens of
+  microseconds on XLA:CPU). ``flags`` is a function so that the flags are
+  computed inside the branch that counts: a full-size operand of
+  ``lax.cond`` would be materialized on every call. The result has
+  ``count_true``'s dtype.
+  """
+  count = lambda: count_true(flags(), axes)
+  if known is None:
+    return count()
+  dtype = jax.eval_shape(count).dtype
+  if counts_always_known():
+    return known.astype(dtype)
+  return lax.cond(jnp.all(known >= 0), lambda: known.astype(dtype), count)
 
 
 #: Values of the kernel's per-column ``path`` output. ``"histogram"``: the
@@ -168,7 +209,8 @@ def _bracket_sigmas(explicit: float | None) -> np.float64:
 def applies(axis_name: str | None) -> bool:
   """Whether the kernel can serve a selection: built, CPU, no pooling.
 
-  The kernel sees one device's rows: pooling across devices stays in JAX.
+  CPU: the platform being traced for (``common.per_platform``). The kernel
+  sees one device's rows: pooling across devices stays in JAX.
   """
   return axis_name is None and common.on_cpu() and available()
 

@@ -93,7 +93,7 @@ HISTOGRAMS = ("scatter", "compare")
 
 
 def default_histogram() -> tuple[str, int]:
-  """``(histogram, digit_bits)`` for the default backend.
+  """``(histogram, digit_bits)`` for the platform being traced for.
 
   Measured on an H100 (``results/benchmarks/h100_radix.json``): one 256-bin
   scatter pass took 0.66 ms on (256, 32, 32, 16) and 2.4 ms on
@@ -103,7 +103,7 @@ def default_histogram() -> tuple[str, int]:
   XLA:CPU may materialise the compare pass's ``N x 16 x F`` temporary, so the
   CPU keeps the scatter. TPUs (unmeasured) serialise scatters: compare there.
   """
-  return ("scatter", 8) if jax.default_backend() == "cpu" else ("compare", 4)
+  return ("scatter", 8) if common.on_cpu() else ("compare", 4)
 
 
 def _resolve_histogram(
