@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from gbn_jax import _layer
 from gbn_jax import _normalization
+from gbn_jax._convert import batchnorm_as_gbn as batchnorm_as_gbn
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array

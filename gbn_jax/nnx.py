@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from gbn_jax import _layer
 from gbn_jax import _normalization
 from gbn_jax import precise
+from gbn_jax._convert import convert_batchnorm as convert_batchnorm
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
