@@ -23,6 +23,7 @@ import gbn_jax
 from gbn_jax import convolution
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
+from train import models
 
 from process_helpers import run_python
 import reference as ref
@@ -254,3 +255,21 @@ def test_broken_extensions_warn_once_naming_path_and_error(tmp_path):
     assert category == "RuntimeWarning"
     assert what in message and str(bogus) in message
     assert "not load (" in message and "too short" in message  # dlopen's error
+
+
+def test_lenet_convolutions_follow_the_lowering():
+  # The default LeNet: im2col matmuls lowered for the CPU, XLA's
+  # convolution for an accelerator, from one trace and the same parameters.
+  model = models.LeNet(num_classes=10, norm=models.make_norm("bn"))
+  x = jnp.zeros((2, 28, 28, 1))
+  variables = model.init(jax.random.key(0), x, train=False)
+  f = jax.jit(lambda v, x: model.apply(v, x, train=False))
+  for platform, convolutions in (("cpu", 0), ("cuda", 2)):
+    text = jax.export.export(f, platforms=[platform])(variables, x)
+    assert text.mlir_module().count("stablehlo.convolution") == convolutions
+  matmul = models.LeNet(
+      num_classes=10, norm=models.make_norm("bn"), conv_as_matmul=True
+  )
+  np.testing.assert_array_equal(
+      f(variables, x + 0.5), matmul.apply(variables, x + 0.5, train=False)
+  )
