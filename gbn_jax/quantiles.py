@@ -50,6 +50,7 @@ from gbn_jax._selection.reductions import global_mean
 from gbn_jax._selection.reductions import has_nan
 from gbn_jax._selection.reductions import prepare_reduction
 from gbn_jax._selection.reductions import quantile_rank
+from gbn_jax._selection.reductions import zero_tangent
 
 Array = jax.Array
 
@@ -100,7 +101,10 @@ def _check_real(x: Any, function: str) -> None:
 def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   x, where = primals
   x_dot, _ = tangents
-  value, known_ties = select(x, where)
+  # Through _selected itself, not select: differentiated again (a Hessian,
+  # forward over reverse) the value then has this rule's tangent, where
+  # select's own has none (a stop_gradient selection) or none defined (pmax).
+  value, known_ties = _selected(select, axes, axis_name, groups, x, where)
 
   def selected():
     equal = x == expand(value, axes)
@@ -115,10 +119,27 @@ def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   # The selection's counts are this platform's compares' (extremes: None).
   ties = count_true(selected(), axes) if known_ties is None else known_ties
   moved, ties = global_sum((moved, ties), axis_name, groups)
-  return value, (moved / jnp.maximum(ties, 1).astype(dtype)).astype(value.dtype)
+  value_dot = (moved / jnp.maximum(ties, 1).astype(dtype)).astype(value.dtype)
+  return (value, known_ties), (value_dot, zero_tangent(known_ties))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _selected(
+    select: Callable[[Array, Array | None], Array],
+    axes: tuple[int, ...],
+    axis_name: str | None,
+    groups: AxisIndexGroups,
+    x: Array,
+    where: Array | None,
+) -> tuple[Array, Array | None]:
+  """``select(x, where)``: the value and its tie count (see :func:`_tie_split`)."""
+  del axes, axis_name, groups
+  return select(x, where)
+
+
+_selected.defjvp(_tie_split_jvp_rule)
+
+
 def _tie_split(
     select: Callable[[Array, Array | None], Array],
     axes: tuple[int, ...],
@@ -138,11 +159,7 @@ def _tie_split(
   in the tangent are JAX's own ``psum``, so pmap and shard_map transpose them
   correctly.
   """
-  del axes, axis_name, groups
-  return select(x, where)[0]
-
-
-_tie_split.defjvp(_tie_split_jvp_rule)
+  return _selected(select, axes, axis_name, groups, x, where)[0]
 
 
 def _select_quantile(x, where, *, alpha, axes, axis_name, groups, check_nan):

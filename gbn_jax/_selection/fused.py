@@ -27,6 +27,7 @@ from gbn_jax._selection.reductions import count_true
 from gbn_jax._selection.reductions import element_count
 from gbn_jax._selection.reductions import expand
 from gbn_jax._selection.reductions import quantile_rank
+from gbn_jax._selection.reductions import zero_tangent
 
 Array = jax.Array
 
@@ -40,17 +41,25 @@ def _native_sums(alpha, axes, x):
   return native.kth_smallest_with_sums(x, quantile_rank(alpha, n), axes)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _native_parts(alpha, axes, x) -> tuple[Array, Array, Array]:
   """``(q_alpha, E[x], E[(x - q_alpha)^+])`` of unmasked float32 ``x``, one sweep."""
-  q, _, mean, mean_excess, _ = _native_sums(alpha, axes, x)
+  q, _, mean, mean_excess, _ = _native_all(alpha, axes, x)
   return q, mean, mean_excess
 
 
-@_native_parts.defjvp
-def _native_parts_jvp(alpha, axes, primals, tangents):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _native_all(alpha, axes, x) -> tuple[Array, ...]:
+  """The kernel's ``(q, ties, mean, mean_excess, above)``, differentiable."""
+  return _native_sums(alpha, axes, x)
+
+
+@_native_all.defjvp
+def _native_all_jvp(alpha, axes, primals, tangents):
   (x,), (x_dot,) = primals, tangents
-  q, known_ties, mean, mean_excess, known_above = _native_sums(alpha, axes, x)
+  # Through _native_all itself: differentiated again (forward over reverse)
+  # its outputs have this rule's tangents; the kernel's would have none.
+  out = _native_all(alpha, axes, x)
+  q, known_ties, mean, mean_excess, known_above = out
   n = math.prod(x.shape[a] for a in axes)
   selected = lambda: x == expand(q, axes)
   above = lambda: ~(
@@ -66,7 +75,8 @@ def _native_parts_jvp(alpha, axes, primals, tangents):
       jnp.sum(jnp.where(above(), x_dot, 0), axes)
       - q_dot * n_above.astype(x.dtype)
   ) / n
-  return (q, mean, mean_excess), (q_dot, mean_dot, excess_dot)
+  counts = zero_tangent(known_ties), zero_tangent(known_above)
+  return out, (q_dot, counts[0], mean_dot, excess_dot, counts[1])
 
 
 def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
@@ -89,7 +99,6 @@ def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
   )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 def _accelerator_parts(
     alpha, axes, axis_name, groups, x, where
 ) -> tuple[Array, Array, Array]:
@@ -99,31 +108,41 @@ def _accelerator_parts(
   the excess are float32, the mean has ``x``'s dtype, as in the unfused path),
   masked by ``where`` and pooled over ``axis_name``.
   """
-  q, _, mean, mean_excess, _, _ = _accelerator_sums(
+  q, _, mean, mean_excess, _, _ = _accelerator_all(
       alpha, axes, axis_name, groups, x, where
   )
   return q, mean.astype(x.dtype), mean_excess
 
 
-@_accelerator_parts.defjvp
-def _accelerator_parts_jvp(alpha, axes, axis_name, groups, primals, tangents):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _accelerator_all(alpha, axes, axis_name, groups, x, where):
+  """:func:`_accelerator_sums`, differentiable."""
+  return _accelerator_sums(alpha, axes, axis_name, groups, x, where)
+
+
+@_accelerator_all.defjvp
+def _accelerator_all_jvp(alpha, axes, axis_name, groups, primals, tangents):
   x, where = primals
   x_dot, _ = tangents
   # Traced after the primal's platform branch is done: choose per platform
-  # again (key counts are the compares' only on a GPU).
-  return common.per_platform(
-      lambda: _accelerator_parts_jvp_traced(
+  # again (key counts are the compares' only on a GPU). The counts' zero
+  # tangents (float0) are made outside the platform branches.
+  out, (q_dot, mean_dot, excess_dot) = common.per_platform(
+      lambda: _accelerator_all_jvp_traced(
           alpha, axes, axis_name, groups, x, where, x_dot
       )
   )
+  zero_ties, zero_above, zero_n = map(zero_tangent, (out[1], out[4], out[5]))
+  return out, (q_dot, zero_ties, mean_dot, excess_dot, zero_above, zero_n)
 
 
-def _accelerator_parts_jvp_traced(
+def _accelerator_all_jvp_traced(
     alpha, axes, axis_name, groups, x, where, x_dot
 ):
-  q, ties, mean, mean_excess, n_above, n = _accelerator_sums(
-      alpha, axes, axis_name, groups, x, where
-  )
+  # Through _accelerator_all itself: differentiated again its outputs have
+  # this rule's tangents; the radix passes' would have none.
+  out = _accelerator_all(alpha, axes, axis_name, groups, x, where)
+  q, ties, mean, mean_excess, n_above, n = out
   q_full = expand(q, axes)
   selected = x == q_full
   above = ~(x <= q_full)  # as in the unfused path: NaN is above
@@ -158,8 +177,7 @@ def _accelerator_parts_jvp_traced(
   # than an ulp of the O(1) terms that cancel there.
   excess_dot = above_dot / count - q_dot * (n_above.astype(jnp.float32) / count)
   mean_dot = total_dot / count
-  primal_out = (q, mean.astype(x.dtype), mean_excess)
-  return primal_out, (q_dot, mean_dot.astype(x.dtype), excess_dot)
+  return out, (q_dot, mean_dot.astype(mean.dtype), excess_dot)
 
 
 def superquantile_parts(

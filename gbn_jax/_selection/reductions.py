@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import axis_size
@@ -142,3 +143,12 @@ def has_nan(x, axes, where, axis_name, groups) -> Array:
     found = jnp.any(nan, axes).astype(jnp.int32)
     return global_sum(found, axis_name, groups) > 0
   return global_sum(count_true(nan, axes), axis_name, groups) > 0
+
+
+def zero_tangent(a: Array | None) -> Array | None:
+  """The zero tangent of a custom JVP's output ``a``: float0 for counts."""
+  if a is None:
+    return None
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    return jnp.zeros_like(a)
+  return np.zeros(a.shape, jax.dtypes.float0)
