@@ -169,7 +169,8 @@ def kth_smallest_keys(
   call = jax.ffi.ffi_call(
       _TARGET, (out, out, out) + none, vmap_method="sequential"
   )
-  return call(rows, k, bracket_sigmas=_bracket_sigmas(bracket_sigmas))[:3]
+  out = call(rows, k, bracket_sigmas=_bracket_sigmas(bracket_sigmas))[:3]
+  return _varying_like_rows(out, rows)
 
 
 def kth_smallest_sums(
@@ -192,7 +193,15 @@ def kth_smallest_sums(
   call = jax.ffi.ffi_call(
       _SUMS_TARGET, (out, out, out, value, value, out), vmap_method="sequential"
   )
-  return call(rows, k, bracket_sigmas=_bracket_sigmas(bracket_sigmas))
+  out = call(rows, k, bracket_sigmas=_bracket_sigmas(bracket_sigmas))
+  return _varying_like_rows(out, rows)
+
+
+def _varying_like_rows(outputs, rows):
+  # An FFI call's results are typed device-invariant under shard_map; they
+  # vary as its rows do (the pure-JAX branches of the same selection, which
+  # must return the same types, say so).
+  return tuple(common.varying_like(list(outputs), rows))
 
 
 def _bracket_sigmas(explicit: float | None) -> np.float64:
