@@ -14,6 +14,7 @@ medians. Timings on a shared machine are noisy: read the ratios, not the ms.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import json
 import statistics
 import sys
@@ -159,47 +160,56 @@ def target_for(norm: str) -> float:
   return SQD_TARGET if norm.startswith("sqd") else TARGETS[norm]
 
 
-def write_partial(path, run: dict, rows, steps, complete=False) -> dict:
-  """The results so far (written after every row, so a cut-off run keeps them)."""
-  result = {
-      "machine": machine_info(),
-      **run,
-      "complete": complete,
-      "layers": rows,
-      "train_steps": steps,
-  }
+def add_timing_args(parser: argparse.ArgumentParser, runs: int) -> None:
+  """``--runs`` (default ``runs``), ``--warmup``, ``--inner`` and ``--out``.
+
+  The timing flags every layer benchmark (this one, ``bench_methods``,
+  ``device_check_radix``) takes, read by :func:`interleaved_samples`.
+  """
+  parser.add_argument(
+      "--runs", type=int, default=runs, help="timed samples per case (median)"
+  )
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument(
+      "--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)"
+  )
+  parser.add_argument("--out", help="write the results as JSON here")
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+  """``python -m module argv...``, as a result's ``command`` records it."""
+  return " ".join([f"python -m {module}", *(argv or sys.argv[1:])])
+
+
+def write_json(path: str | None, result: dict) -> dict:
+  """Writes ``result`` to ``path`` (if any); returns it."""
   if path:
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
   return result
 
 
+def write_result(path, run: dict, complete: bool = False, **fields) -> dict:
+  """The results so far (written after every row, so a cut-off run keeps them).
+
+  The machine, ``run``'s settings, whether the run is ``complete``, then
+  ``fields`` (the rows).
+  """
+  result = {"machine": machine_info(), **run, "complete": complete, **fields}
+  return write_json(path, result)
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument(
-      "--shapes",
-      nargs="+",
-      default=list(DEFAULT_SHAPES),
-      help="input shapes like 256x32x32x16 (features last)",
-  )
-  parser.add_argument(
-      "--measures",
-      nargs="*",
-      default=list(DEFAULT_MEASURES),
-      help="measure names, or sqd:<alpha>; none to time only train steps",
-  )
-  parser.add_argument(
-      "--runs", type=int, default=20, help="timed runs per layer (median)"
-  )
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument(
-      "--train-steps",
-      nargs="*",
-      default=list(TRAIN_STEPS),
-      help="models whose whole train step to time (lenet, resnet20); none to skip",
-  )
+  for flag, nargs, default, text in (
+      ("--shapes", "+", DEFAULT_SHAPES, "input shapes like 256x32x32x16 (features last)"),
+      ("--measures", "*", DEFAULT_MEASURES, "measure names, or sqd:<alpha>; none to time only train steps"),
+      ("--train-steps", "*", TRAIN_STEPS, "models whose whole train step to time (lenet, resnet20); none to skip"),
+  ):  # fmt: skip
+    parser.add_argument(flag, nargs=nargs, default=list(default), help=text)
+  add_timing_args(parser, runs=20)
   parser.add_argument(
       "--train-norm",
       default="sqd2",
@@ -213,17 +223,10 @@ def main(argv=None) -> dict:
       "for rehearsals",
   )
   parser.add_argument(
-      "--inner",
-      type=int,
-      default=1,
-      help="dispatches per timed sample (use ~10 on a GPU/TPU)",
-  )
-  parser.add_argument(
       "--select-method",
       choices=dispatch.METHODS,
       help="force this k-th smallest method (default: by size)",
   )
-  parser.add_argument("--out", help="write the results as JSON here")
   args = parser.parse_args(argv)
   # In scope for every call, traces and timed runs alike: the method is part
   # of jit's cache key.
@@ -237,9 +240,7 @@ def _run(args, argv) -> dict:
       runs=args.runs,
       inner=args.inner,
       select_method=args.select_method,
-      command=" ".join(
-          ["python -m benchmarks.bench_gbn", *(argv or sys.argv[1:])]
-      ),
+      command=command_line("benchmarks.bench_gbn", argv),
   )
 
   rows = []
@@ -261,7 +262,7 @@ def _run(args, argv) -> dict:
           "target": target_for(norm),
       }
       rows.append(row)
-      write_partial(args.out, run, rows, [])
+      write_result(args.out, run, layers=rows, train_steps=[])
       print(
           f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
           f"  x{row['ratio']:.2f} (target <= {row['target']})",
@@ -287,13 +288,15 @@ def _run(args, argv) -> dict:
         "target": TRAIN_STEP_TARGET,
     }
     steps.append(row)
-    write_partial(args.out, run, rows, steps)
+    write_result(args.out, run, layers=rows, train_steps=steps)
     print(
         f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
         f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
         flush=True,
     )
-  return write_partial(args.out, run, rows, steps, complete=True)
+  return write_result(
+      args.out, run, complete=True, layers=rows, train_steps=steps
+  )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ on 2 idle cores).
 
 The pieces: ``benchmarks.lenet_variants`` (the reformulations),
 ``lenet_setup`` (the real step and the exactness checks), ``lenet_profile``
-(trace attribution, layers alone), ``lenet_children`` (the subprocesses, the
-flag sets); this module is the command line and the sections.
+(LeNet's layers in a trace, layers alone), ``lenet_children`` (the
+subprocesses); the step-benchmark harness it shares with
+``bench_resnet_step``: ``step_setup`` (the step on random data, timing
+variants), ``step_children`` (flag sets, child processes), ``step_profile``
+(trace attribution), ``step_report`` (the JSON report); this module is the
+command line and the sections.
 """
 
 from __future__ import annotations
@@ -53,97 +57,38 @@ import json
 import os
 from pathlib import Path
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 from benchmarks.lenet_children import DEFAULT_FLAG_SETS
-from benchmarks.lenet_children import FLAG_SETS
-from benchmarks.lenet_children import INEXACT_FLAG_SETS
-from benchmarks.lenet_children import REPO
+from benchmarks.lenet_children import MODULE
 from benchmarks.lenet_children import child_main
-from benchmarks.lenet_children import run_child
-from benchmarks.lenet_children import run_torch
-from benchmarks.lenet_profile import printable_profiles
+from benchmarks.lenet_children import torch_step
 from benchmarks.lenet_variants import DEFAULT_VARIANTS
 from benchmarks.lenet_variants import VARIANTS
+from benchmarks.step_children import FLAG_SETS
+from benchmarks.step_children import INEXACT_FLAG_SETS
+from benchmarks.step_children import REPO
+from benchmarks.step_children import run_child
+from benchmarks.step_profile import printable_profiles
+from benchmarks.step_report import Report
+from benchmarks.step_report import format_ms
+from benchmarks.step_report import measured_runs
+from benchmarks.step_report import median_ms
+from benchmarks.step_report import print_ratio_line
 
 DEFAULT_PEER = REPO / "peers" / "torch_sqd.py"
 SECTIONS = ("variants", "profile", "flags", "final")
 
 
 # ---------------------------------------------------------------------------
-# The report and its printing.
-
-
-def _ms(result: dict, norm: str, variant: str) -> float | None:
-  try:
-    return result["norms"][norm]["variants"][variant]["median_ms"]
-  except (KeyError, TypeError):
-    return None
-
-
-def _fmt(ms: float | None) -> str:
-  return "   failed" if ms is None else f"{ms:8.1f} ms"
-
-
-def git_commit() -> str | None:
-  """The checkout's commit, ``+dirty`` if tracked files differ from it."""
-  try:
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-  except (OSError, subprocess.CalledProcessError):
-    return None
-  return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-class Report:
-  """Collects the sections, printing as it goes and saving after each."""
-
-  def __init__(self, args, argv, module: str = "benchmarks.bench_lenet_step"):
-    self.path = args.out
-    self.data = {
-        "command": " ".join([f"python -m {module}", *argv]),
-        "args": {
-            k: str(v) if isinstance(v, Path) else v
-            for k, v in vars(args).items()
-        },
-        "code": git_commit(),
-        "complete": False,
-    }
-
-  def put(self, key, value):
-    self.data[key] = value
-    self.save()
-
-  def save(self):
-    if self.path:
-      Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-      with open(self.path, "w") as f:
-        json.dump(self.data, f, indent=1)
+# The report's printing.
 
 
 def torch_bn(report: Report) -> float | None:
   vals = [r["bn_ms"] for r in report.data.get("torch", []) if "bn_ms" in r]
   return statistics.median(vals) if vals else None
-
-
-def print_ratio_line(label: str, ms: float | None, torch_ms: float | None):
-  extra = f"  = {ms / torch_ms:.2f}x PyTorch BN" if ms and torch_ms else ""
-  print(f"  {label:<44} {_fmt(ms)}{extra}", flush=True)
 
 
 def _print_profile(result: dict) -> None:
@@ -180,6 +125,8 @@ def _print_profile(result: dict) -> None:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   """The flags (``--quick`` applied: it overrides the sizes)."""
+  # One call per flag: alike in shape to the other benchmarks' flags (the
+  # duplicates tool pairs them), but no logic is repeated.
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -292,7 +239,7 @@ def torch_first(report: Report, args) -> None:
       f"threads, batch {args.batch})...",
       flush=True,
   )
-  report.put("torch", [run_torch(args)])
+  report.put("torch", [torch_step(args)])
   print(f"  {report.data['torch'][0]}", flush=True)
 
 
@@ -310,7 +257,7 @@ def _print_variants(result: dict) -> None:
           else ""
       )
       print(
-          f"  {norm:>5} {name:<20} {_fmt(v.get('median_ms'))}  "
+          f"  {norm:>5} {name:<20} {format_ms(v.get('median_ms'))}  "
           f"x{v.get('ratio_to_base', float('nan')):.2f} of base{diff}",
           flush=True,
       )
@@ -320,6 +267,7 @@ def section_variants(report: Report, args) -> str | None:
   """Times every variant; returns the first norm's fastest (not base)."""
   print(f"variants (1 device, default flags, {args.runs} runs)...", flush=True)
   result = run_child(
+      MODULE,
       "time",
       _spec(
           args,
@@ -345,6 +293,7 @@ def section_profile(report: Report, args, winner: str) -> None:
   """Traces the real model and the winner, and times the layers alone."""
   print("profile (1 device, default flags)...", flush=True)
   result = run_child(
+      MODULE,
       "profile",
       _spec(
           args,
@@ -369,7 +318,7 @@ def _flags_summary(results: list[dict], norm: str, fvars: list[str]):
   defaults = [r for r in results if r["flag_set"] == "default"]
   ref = {
       v: statistics.median(
-          [_ms(r, norm, v) for r in defaults if _ms(r, norm, v)]
+          [median_ms(r, norm, v) for r in defaults if median_ms(r, norm, v)]
           or [float("nan")]
       )
       for v in fvars
@@ -391,8 +340,10 @@ def _flags_summary(results: list[dict], norm: str, fvars: list[str]):
     loss = row.get(fvars[0], {}).get("loss")
     entry = {
         v: {
-            "median_ms": _ms(r, norm, v),
-            "ratio_to_default": (_ms(r, norm, v) or float("nan")) / ref[v],
+            "median_ms": median_ms(r, norm, v),
+            "ratio_to_default": (
+                (median_ms(r, norm, v) or float("nan")) / ref[v]
+            ),
         }
         for v in fvars
     }
@@ -405,7 +356,7 @@ def _flags_summary(results: list[dict], norm: str, fvars: list[str]):
     print(
         f"  {r['flag_set']:<22} "
         + "   ".join(
-            f"{v} {_fmt(entry[v]['median_ms'])} "
+            f"{v} {format_ms(entry[v]['median_ms'])} "
             f"(x{entry[v]['ratio_to_default']:.2f})"
             for v in fvars
         )
@@ -434,7 +385,9 @@ def section_flags(report: Report, args, winner: str) -> str | None:
   order = ["default", *args.flag_sets] + (["default"] if args.flag_sets else [])
   results = []
   for flag_set in order:
-    results.append(run_child("time", spec, devices=1, flag_set=flag_set))
+    results.append(
+        run_child(MODULE, "time", spec, devices=1, flag_set=flag_set)
+    )
     report.put("flags", results)
   summary, ref = _flags_summary(results, norm, fvars)
   report.data["flags_summary"] = summary
@@ -477,7 +430,9 @@ def section_final(report: Report, args, winner: str, best_flags: str) -> None:
         continue  # measured in the variants section
       finals.append(
           dict(
-              run_child("time", spec, devices=devices, flag_set=flag_set),
+              run_child(
+                  MODULE, "time", spec, devices=devices, flag_set=flag_set
+              ),
               devices=devices,
           )
       )
@@ -488,7 +443,7 @@ def section_final(report: Report, args, winner: str, best_flags: str) -> None:
 
 def torch_last(report: Report, args) -> None:
   """The PyTorch peer again, after everything else."""
-  report.data["torch"].append(run_torch(args))
+  report.data["torch"].append(torch_step(args))
   report.save()
   print(f"  PyTorch again: {report.data['torch'][-1]}", flush=True)
 
@@ -507,16 +462,11 @@ def summary_rows(report: Report, args, winner: str) -> list[dict[str, Any]]:
       )
       + ":"
   )
-  rows, sources = [], []
-  if "norms" in report.data.get("variants", {}):
-    sources.append((1, "default", report.data["variants"]))
-  for r in report.data.get("final", []):
-    if "norms" in r:
-      sources.append((r["devices"], r["flag_set"], r))
-  for devices, flag_set, r in sources:
+  rows = []
+  for devices, flag_set, r in measured_runs(report.data):
     for norm in args.norms:
       for variant in dict.fromkeys(("base", winner)):
-        ms = _ms(r, norm, variant)
+        ms = median_ms(r, norm, variant)
         if ms is None:
           continue
         rows.append(
@@ -543,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if argv[:1] == ["--child"]:
     return child_main(argv[1], json.loads(argv[2]))
   args = parse_args(argv)
-  report = Report(args, argv)
+  report = Report(args, argv, MODULE)
   t_start = time.perf_counter()
   if args.torch_python:
     torch_first(report, args)

@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_gbn import DEFAULT_SHAPES
+from benchmarks.bench_gbn import add_timing_args
+from benchmarks.bench_gbn import command_line
 from benchmarks.bench_gbn import interleaved_samples
 from benchmarks.bench_gbn import layer_step
 from benchmarks.bench_gbn import make_module
 from benchmarks.bench_gbn import parse_shape
-from benchmarks.machine import machine_info
+from benchmarks.bench_gbn import write_result
 import gbn_jax
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import sort
@@ -98,17 +98,10 @@ def fastest_exact(rows: list[dict]) -> str | None:
 
 
 def write(path, run: dict, rows: list[dict], complete: bool) -> dict:
-  result = {
-      "machine": machine_info(),
-      **run,
-      "complete": complete,
-      "layers": rows,
-      "fastest_exact": fastest_exact(rows),
-  }
-  if path:
-    with open(path, "w") as f:
-      json.dump(result, f, indent=2)
-  return result
+  """The rows so far and the fastest exact method among them."""
+  return write_result(
+      path, run, complete, layers=rows, fastest_exact=fastest_exact(rows)
+  )
 
 
 def main(argv=None) -> dict:
@@ -128,12 +121,7 @@ def main(argv=None) -> dict:
       "host sync per pass on a GPU; name them to include them) and "
       "without 'native' (CPU only)",
   )
-  parser.add_argument("--runs", type=int, default=15)
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument(
-      "--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)"
-  )
-  parser.add_argument("--out", help="write the results as JSON here")
+  add_timing_args(parser, runs=15)
   args = parser.parse_args(argv)
   methods = args.methods or [
       m for m in dispatch.METHODS if m not in ("native", "adaptive", "bisect")
@@ -145,9 +133,7 @@ def main(argv=None) -> dict:
       runs=args.runs,
       inner=args.inner,
       methods=methods,
-      command=" ".join(
-          ["python -m benchmarks.bench_methods", *(argv or sys.argv[1:])]
-      ),
+      command=command_line("benchmarks.bench_methods", argv),
   )
   rows: list[dict] = []
   for shape_text in args.shapes:

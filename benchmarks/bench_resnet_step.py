@@ -22,7 +22,7 @@ host memory is set up as the CLI's (:mod:`train.host_memory`):
 3. ``profile``: a traced step of ``base`` and ``flax``: XLA op time by kind
    (conv forward, input and kernel gradients, transposes, reductions,
    elementwise), by phase and by stage, and the top ops.
-4. ``flags``: XLA:CPU flag sets (``bench_lenet_step``'s; ``glibc_malloc``
+4. ``flags``: XLA:CPU flag sets (``step_children``'s; ``glibc_malloc``
    is glibc's own malloc settings instead of the CLI's), a process each,
    timing ``base`` against default-flag processes first and last.
 5. ``final``: 1 vs 2 host devices (the batch split as the CLI does) x
@@ -53,7 +53,6 @@ import os
 from pathlib import Path
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,32 +62,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_lenet_step import Report
-from benchmarks.lenet_children import FLAG_SETS
-from benchmarks.lenet_children import INEXACT_FLAG_SETS
-from benchmarks.lenet_profile import hlo_index
-from benchmarks.lenet_profile import printable_profiles
-from benchmarks.lenet_profile import profile_compiled
-from benchmarks.lenet_setup import compare_outputs
-from benchmarks.lenet_setup import random_train_step
-from benchmarks.lenet_setup import summarize
-from benchmarks.lenet_setup import time_interleaved
+from benchmarks import step_children
+from benchmarks import step_profile
+from benchmarks.bench_gbn import interleaved_samples
 from benchmarks.machine import machine_info
 from benchmarks.resnet_formulations import CONV_SHAPES
 from benchmarks.resnet_formulations import FINAL_VARIANTS
 from benchmarks.resnet_formulations import FORMULATIONS
 from benchmarks.resnet_formulations import VARIANTS
+from benchmarks.step_children import FLAG_SETS
+from benchmarks.step_children import INEXACT_FLAG_SETS
+from benchmarks.step_children import REPO
+from benchmarks.step_children import run_child
+from benchmarks.step_report import Report
+from benchmarks.step_report import format_ms
+from benchmarks.step_report import measured_runs
+from benchmarks.step_report import median_ms
+from benchmarks.step_report import print_ratio_line
+from benchmarks.step_setup import random_train_step
+from benchmarks.step_setup import time_variants
 from train import configs
-from train import host_memory
 from train import train as trainlib
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PEER = REPO / "peers" / "torch_resnet20.py"
 DATASET = "cifar10"
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 TARGET = 1.3  # issue 20: each step at most 1.3x PyTorch's best BatchNorm step
-_RESULT = "RESULT "
 _MODULE = "benchmarks.bench_resnet_step"
 
 DEFAULT_FLAG_SETS = tuple(
@@ -170,14 +170,21 @@ def _stage(op_name: str | None) -> str:
   return "head/loss/update" if op_name else "unattributed"
 
 
+# An op's part is its stage; fusions take the op_name of a layer in a block.
+_categorize = lambda op_name, _: (_stage(op_name), step_profile.phase(op_name))
+_LAYERS = ("conv1", "conv2", "norm1", "norm2")
+
+
 def profile_step(compiled, run, steps: int, top: int = 20) -> dict[str, Any]:
   """``profile_compiled``'s op times, regrouped for ResNet."""
-  prof = profile_compiled(compiled, run, steps, top=10**9)
+  text = compiled.as_text()
+  index, sizes = step_profile.hlo_index(text, _categorize, _LAYERS), _sizes(
+      text
+  )
+  prof = step_profile.profile_compiled(index, run, steps, top=10**9)
   if "top_ops" not in prof:
     return prof
-  prof.pop("by_part", None)  # LeNet's layers
-  text = compiled.as_text()
-  index, sizes = hlo_index(text), _sizes(text)
+  prof.pop("by_part", None)  # by stage and phase: by_stage and by_phase
   groups = {k: collections.Counter() for k in ("kind", "phase", "stage")}
   rows = []
   for op in prof.pop("top_ops"):
@@ -221,7 +228,7 @@ def child_convs(spec: dict[str, Any]) -> dict[str, Any]:
       grads[name] = bwd(x, kernel)
       fns[f"{name}/fwd"] = functools.partial(fwd, x, kernel)
       fns[f"{name}/fwd+bwd"] = functools.partial(bwd, x, kernel)
-    samples = time_interleaved(fns, spec["runs"], spec["warmup"])
+    samples = interleaved_samples(fns, spec["runs"], spec["warmup"])
     for name in names:
       ms = {
           p: statistics.median(samples[f"{name}/{p}"]) * 1e3
@@ -247,85 +254,37 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
   """
   out = {"machine": machine_info(), "norms": {}, "profiles": {}}
   for norm in spec["norms"]:
-    setup = Setup(norm, spec["batch"])
-    row = {"devices": setup.mesh.size, "variants": {}}
-    fns, outs = {}, {}
-    for name in spec["variants"]:
-      try:
-        compiled, state, seconds = setup.compile(name)
-        fns[name] = setup.runner(compiled, state)
-        outs[name] = jax.device_get(fns[name]())
-        row["variants"][name] = {
-            "compile_s": round(seconds, 2),
-            "loss": float(outs[name][1]["loss"]),
-        }
-        if spec.get("steps"):
-          time_interleaved({name: fns[name]}, 0, spec["warmup"])
-          prof = profile_step(compiled, fns[name], spec["steps"])
-          out["profiles"][f"{norm}/{name}"] = prof
-      except Exception as e:  # pylint: disable=broad-except
-        row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-    for name in outs:
-      if name != "base" and "base" in outs:
-        row["variants"][name].update(
-            compare_outputs(setup.state, outs["base"], outs[name])
-        )
-    samples = time_interleaved(fns, spec.get("runs", 0), spec["warmup"])
-    for name, s in samples.items():
-      if s and samples.get("base"):
-        ratio = statistics.median(s) / statistics.median(samples["base"])
-        row["variants"][name].update(summarize(s), ratio_to_base=ratio)
-    out["norms"][norm] = row
+
+    def profile(name, compiled, run, norm=norm):
+      interleaved_samples({name: run}, 0, spec["warmup"])
+      prof = profile_step(compiled, run, spec["steps"])
+      out["profiles"][f"{norm}/{name}"] = prof
+
+    out["norms"][norm] = time_variants(
+        Setup(norm, spec["batch"]),
+        spec["variants"],
+        spec.get("runs", 0),
+        spec["warmup"],
+        profile=profile if spec.get("steps") else None,
+    )
   return out
 
 
-def _run_json(cmd: list[str], env=None, timeout: float = 1800) -> dict:
-  """Runs ``cmd``; its ``RESULT`` line's JSON (plus ``wall_s``), or an error."""
-  t = time.perf_counter()
-  try:
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
-  except (OSError, subprocess.TimeoutExpired) as e:
-    return {"error": f"{type(e).__name__}: {e}"}
-  wall = round(time.perf_counter() - t, 1)
-  for line in proc.stdout.splitlines():
-    if line.startswith(_RESULT):
-      return dict(json.loads(line[len(_RESULT) :]), wall_s=wall)
-  return {"error": f"exited {proc.returncode}: {proc.stderr[-2000:]}"}
+CHILDREN = {"convs": child_convs, "time": child_time}
 
 
-def run_child(kind: str, spec: dict, *, devices: int, flag_set="default"):
-  """Runs ``kind`` (``convs`` or ``time``) in a fresh interpreter."""
-  flags, env_extra = FLAG_SETS[flag_set]
-  drop = ("XLA_FLAGS", "PJRT_NPROC", "NPROC")
-  env = {k: v for k, v in os.environ.items() if k not in drop}
-  count = f"--xla_force_host_platform_device_count={devices}"
-  env.update(env_extra, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{count} {flags}")
-  cmd = [sys.executable, "-m", _MODULE, "--child", kind, json.dumps(spec)]
-  return dict(_run_json(cmd, env), flag_set=flag_set)
-
-
-def run_torch(args, channels_last: bool) -> dict[str, Any]:
+def torch_step(args, channels_last: bool) -> dict[str, Any]:
   """The peer's ResNet20 step in ``args.torch_python`` (one layout)."""
   norms = "bn,sqd" if args.torch_sqd else "bn"
-  cmd = [args.torch_python, str(args.torch_peer), "--json"] + (
+  cmd = [str(args.torch_peer), "--json"] + (
       f"--threads {args.torch_threads} --runs {args.torch_runs} "
       f"--batch {args.batch} --norms {norms}".split()
   )
-  return _run_json(cmd + (["--channels-last"] if channels_last else []))
+  layout = ["--channels-last"] if channels_last else []
+  return step_children.run_torch(args.torch_python, cmd + layout)
 
 
 # --- The parent.
-
-
-def _ms(result: dict, norm: str, variant: str) -> float | None:
-  row = result.get("norms", {}).get(norm, {}).get("variants", {})
-  return row.get(variant, {}).get("median_ms")
-
-
-def _fmt(ms: float | None) -> str:
-  return "   failed" if ms is None else f"{ms:8.1f} ms"
 
 
 def torch_best_bn(runs: Sequence[dict]) -> tuple[float | None, str | None]:
@@ -347,7 +306,7 @@ def _print_time(result: dict) -> None:
     for name, v in row["variants"].items():
       v = collections.defaultdict(lambda: float("nan"), v)
       print(
-          f"  {norm:>5} {name:<16} {_fmt(v.get('median_ms'))}  x"
+          f"  {norm:>5} {name:<16} {format_ms(v.get('median_ms'))}  x"
           f"{v['ratio_to_base']:.2f} of base  loss_rel {v['loss_rel']:.1e} "
           f"update_rel {v['update_rel']:.1e} {v.get('error', '')[:200]}",
           flush=True,
@@ -368,7 +327,7 @@ def _print_convs(result: dict, names: Sequence[str]) -> None:
 def _print_profile(result: dict) -> None:
   if "error" in result:
     print("  " + result["error"][:500])
-  for key, prof in printable_profiles(result, "by_kind"):
+  for key, prof in step_profile.printable_profiles(result, "by_kind"):
     print(
         f"  {key}: traced step {prof['traced_step_ms']:.0f} ms, ops "
         f"{prof['op_wall_ms_per_step']:.0f} ms; shares of op time:"
@@ -396,7 +355,7 @@ def _per_norm_processes(spec, norms, devices, flag_set) -> dict[str, Any]:
   merged = {"norms": {}, "flag_set": flag_set, "wall_s": 0.0}
   for norm in norms:
     one = dict(spec, norms=[norm])
-    result = run_child("time", one, devices=devices, flag_set=flag_set)
+    result = run_child(_MODULE, "time", one, devices=devices, flag_set=flag_set)
     merged["wall_s"] += result.get("wall_s", 0.0)
     merged["norms"].update(result.get("norms", {}))
     merged.setdefault("machine", result.get("machine"))
@@ -412,7 +371,9 @@ def _flags(report, args, common) -> str:
   spec = dict(common, norms=[norm], variants=["base"], runs=args.runs)
   results, ms, loss = [], collections.defaultdict(list), {}
   for flag_set in ["default", *args.flag_sets, "default"]:
-    results.append(run_child("time", spec, devices=1, flag_set=flag_set))
+    results.append(
+        run_child(_MODULE, "time", spec, devices=1, flag_set=flag_set)
+    )
     report.put("flags", results)
     row = results[-1].get("norms", {}).get(norm, {"variants": {}})
     v = row["variants"].get("base", {})
@@ -421,7 +382,7 @@ def _flags(report, args, common) -> str:
       loss.setdefault(flag_set, v["loss"])
     ratio = v.get("median_ms", np.nan) / (ms["default"] or [np.nan])[0]
     print(
-        f"  {flag_set:<22} {_fmt(v.get('median_ms'))} x{ratio:.2f}  loss "
+        f"  {flag_set:<22} {format_ms(v.get('median_ms'))} x{ratio:.2f}  loss "
         f"{v.get('loss')} {results[-1].get('error', '')[:300]}",
         flush=True,
     )
@@ -442,15 +403,11 @@ def _summary(report, args, torch_runs) -> list[dict[str, Any]]:
   )
   print(f"summary{best}:")
   report.data["torch_best_bn"] = {"ms": tbn, "layout": layout}
-  sources = [(1, "default", report.data.get("variants", {}))]
-  sources += [
-      (r["devices"], r["flag_set"], r) for r in report.data.get("final", [])
-  ]
   rows = []
-  for devices, flag_set, r in sources:
+  for devices, flag_set, r in measured_runs(report.data):
     for norm in args.norms:
       for variant in r.get("norms", {}).get(norm, {}).get("variants", {}):
-        ms = _ms(r, norm, variant)
+        ms = median_ms(r, norm, variant)
         if ms is None:
           continue
         ratio = ms / tbn if tbn else None
@@ -459,9 +416,8 @@ def _summary(report, args, torch_runs) -> list[dict[str, Any]]:
                 "meets_target").split()  # fmt: skip
         values = (devices, flag_set, norm, variant, ms, ratio, met)
         rows.append(dict(zip(keys, values)))
-        extra = f"  = {ratio:.2f}x PyTorch BN" if ratio else ""
         label = f"{norm} {variant}, {devices} dev, {flag_set}"
-        print(f"  {label:<40} {_fmt(ms)}{extra}")
+        print_ratio_line(label, ms, tbn, width=40)
   sq = [r["sqd_ms"] for r in torch_runs if "sqd_ms" in r]
   if sq:
     print(f"  PyTorch kthvalue-SQD2 step {statistics.median(sq):.1f} ms")
@@ -527,13 +483,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["--child"]:
-    host_memory.configure()  # as the CLI does (GBN_HOST_MALLOC=default: not)
-    child = child_convs if argv[1] == "convs" else child_time
-    result = child(json.loads(argv[2]))
-    print(_RESULT + json.dumps(result), flush=True)
-    return result
+    return step_children.child_main(CHILDREN, argv[1], json.loads(argv[2]))
   args = parse_args(argv)
-  report = Report(args, argv, module=_MODULE)
+  report = Report(args, argv, _MODULE)
   t_start = time.perf_counter()
   common = dict(batch=args.batch, warmup=args.warmup)
   torch_runs = []
@@ -541,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   def torch_round(label):
     print(f"PyTorch peer ({args.torch_peer.name}), {label}...", flush=True)
     for channels_last in (False, True):
-      torch_runs.append(dict(run_torch(args, channels_last), round=label))
+      torch_runs.append(dict(torch_step(args, channels_last), round=label))
       report.put("torch", torch_runs)
       print(f"  {torch_runs[-1]}", flush=True)
 
@@ -550,21 +502,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if "convs" in args.sections:
     print(f"convs (each shape alone, batch {args.batch}; fwd/fwd+bwd ms)...")
     spec = dict(common, formulations=args.formulations, runs=args.runs)
-    report.put("convs", run_child("convs", spec, devices=1))
+    report.put("convs", run_child(_MODULE, "convs", spec, devices=1))
     _print_convs(report.data["convs"], args.formulations)
   if "variants" in args.sections:
     print(f"variants (1 device, default flags, {args.runs} runs)...")
     spec = dict(
         common, norms=args.norms, variants=args.variants, runs=args.runs
     )
-    report.put("variants", run_child("time", spec, devices=1))
+    report.put("variants", run_child(_MODULE, "time", spec, devices=1))
     _print_time(report.data["variants"])
   pair = ["base", "flax"]
   if "profile" in args.sections:
     print("profile (1 device, default flags)...", flush=True)
     spec = dict(common, norms=args.norms, variants=pair)
     spec["steps"] = args.profile_steps
-    report.put("profile", run_child("time", spec, devices=1))
+    report.put("profile", run_child(_MODULE, "time", spec, devices=1))
     _print_profile(report.data["profile"])
   best_flags = args.best_flags
   if "flags" in args.sections and best_flags is None:

@@ -35,16 +35,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_gbn import DEFAULT_SHAPES
+from benchmarks.bench_gbn import add_timing_args
+from benchmarks.bench_gbn import command_line
 from benchmarks.bench_gbn import parse_shape
 from benchmarks.bench_gbn import time_interleaved
+from benchmarks.bench_gbn import write_json
 from benchmarks.machine import machine_info
 from gbn_jax._selection import bracket
 from gbn_jax._selection import common
@@ -184,12 +185,7 @@ def main(argv=None) -> dict:
   parser.add_argument(
       "--variants", nargs="+", help="default: by backend (see docstring)"
   )
-  parser.add_argument("--runs", type=int, default=20)
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument(
-      "--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)"
-  )
-  parser.add_argument("--out", help="write the results as JSON here")
+  add_timing_args(parser, runs=20)
   args = parser.parse_args(argv)
   on_cpu = jax.default_backend() == "cpu"
   variants = args.variants or list(
@@ -202,17 +198,10 @@ def main(argv=None) -> dict:
       "inner": args.inner,
       "warmup": args.warmup,
       "variants": variants,
-      "command": " ".join(
-          ["python -m benchmarks.device_check_radix", *(argv or sys.argv[1:])]
-      ),
+      "command": command_line("benchmarks.device_check_radix", argv),
       "rows": [],
       "complete": False,
   }
-
-  def write():
-    if args.out:
-      with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
 
   for shape_text in args.shapes:
     shape = parse_shape(shape_text)
@@ -264,7 +253,7 @@ def main(argv=None) -> dict:
     if "bn" in med:
       row["ratio_to_bn"] = {name: t / med["bn"] for name, t in med.items()}
     result["rows"].append(row)
-    write()
+    write_json(args.out, result)
     timings = "  ".join(f"{name} {t * 1e3:.3f}" for name, t in med.items())
     print(f"{shape_text:>14} ms: {timings}", flush=True)
     print(
@@ -278,7 +267,7 @@ def main(argv=None) -> dict:
         flush=True,
     )
   result["complete"] = True
-  write()
+  write_json(args.out, result)
   return result
 
 

@@ -1,74 +1,29 @@
-"""The subprocesses of ``bench_lenet_step``: XLA flag sets, timing, torch.
+"""The subprocesses of ``bench_lenet_step``: its children and its torch peer.
 
-XLA flags and the host device count are fixed when JAX starts, so every
-measurement runs in a fresh interpreter (``python -m
-benchmarks.bench_lenet_step --child KIND SPEC``, :func:`run_child`), which
-prints one ``RESULT`` line of JSON; :func:`run_torch` times the PyTorch peer
-in its own interpreter.
+Each child (``python -m benchmarks.bench_lenet_step --child KIND SPEC``, run
+by :func:`benchmarks.step_children.run_child`) times or profiles the LeNet
+step in a fresh interpreter; :func:`torch_step` times the PyTorch peer's LeNet
+step in its own.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-import statistics
-import subprocess
-import sys
-import time
+import functools
 from typing import Any
 
 import jax
-import numpy as np
 
+from benchmarks import step_children
+from benchmarks import step_profile
+from benchmarks.lenet_profile import hlo_index
 from benchmarks.lenet_profile import layer_costs
-from benchmarks.lenet_profile import profile_compiled
 from benchmarks.lenet_setup import Setup
-from benchmarks.lenet_setup import compare_outputs
-from benchmarks.lenet_setup import summarize
-from benchmarks.lenet_setup import time_interleaved
 from benchmarks.machine import machine_info
-from train import host_memory
+from benchmarks.step_setup import time_variants
 
-REPO = Path(__file__).resolve().parents[1]
-RESULT = "RESULT "
-
-
-#: Flag set name -> (extra XLA_FLAGS, extra environment). All flags exist in
-#: jaxlib 0.10.2 (an unknown flag aborts the process).
-FLAG_SETS: dict[str, tuple[str, dict[str, str]]] = {
-    "default": ("", {}),
-    # YNNPACK fusions (on by default for convs, dots, reductions) off / fewer
-    # / more.
-    "ynn_off": ("--xla_cpu_experimental_ynn_fusion_type=", {}),
-    "ynn_no_conv": (
-        "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution",
-        {},
-    ),
-    "ynn_no_dot": (
-        "--xla_cpu_experimental_ynn_fusion_type=-individual_dot",
-        {},
-    ),
-    "ynn_plus_eltwise": ("--xla_cpu_experimental_ynn_fusion_type=+eltwise", {}),
-    "onednn_dot": (
-        "--xla_cpu_use_onednn=true "
-        "--xla_cpu_experimental_onednn_fusion_type=dot,eltwise",
-        {},
-    ),
-    "eigen_1thread": ("--xla_cpu_multi_thread_eigen=false", {}),
-    "no_concurrency_sched": (
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-        {},
-    ),
-    "vector_512": ("--xla_cpu_prefer_vector_width=512", {}),
-    "fast_runtime": ("--xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_RUNTIME", {}),
-    "fast_math": ("--xla_cpu_enable_fast_math=true", {}),  # not exact
-    "nproc1": ("", {"PJRT_NPROC": "1"}),  # intra-op thread pool size
-    "nproc4": ("", {"PJRT_NPROC": "4"}),
-    # glibc's malloc defaults instead of the CLI's heap reuse
-    # (train/host_memory.py): each step's temporaries in fresh pages.
-    "glibc_malloc": ("", {"GBN_HOST_MALLOC": "default"}),
-}
+MODULE = "benchmarks.bench_lenet_step"
+#: The flag sets (of :data:`benchmarks.step_children.FLAG_SETS`) timed by
+#: default.
 DEFAULT_FLAG_SETS = (
     "ynn_off",
     "ynn_no_conv",
@@ -82,8 +37,6 @@ DEFAULT_FLAG_SETS = (
     "nproc1",
     "nproc4",
 )
-#: Flag sets that may change results (never picked as "best" automatically).
-INEXACT_FLAG_SETS = frozenset({"fast_math"})
 
 
 def child_time(spec: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +49,6 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
   out = {"machine": machine_info(), "norms": {}}
   variants = list(spec["variants"])
   for k, norm in enumerate(spec["norms"]):
-    setup = Setup(norm, spec["batch"])
     names = variants
     if k and spec.get("adaptive"):
       first = out["norms"][spec["norms"][0]]["variants"]
@@ -105,35 +57,10 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
           key=lambda v: first[v]["median_ms"],
       )
       names = ["base"] + ranked[: spec["adaptive"]]
-    row = {"devices": setup.mesh.size, "variants": {}}
-    fns, outs = {}, {}
-    for name in names:
-      try:
-        compiled, state, seconds = setup.compile(name)
-        outs[name] = jax.device_get(
-            compiled(state, setup.images, setup.labels, np.int32(0))
-        )
-        fns[name] = setup.runner(compiled, state)
-        row["variants"][name] = {
-            "compile_s": round(seconds, 2),
-            "loss": float(outs[name][1]["loss"]),
-        }
-      except Exception as e:  # pylint: disable=broad-except
-        row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-    if "base" in outs:
-      for name in outs:
-        if name != "base":
-          row["variants"][name].update(
-              compare_outputs(setup.state, outs["base"], outs[name])
-          )
-    samples = time_interleaved(fns, spec["runs"], spec["warmup"])
-    for name, s in samples.items():
-      row["variants"][name].update(summarize(s))
-    if "base" in samples:
-      base = statistics.median(samples["base"])
-      for name, s in samples.items():
-        row["variants"][name]["ratio_to_base"] = statistics.median(s) / base
-    out["norms"][norm] = row
+    setup = Setup(norm, spec["batch"])
+    out["norms"][norm] = time_variants(
+        setup, names, spec["runs"], spec["warmup"]
+    )
   return out
 
 
@@ -153,8 +80,8 @@ def child_profile(spec: dict[str, Any]) -> dict[str, Any]:
         run = setup.runner(compiled, state)
         for _ in range(spec["warmup"]):
           jax.block_until_ready(run())
-        out["profiles"][f"{norm}/{variant}"] = profile_compiled(
-            compiled, run, spec["steps"]
+        out["profiles"][f"{norm}/{variant}"] = step_profile.profile_compiled(
+            hlo_index(compiled.as_text()), run, spec["steps"]
         )
       except Exception as e:  # pylint: disable=broad-except
         out["profiles"][f"{norm}/{variant}"] = {
@@ -171,16 +98,9 @@ def child_profile(spec: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def child_main(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-  """A child's run (``--child KIND SPEC``): the result, printed as JSON.
-
-  Host memory is set up as the CLI sets it (:mod:`train.host_memory`; the
-  ``glibc_malloc`` flag set keeps glibc's defaults instead).
-  """
-  host_memory.configure()
-  result = {"time": child_time, "profile": child_profile}[kind](spec)
-  print(RESULT + json.dumps(result), flush=True)
-  return result
+#: ``--child KIND``'s function.
+CHILDREN = {"time": child_time, "profile": child_profile}
+child_main = functools.partial(step_children.child_main, CHILDREN)
 
 
 _TORCH_CHILD = r"""
@@ -210,85 +130,14 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def run_child(
-    kind: str,
-    spec: dict[str, Any],
-    *,
-    devices: int,
-    flag_set: str = "default",
-    timeout: float = 900,
-) -> dict:
-  """Runs ``kind`` (time/profile) in a fresh interpreter with the flag set."""
-  flags, env_extra = FLAG_SETS[flag_set]
-  env = {
-      k: v
-      for k, v in os.environ.items()
-      if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")
-  }
-  env.update(
-      env_extra,
-      JAX_PLATFORMS="cpu",
-      XLA_FLAGS=(
-          f"--xla_force_host_platform_device_count={devices} {flags}"
-      ).strip(),
-  )
-  t = time.perf_counter()
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "benchmarks.bench_lenet_step",
-          "--child",
-          kind,
-          json.dumps(spec),
-      ],
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-  )
-  wall = time.perf_counter() - t
-  for line in proc.stdout.splitlines():
-    if line.startswith(RESULT):
-      result = json.loads(line[len(RESULT) :])
-      result["wall_s"] = round(wall, 1)
-      result["flag_set"] = flag_set
-      return result
-  return {
-      "error": (
-          f"child {kind} ({flag_set}, {devices} devices) exited "
-          f"{proc.returncode}: {proc.stderr[-2000:]}"
-      ),
-      "flag_set": flag_set,
-      "wall_s": round(wall, 1),
-  }
-
-
-def run_torch(args) -> dict[str, Any]:
+def torch_step(args) -> dict[str, Any]:
   """The peer's LeNet step ms (``bn_ms``, ``sqd_ms``) in ``--torch-python``."""
   norms = "bn,sqd" if args.torch_sqd else "bn"
-  cmd = [
-      args.torch_python,
+  warmup = max(args.warmup, 3)
+  argv = [
       "-c",
       _TORCH_CHILD,
-      str(args.torch_peer),
-      str(args.torch_runs),
-      str(max(args.warmup, 3)),
-      str(args.torch_threads),
-      norms,
-      "0.5",
-      str(args.batch),
+      *map(str, (args.torch_peer, args.torch_runs, warmup, args.torch_threads)),
+      *(norms, "0.5", str(args.batch)),
   ]
-  t = time.perf_counter()
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-  for line in proc.stdout.splitlines():
-    if line.startswith(RESULT):
-      result = json.loads(line[len(RESULT) :])
-      result["wall_s"] = round(time.perf_counter() - t, 1)
-      return result
-  return {
-      "error": (
-          f"torch child exited {proc.returncode}: " f"{proc.stderr[-2000:]}"
-      )
-  }
+  return step_children.run_torch(args.torch_python, argv, timeout=900)

@@ -1,16 +1,15 @@
 """The real LeNet train step of ``bench_lenet_step``, and its variants' checks.
 
 :class:`Setup` lays out ``train.train.train_step`` for one norm as training
-does (``create_train_state``/``create_optimizer``, the mesh and shardings of
-``compile_program``) on Fashion-MNIST-shaped random data; a variant of
-:mod:`benchmarks.lenet_variants` swaps ``state.apply_fn``, parameters kept.
+does (:func:`benchmarks.step_setup.random_train_step`) on
+Fashion-MNIST-shaped random data; a variant of :mod:`benchmarks.lenet_variants`
+swaps ``state.apply_fn``, parameters kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
-import statistics
 import time
 from typing import Any
 
@@ -20,64 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from benchmarks.bench_gbn import interleaved_samples
 from benchmarks.lenet_variants import DATASET
 from benchmarks.lenet_variants import IMAGE_SHAPE
 from benchmarks.lenet_variants import make_model
+from benchmarks.step_setup import random_train_step
+from benchmarks.step_setup import rel_diff
 from train import configs
-from train import datasets
 from train import input_pipeline
 from train import train as trainlib
-
-
-def random_train_step(
-    config: configs.Config,
-    model: Any,
-    mesh: jax.sharding.Mesh,
-    *,
-    steps: int,
-    seed: int,
-) -> tuple[Any, jax.Array, jax.Array, Callable[..., Any]]:
-  """``train.train_step``'s inputs on random data, laid out as training does.
-
-  Shared by the LeNet and ResNet20 step benchmarks: ``config``'s dataset
-  gives the image shape and classes, its batch size the batch, and its
-  optimizer the state's.
-
-  Returns:
-    ``(state, images, labels, step)``: the replicated initial state, ``steps``
-    batches of uint8 images and int32 labels split over ``mesh``'s data axis,
-    and the step jitted as ``train.compile_program`` builds it (no donation
-    on CPU).
-  """
-  info = datasets.dataset_info(config.dataset)
-  image_shape, batch = info.image_shape, config.batch_size
-  replicated = NamedSharding(mesh, P())
-  batched = NamedSharding(mesh, P(None, trainlib.DATA_AXIS))
-  init = jax.jit(
-      functools.partial(
-          trainlib.create_train_state,
-          model=model,
-          image_shape=image_shape,
-          tx=trainlib.create_optimizer(config),
-      ),
-      out_shardings=replicated,
-  )
-  state = init(jax.random.key(seed))
-  rng = np.random.default_rng(seed)
-  images = jax.device_put(
-      rng.integers(0, 256, (steps, batch, *image_shape), dtype=np.uint8),
-      batched,
-  )
-  labels = jax.device_put(
-      rng.integers(0, info.num_classes, (steps, batch)).astype(np.int32),
-      batched,
-  )
-  step = jax.jit(
-      functools.partial(trainlib.train_step, dataset=config.dataset),
-      out_shardings=(replicated, replicated),
-  )
-  return state, images, labels, step
 
 
 class Setup:
@@ -144,29 +93,6 @@ class Setup:
     return run
 
 
-def _rel(a, b) -> float:
-  """Max over leaves of ||a - b|| / ||b|| (0 where both are 0)."""
-  worst = 0.0
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    x = np.asarray(x, np.float64)
-    y = np.asarray(y, np.float64)
-    den = np.linalg.norm(y)
-    num = np.linalg.norm(x - y)
-    worst = max(worst, num / den if den else num)
-  return float(worst)
-
-
-def compare_outputs(before, base_out, variant_out) -> dict[str, float]:
-  """Loss and parameter-update (and batch_stats) differences of two steps."""
-  (s_b, m_b), (s_v, m_v) = base_out, variant_out
-  upd = lambda s: jax.tree.map(lambda n, o: n - o, s.params, before.params)
-  return {
-      "loss_rel": _rel(m_v["loss"], m_b["loss"]),
-      "update_rel": _rel(upd(s_v), upd(s_b)),
-      "batch_stats_rel": _rel(s_v.batch_stats, s_b.batch_stats),
-  }
-
-
 def loss_and_grads(setup: Setup, variant: str, params=None, step: int = 0):
   """train_step's loss, gradients and batch_stats for ``variant`` (traceable)."""
   state = setup.state_for(variant)
@@ -205,23 +131,8 @@ def check_variants(
     if jax.tree.structure(gv) != jax.tree.structure(gb):
       raise ValueError(f"variant {name!r} has another gradient tree")
     rows[name] = {
-        "loss_rel": _rel(lv, lb),
-        "grad_rel": _rel(gv, gb),
-        "batch_stats_rel": _rel(sv, sb),
+        "loss_rel": rel_diff(lv, lb),
+        "grad_rel": rel_diff(gv, gb),
+        "batch_stats_rel": rel_diff(sv, sb),
     }
   return rows
-
-
-def time_interleaved(
-    fns: dict[str, Callable[[], Any]], runs: int, warmup: int
-) -> dict[str, list[float]]:
-  """Seconds per call of each fn (blocked), round-robin after warm-up."""
-  return interleaved_samples(fns, runs, warmup)
-
-
-def summarize(samples: Sequence[float]) -> dict[str, float]:
-  return {
-      "median_ms": statistics.median(samples) * 1e3,
-      "min_ms": min(samples) * 1e3,
-      "runs_ms": [round(s * 1e3, 2) for s in samples],
-  }

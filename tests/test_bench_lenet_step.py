@@ -18,6 +18,7 @@ from benchmarks import lenet_children
 from benchmarks import lenet_profile
 from benchmarks import lenet_setup
 from benchmarks import lenet_variants
+from benchmarks import step_profile
 
 pytestmark = pytest.mark.slow  # about 15-40 s in all (compilations)
 
@@ -112,9 +113,7 @@ def test_profile_attributes_ops_to_layers():
   index = lenet_profile.hlo_index(compiled.as_text())
   parts = {info["part"] for info in index.values()}
   assert {"conv1", "conv2", "norm1", "fc1", "pool"} <= parts
-  prof = lenet_profile.profile_compiled(
-      compiled, setup.runner(compiled, state), 1
-  )
+  prof = step_profile.profile_compiled(index, setup.runner(compiled, state), 1)
   assert prof["op_wall_ms_per_step"] > 0
   assert abs(sum(v["share"] for v in prof["by_part"].values()) - 1) < 1e-6
   # the weight-gradient convolutions, which carry no op_name, are found

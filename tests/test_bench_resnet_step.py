@@ -173,8 +173,8 @@ def test_main_runs_sections_and_compares_with_the_peer(tmp_path):
 def test_final_runs_each_norm_in_a_process_of_its_own(monkeypatch):
   calls = []
 
-  def fake_child(kind, spec, *, devices, flag_set="default"):
-    calls.append((kind, spec["norms"], devices, flag_set))
+  def fake_child(module, kind, spec, *, devices, flag_set="default"):
+    calls.append((module, kind, spec["norms"], devices, flag_set))
     (norm,) = spec["norms"]
     if norm == "sqd2":
       return {"error": "exited 1: boom", "wall_s": 2.0}
@@ -185,8 +185,8 @@ def test_final_runs_each_norm_in_a_process_of_its_own(monkeypatch):
   spec = {"variants": ["base"], "runs": 1}
   merged = bench._per_norm_processes(spec, ["bn", "sqd2"], 2, "default")  # pylint: disable=protected-access
   assert calls == [
-      ("time", ["bn"], 2, "default"),
-      ("time", ["sqd2"], 2, "default"),
+      ("benchmarks.bench_resnet_step", "time", ["bn"], 2, "default"),
+      ("benchmarks.bench_resnet_step", "time", ["sqd2"], 2, "default"),
   ]
   assert set(merged["norms"]) == {"bn"}
   assert merged["wall_s"] == 3.0 and merged["machine"] == {"cpu": "x"}
