@@ -192,11 +192,11 @@ def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
 def test_data_dir_without_the_data_is_an_error_not_another_copy(
     tmp_path, capsys, monkeypatch
 ):
-  from train import datasets  # pylint: disable=g-import-not-at-top
+  from train import data_locate  # pylint: disable=g-import-not-at-top
 
   installed = write_tiny_mnist(tmp_path / "installed" / "mnist")
   monkeypatch.setattr(
-      datasets, "SYSTEM_DATA_DIRS", (str(tmp_path / "installed"),)
+      data_locate, "SYSTEM_DATA_DIRS", (str(tmp_path / "installed"),)
   )
   empty = tmp_path / "empty"
   empty.mkdir()

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from train import data_locate
 from train import datasets
 from train import input_pipeline as ip
 
@@ -38,8 +39,8 @@ def places(tmp_path, monkeypatch):
   for path in paths.values():
     path.mkdir()
   monkeypatch.setenv(datasets.ENV_DATA_DIR, str(paths["env"]))
-  monkeypatch.setattr(datasets, "USER_DATA_DIR", str(paths["user"]))
-  monkeypatch.setattr(datasets, "SYSTEM_DATA_DIRS", (str(paths["system"]),))
+  monkeypatch.setattr(data_locate, "USER_DATA_DIR", str(paths["user"]))
+  monkeypatch.setattr(data_locate, "SYSTEM_DATA_DIRS", (str(paths["system"]),))
   monkeypatch.setenv("TFDS_DATA_DIR", str(paths["tfds"]))
   return paths
 

@@ -33,6 +33,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
+from train import data_locate
 from train import datasets
 
 ENV_NO_DOWNLOAD = "GBN_NO_DOWNLOAD"
@@ -227,7 +228,7 @@ def load_dataset(
 
   The usual sources come first; only when none has the dataset are its
   files downloaded, into the user folder that those sources include
-  (``train.datasets.USER_DATA_DIR``), and read from there.
+  (``train.data_locate.USER_DATA_DIR``), and read from there.
 
   Args:
     name: One of ``train.datasets.DATASETS``.
@@ -246,7 +247,7 @@ def load_dataset(
     return datasets.load_dataset(name, use_tfds=use_tfds, download=download)
   except datasets.DataNotFoundError as missing:
     try:
-      folder = fetch(name, datasets.USER_DATA_DIR, progress=progress)
+      folder = fetch(name, data_locate.USER_DATA_DIR, progress=progress)
     except DownloadError as e:
       raise datasets.DataNotFoundError(f"{missing}\n{e}") from e
   return datasets.load_dataset(name, folder, use_tfds=False)
@@ -351,7 +352,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
       ),
   )
   parser.add_argument("names", nargs="+", choices=sorted(SOURCES))
-  parser.add_argument("--cache-dir", default=datasets.USER_DATA_DIR)
+  parser.add_argument("--cache-dir", default=data_locate.USER_DATA_DIR)
   parser.add_argument(
       "--no-progress", action="store_true", help="no progress bar on stderr"
   )

@@ -23,15 +23,15 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from train.datasets import DATASETS
-from train.datasets import DataNotFoundError
-from train.datasets import Dataset
-from train.datasets import DatasetInfo
-from train.datasets import MalformedDataError
-from train.datasets import dataset_info
-from train.datasets import dataset_layout
+from train.data_info import DATASETS
+from train.data_info import DataNotFoundError
+from train.data_info import Dataset
+from train.data_info import DatasetInfo
+from train.data_info import MalformedDataError
+from train.data_info import dataset_info
+from train.data_locate import dataset_layout
+from train.data_locate import search_locations
 from train.datasets import load_dataset
-from train.datasets import search_locations
 
 __all__ = [
     "DATASETS",
