@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from train import capture
 from train import checkpointing
 from train import gain
 from train import input_pipeline
@@ -169,3 +170,55 @@ def test_bad_images_count_is_an_error(tmp_path, trained_run):
     gain.run_gains(workdir, data_dir=data_dir, images=0)
   with pytest.raises(ValueError, match="more than the"):
     gain.run_gains(workdir, data_dir=data_dir, images=10**6)
+
+
+def test_training_records_each_norm_layers_n_and_gaussian_gain(
+    tmp_path, capsys, trained_run
+):
+  config, workdir, data_dir = trained_run
+  record = json.loads((workdir / capture.NORM_LAYERS_FILE).read_text())
+  inputs = _conv_outputs(
+      config,
+      train.create_model(train.resolve(config), 10).init(
+          jax.random.key(0), np.zeros((1, 28, 28, 1), np.float32), train=True
+      ),
+      data_dir,
+  )
+  assert list(record["layers"]) == ["norm1", "norm2"]
+  for name, x in inputs.items():  # n: batch x spatial positions
+    assert record["layers"][name]["n"] == x.size // x.shape[-1]
+    np.testing.assert_allclose(  # mad: sigma / E|Z| = sqrt(pi / 2)
+        record["layers"][name]["gaussian"], math.sqrt(math.pi / 2), rtol=1e-6
+    )
+  assert (record["norm"], record["batch_size"]) == ("mad", config.batch_size)
+  # Runs trained before training recorded it get the same file, without data.
+  old = tmp_path / "old"
+  checkpointing.write_config(old, train.resolve(config))
+  assert gain.main(["--norm-layers", str(old)]) == 0
+  assert json.loads((old / capture.NORM_LAYERS_FILE).read_text()) == record
+  assert str(old / capture.NORM_LAYERS_FILE) in capsys.readouterr().out
+
+
+def test_capture_calls_sees_inputs_and_outputs_in_call_order(trained_run):
+  config, _, data_dir = trained_run
+  model = train.create_model(train.resolve(config), 10)
+  x = np.random.default_rng(0).normal(size=(4, 28, 28, 1)).astype(np.float32)
+  variables = model.init(jax.random.key(1), x, train=True)
+  _, state = model.apply(
+      variables,
+      x,
+      train=True,
+      mutable=["batch_stats", "intermediates"],
+      capture_intermediates=True,
+  )
+  inter = state["intermediates"]
+  with capture.capture_calls() as calls:
+    model.apply(variables, x, train=True, mutable=["batch_stats"])
+  assert list(calls) == ["norm1", "norm2"]
+  for i in (1, 2):
+    call = calls[f"norm{i}"]
+    np.testing.assert_array_equal(call.input, inter[f"conv{i}"]["__call__"][0])
+    np.testing.assert_array_equal(call.output, inter[f"norm{i}"]["__call__"][0])
+  with capture.capture_calls(lambda m: m.name == "conv2") as calls:
+    model.apply(variables, x, train=True, mutable=["batch_stats"])
+  assert list(calls) == ["conv2"]

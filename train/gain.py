@@ -31,6 +31,10 @@ built-in measure, the overall *raw* (uncalibrated) gain on the same
 activations, which says how far real activations are from the Gaussian
 constants whatever the run's own norm. ``bn`` (flax's BatchNorm) has gain 1
 by definition and is measured as ``sd``.
+
+``--norm-layers`` writes only ``norm_layers.json`` (each norm layer's ``n``
+and Gaussian gain, see :mod:`train.capture`), which training records since
+it exists, for older runs; it needs no data.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import numpy as np
 
 import gbn_jax
 from gbn_jax import measures as measures_lib
+from train import capture
 from train import checkpointing
 from train import input_pipeline
 from train import train as train_lib
@@ -59,10 +64,6 @@ GAIN_FILE = "gain.json"
 #: The registered measures whose raw gain is reported for every run (``sqd``
 #: itself needs an ``alpha``: its named levels stand for it).
 RAW_MEASURES = tuple(name for name in gbn_jax.MEASURES if name != "sqd")
-
-
-def _module_path(module: nn.Module) -> str:
-  return "/".join(module.scope.path) if module.scope is not None else ""
 
 
 def _layer_measure(module: nn.Module) -> measures_lib.MeasureFn:
@@ -83,20 +84,11 @@ def capture_norm_inputs(
     ``{layer path: (the bound module, its input as float32 numpy)}``, in call
     order. Norm layers are flax ``BatchNorm`` and ``gbn_jax.GBatchNorm``.
   """
-  captured: dict[str, tuple[nn.Module, np.ndarray]] = {}
-
-  def capture(next_fun, args, kwargs, context):
-    if context.method_name == "__call__" and isinstance(
-        context.module, (nn.BatchNorm, gbn_jax.GBatchNorm)
-    ):
-      captured[_module_path(context.module)] = (context.module, args[0])
-    return next_fun(*args, **kwargs)
-
-  with nn.intercept_methods(capture):
+  with capture.capture_calls() as captured:
     model.apply(variables, images, train=True, mutable=["batch_stats"])
   return {
-      name: (module, np.asarray(x, np.float32))
-      for name, (module, x) in captured.items()
+      name: (call.module, np.asarray(call.input, np.float32))
+      for name, call in captured.items()
   }
 
 
@@ -132,7 +124,7 @@ def layer_gains(
   for name, (module, x) in captured.items():
     axis = module.axis if isinstance(module.axis, int) else -1
     measure = _layer_measure(module)
-    n = x.size // x.shape[axis]
+    n = capture.statistic_size(module, x.shape)
     entry = _summary(_feature_gains(x, measure, axis))
     if isinstance(measure, measures_lib.Measure) and (
         measure.normal_scale is not None
@@ -237,6 +229,23 @@ def run_gains(
   return result
 
 
+def record_norm_layers(workdir: str | Path) -> Path:
+  """Writes ``capture.NORM_LAYERS_FILE`` for a run trained before training
+  wrote it; returns its path. Needs no data, only the dataset's shape.
+
+  Raises:
+    checkpointing.RunDirError: No readable ``config.json``.
+  """
+  config = train_lib.resolve(checkpointing.read_config(workdir))
+  info = input_pipeline.dataset_info(config.dataset)
+  return capture.write_norm_layers(
+      workdir,
+      config,
+      train_lib.create_model(config, info.num_classes),
+      (config.batch_size, *info.image_shape),
+  )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog=_PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1]
@@ -251,7 +260,18 @@ def main(argv: Sequence[str] | None = None) -> int:
       default=None,
       help="first training images to use (default: the " "run's batch size)",
   )
+  parser.add_argument(
+      "--norm-layers",
+      action="store_true",
+      help=f"only write {capture.NORM_LAYERS_FILE} (each norm layer's n "
+      "and Gaussian gain, which training records since it exists) for "
+      "older runs; needs no data",
+  )
   args = parser.parse_args(argv)
+  if args.norm_layers:
+    for run_dir in args.run_dirs:
+      print(record_norm_layers(run_dir))
+    return 0
   for run_dir in args.run_dirs:
     result = run_gains(run_dir, data_dir=args.data_dir, images=args.images)
     path = Path(run_dir) / GAIN_FILE

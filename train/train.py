@@ -80,6 +80,7 @@ import gbn_jax
 from gbn_jax import convolution
 from gbn_jax._selection import config as selection_config
 from gbn_jax._selection import native as selection_native
+from train import capture
 from train import checkpointing
 from train import configs
 from train import health
@@ -239,10 +240,6 @@ def _percentiles(values: jax.Array, percentiles: Sequence[float]) -> jax.Array:
   )
 
 
-def _module_path(module: nn.Module) -> str:
-  return "/".join(module.scope.path) if module.scope is not None else ""
-
-
 def train_step(
     state: TrainState,
     images: jax.Array,
@@ -274,21 +271,6 @@ def train_step(
 
   def loss_fn(params):
     captured = {}
-
-    def capture(next_fun, args, kwargs, context):
-      out = next_fun(*args, **kwargs)
-      if (
-          context.method_name == "__call__"
-          and _module_path(context.module) == record.layer
-      ):
-        captured["before"] = _percentiles(
-            args[0][..., record.feature], record.percentiles
-        )
-        captured["after"] = _percentiles(
-            out[..., record.feature], record.percentiles
-        )
-      return out
-
     apply = functools.partial(
         state.apply_fn,
         {"params": params, "batch_stats": state.batch_stats},
@@ -299,8 +281,17 @@ def train_step(
     if record is None:
       logits, updates = apply()
     else:
-      with nn.intercept_methods(capture):
+      with capture.capture_calls(
+          lambda module: capture.module_path(module) == record.layer
+      ) as calls:
         logits, updates = apply()
+      for call in calls.values():
+        captured["before"] = _percentiles(
+            call.input[..., record.feature], record.percentiles
+        )
+        captured["after"] = _percentiles(
+            call.output[..., record.feature], record.percentiles
+        )
       if not captured:
         raise ValueError(
             f"--record-layer {record.layer!r} is not a layer of the model; "
@@ -868,6 +859,13 @@ def train_and_evaluate(
     if primary:
       checkpointing.write_config(workdir, config)
       checkpointing.write_metrics(workdir, history)
+      # The report reads each norm layer's n from here: it imports no jax.
+      capture.write_norm_layers(
+          workdir,
+          config,
+          create_model(config, dataset.num_classes),
+          (config.batch_size, *dataset.train_images.shape[1:]),
+      )
     if last is not None:
       log(f"resumed from {checkpointer.directory / str(last)}")
     if primary and record is not None:
