@@ -20,8 +20,10 @@ import time
 import numpy as np
 import pytest
 
+from train import capture
 from train import checkpointing
 from train import configs
+from train import gain as gain_lib
 from train import report
 from train import sweep
 
@@ -692,11 +694,11 @@ def test_gaussian_gain_equals_definitions():
       "bn_gain:rbd": 1 / (2 * _normal_e_max(50)),
   }
   for norm, gain in expected.items():
-    assert report.gaussian_gain(norm, "none", 50) == pytest.approx(
+    assert capture.gaussian_gain(norm, "none", 50) == pytest.approx(
         gain, rel=1e-6
     ), norm
     # Calibration gives every measure BatchNorm's gain; bn_gain keeps its own.
-    assert report.gaussian_gain(norm, "normal", 50) == pytest.approx(
+    assert capture.gaussian_gain(norm, "normal", 50) == pytest.approx(
         gain if norm.startswith("bn_gain:") else 1.0, rel=1e-6
     ), norm
   # And on a large Gaussian sample, sigma / D of the measure itself.
@@ -706,26 +708,41 @@ def test_gaussian_gain_equals_definitions():
   for norm in ("mad", "rsd", "sqd1", "sqd3"):
     _, d = gbn_jax.get_measure(norm)(x, (0,))
     assert x.std() / float(d[0]) == pytest.approx(
-        report.gaussian_gain(norm, None, x.size), rel=0.01
+        capture.gaussian_gain(norm, None, x.size), rel=0.01
     ), norm
   with pytest.raises(ValueError, match="unknown norm"):
-    report.gaussian_gain("nope", None, 50)
+    capture.gaussian_gain("nope", None, 50)
 
 
 def test_gaussian_layer_gains_take_n_from_the_model(tmp_path):
   run = _write_run(tmp_path / "r", "rbd", 0, 0.01, [0.3], [1])
-  config = json.loads((run / "config.json").read_text())
+  gain_lib.record_norm_layers(run)  # what training writes beside metrics
   # LeNet on 28x28: conv 5x5 -> 24x24 (norm1); pool -> 12; conv 5x5 -> 8x8.
   sizes = {"norm1": 1000 * 24 * 24, "norm2": 1000 * 8 * 8}
-  gains = report.gaussian_layer_gains(config)
+  record = json.loads((run / capture.NORM_LAYERS_FILE).read_text())
+  assert {k: v["n"] for k, v in record["layers"].items()} == sizes
+  gains = report.gaussian_layer_gains(report.find_runs([run])[0])
   assert set(gains) == set(sizes)
   for layer, n in sizes.items():
     assert gains[layer] == pytest.approx(
         1 / (2 * _normal_e_max(n)), rel=1e-5
     ), layer
-  cifar = dict(config, dataset="cifar10", batch_size=8)
-  gains = report.gaussian_layer_gains(cifar)  # 32 -> 28 -> 14 -> 10
-  assert gains["norm2"] == pytest.approx(
+  config = checkpointing.read_config(run)
+  checkpointing.write_config(run, config.replace(dataset="cifar10"))
+  # A record of another config is not used; its own is rewritten.
+  assert report.gaussian_layer_gains(report.find_runs([run])[0]) is None
+  checkpointing.write_config(run, config.replace(batch_size=8))
+  gain_lib.record_norm_layers(run)
+  gains = report.gaussian_layer_gains(report.find_runs([run])[0])
+  assert gains["norm2"] == pytest.approx(  # 28 -> 24 -> 12 -> 8
+      1 / (2 * _normal_e_max(8 * 64)), rel=1e-5
+  )
+  checkpointing.write_config(
+      run, config.replace(dataset="cifar10", batch_size=8)
+  )
+  gain_lib.record_norm_layers(run)
+  gains = report.gaussian_layer_gains(report.find_runs([run])[0])
+  assert gains["norm2"] == pytest.approx(  # 32 -> 28 -> 14 -> 10
       1 / (2 * _normal_e_max(8 * 100)), rel=1e-5
   )
 
@@ -752,6 +769,7 @@ def gain_sweep(tmp_path):
         )
         if calibration == "normal":
           _calibrate(folder)
+        gain_lib.record_norm_layers(folder)
         init, final = rng.uniform(0.1, 3), rng.uniform(0.1, 3)
         has_gain = not (norm == "sqd2" or (norm == "rsd" and seed == 2))
         if has_gain:
@@ -874,6 +892,8 @@ def test_report_without_gain_or_calibrated_runs(fake_sweep, tmp_path):
   text = (tmp_path / "out" / "report.md").read_text()
   assert "## Gain" not in text and "## Calibrated" not in text
   # --gain writes the Gaussian gains anyway; measured ones are "–".
+  for run in report.find_runs([fake_sweep[0]]):
+    gain_lib.record_norm_layers(run.path)
   report.main([str(fake_sweep[0]), "--out", str(tmp_path / "g"), "--gain"])
   gain = _section((tmp_path / "g" / "report.md").read_text(), "## Gain")
   cells = _cells(gain, "rsd")
