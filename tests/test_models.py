@@ -16,6 +16,7 @@ import scipy.stats
 
 import gbn_jax
 from train import models
+from train import norms
 
 GBN_NORMS = (
     "sd",
@@ -712,7 +713,7 @@ def test_recompute_elementwise_keeps_the_input_and_the_statistics(norm, capsys):
       for m in map(re.compile(r".* output of (\w+)").match, recomputed)
       if m
   }
-  assert kept and not kept & models._ELEMENTWISE_PRIMITIVES, recomputed
+  assert kept and not kept & norms._ELEMENTWISE_PRIMITIVES, recomputed
 
 
 def test_recompute_elementwise_takes_module_factories_only():

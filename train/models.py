@@ -1,8 +1,9 @@
 """LeNet and ResNet20 with a swappable normalization layer.
 
 Both models build every normalization layer through one factory, the ``norm``
-field: a ``functools.partial`` of ``flax.linen.BatchNorm`` (``--norm bn``, the
-baseline) or of ``gbn_jax.GBatchNorm(measure=...)``. That factory is the only
+field: `train.norms.make_norm`'s ``functools.partial`` of
+``flax.linen.BatchNorm`` (``--norm bn``, the baseline) or of
+``gbn_jax.GBatchNorm(measure=...)``. That factory is the only
 thing that differs between norms, and every norm layer has an explicit name,
 so the parameter and ``batch_stats`` trees are identical for all norms.
 
@@ -39,9 +40,7 @@ norm's own learned bias takes its place.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import dataclasses
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -49,288 +48,20 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from gbn_jax import MEASURES
-from gbn_jax import GBatchNorm
-from gbn_jax import Measure
-from gbn_jax import get_measure as gbn_get_measure
-from gbn_jax import parse_measure_name
 from gbn_jax.convolution import conv as gbn_conv
 from gbn_jax.convolution import conv_kernel_gradient
+from train.layers import PatchConv
+from train.layers import im2col
+from train.layers import max_pool_2x2
 
-ModuleDef = Callable[..., nn.Module]
-
-#: The ``--norm`` value that selects ``flax.linen.BatchNorm`` itself.
-BASELINE_NORM = "bn"
-#: ``bn_gain:<measure>``: BatchNorm's statistics, with D scaled to the gain
-#: that ``<measure>`` gives a Gaussian feature (the gain without the shape).
-GAIN_NORM = "bn_gain"
-#: ``--calibration`` values: ``none``, or ``normal`` for GBatchNorm's
-#: ``calibration='normal'``.
-CALIBRATIONS = ("none", "normal")
-
-
-@dataclasses.dataclass(frozen=True)
-class NormSpec:
-  """A parsed ``--norm`` value.
-
-  Attributes:
-    measure: ``None`` for ``flax.linen.BatchNorm``, else a GBN measure name.
-    alpha: The quantile level for ``sqd``, else ``None``.
-    gain_of: For ``bn_gain:<norm>``, that norm's own spec (``measure`` is
-      then ``'sd'``): BatchNorm's ``D = sigma`` times the ``D`` that
-      ``<norm>`` gives a standard normal feature.
-  """
-
-  measure: str | None
-  alpha: float | None = None
-  gain_of: "NormSpec | None" = None
-
-
-def norm_names() -> tuple[str, ...]:
-  """Returns the accepted ``--norm`` spellings (``sqd`` as ``sqd:<alpha>``)."""
-  names = [BASELINE_NORM]
-  for name, spec in MEASURES.items():
-    names.append(f"{name}:<alpha>" if "alpha" in spec.required else name)
-  names.append(f"{GAIN_NORM}:<norm>")
-  return tuple(names)
-
-
-def parse_norm(spec: str) -> NormSpec:
-  """Parses a ``--norm`` value such as ``bn``, ``mad`` or ``sqd:0.9``.
-
-  Args:
-    spec: The value to parse.
-
-  Returns:
-    The parsed specification.
-
-  Raises:
-    ValueError: If ``spec`` names no known norm, or an alpha is missing,
-      unexpected, not a number or outside (0, 1).
-  """
-  if not isinstance(spec, str):
-    raise ValueError(f"norm must be a string, got {spec!r}")
-  # The norm's own words (bn, bn_gain:<norm>) first; a measure's name and
-  # its alpha are read by gbn_jax.parse_measure_name.
-  head, sep, rest = spec.strip().partition(":")
-  choices = ", ".join(norm_names())
-  if head == BASELINE_NORM and not sep:
-    return NormSpec(measure=None)
-  if head == GAIN_NORM:
-    if not sep:
-      raise ValueError(
-          f"norm {head!r} needs a norm whose gain to take: write "
-          f"{head}:<norm>, e.g. {head}:sqd1"
-      )
-    target = parse_norm(rest)
-    if target.measure is None or target.gain_of is not None:
-      raise ValueError(
-          f"{spec!r}: the gain must be that of a GBN measure "
-          f"(not {rest!r}); choose one of: {choices}"
-      )
-    return NormSpec(measure="sd", gain_of=target)
-  if head not in MEASURES:
-    raise ValueError(f"unknown norm {spec!r}; choose one of: {choices}")
-  try:
-    name, params = parse_measure_name(spec)
-  except ValueError as e:
-    raise ValueError(f"norm {spec!r}: {e} Choose one of: {choices}") from None
-  if "alpha" in MEASURES[name].required and "alpha" not in params:
-    raise ValueError(
-        f"norm {name!r} needs a quantile level: write {name}:<alpha> with "
-        f"0 < alpha < 1, e.g. {name}:0.9 (sqd1/sqd2/sqd3 are alpha "
-        "0.25/0.5/0.75)"
-    )
-  return NormSpec(measure=name, alpha=params.get("alpha"))
-
-
-def make_norm(
-    spec: str | NormSpec,
-    *,
-    momentum: float = 0.9,
-    epsilon: float = 1e-5,
-    axis_name: str | None = None,
-    renorm_clipping: dict[str, float] | None = None,
-    calibration: str | None = None,
-) -> ModuleDef:
-  """The single norm factory used by every model.
-
-  Args:
-    spec: A ``--norm`` string or a parsed :class:`NormSpec`.
-    momentum: Running-average momentum (flax convention: new = momentum *
-      old + (1 - momentum) * batch).
-    epsilon: Added to D(x)^2 before the square root.
-    axis_name: Mapped axis to reduce statistics over; only needed inside
-      ``shard_map``/``pmap`` (under ``jit`` over a sharded batch XLA already
-      computes global-batch statistics).
-    renorm_clipping: If given, batch renormalization with these limits
-      (``gbn_jax.GBatchNorm``'s ``renorm_clipping``); ``bn`` then means
-      ``GBatchNorm(measure='sd')``, which computes BatchNorm's statistics.
-    calibration: ``None``/``'none'``, or ``'normal'``: GBN layers get
-      ``calibration='normal'``. ``bn`` ignores it and stays
-      ``flax.linen.BatchNorm`` (BatchNorm's constant is 1), as does ``sd``
-      in effect.
-
-  Returns:
-    A partial of ``flax.linen.BatchNorm`` or ``gbn_jax.GBatchNorm`` that the
-    models call as ``norm(use_running_average=..., name=...)``.
-  """
-  if isinstance(spec, str):
-    spec = parse_norm(spec)
-  if calibration not in (None, *CALIBRATIONS):
-    raise ValueError(
-        f"calibration {calibration!r} is not one of: "
-        f"{', '.join(CALIBRATIONS)}"
-    )
-  common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
-  if renorm_clipping is not None:
-    common.update(renorm=True, renorm_clipping=renorm_clipping)
-    if spec.measure is None:
-      spec = NormSpec(measure="sd")
-  if spec.measure is None:
-    return functools.partial(nn.BatchNorm, **common)
-  if spec.gain_of is not None:
-    # The gain study's converse: BatchNorm given another measure's gain.
-    # Calibration would undo exactly that gain, so it does not apply.
-    return functools.partial(
-        GBatchNorm, measure=gain_measure(spec.gain_of), **common
-    )
-  if calibration == "normal" and spec.measure != "sd":
-    # Left out for sd (constant 1): the module is then exactly the one
-    # without calibration, as bn's (above) is.
-    common["calibration"] = "normal"
-  return functools.partial(
-      GBatchNorm, measure=spec.measure, alpha=spec.alpha, **common
-  )
-
-
-@functools.lru_cache(maxsize=None)
-def gain_measure(target: NormSpec) -> Measure:
-  """BatchNorm's ``(mean, sigma)`` with ``sigma`` times ``target``'s Gaussian ``D``.
-
-  For Gaussian data this layer has the gain of ``target`` and BatchNorm's
-  shape (centering on the mean, a symmetric deviation). The constant is
-  ``gbn_jax.get_measure(target).normal_constant(n)`` for the ``n`` values
-  per statistic, a static count, so the measure takes no mask (the error
-  says why). It does not pool devices, so under
-  ``axis_name`` the layer gathers the global batch for it (and ``n`` is the
-  global count). One measure per target (cached), so that jit reuses its
-  traces.
-
-  Args:
-    target: the norm whose Gaussian ``D`` gives the gain.
-
-  Returns:
-    The measure, for ``GBatchNorm(measure=...)``.
-
-  >>> import numpy as np
-  >>> x = jnp.asarray(np.random.default_rng(0).standard_normal((4000, 2)))
-  >>> _, d = gain_measure(parse_norm("rsd"))(x, (0,))
-  >>> [round(float(v), 2) for v in d]  # about 1/sqrt(2 pi)
-  [0.4, 0.4]
-  """
-  sd = gbn_get_measure("sd")
-  reference = gbn_get_measure(
-      target.measure,
-      **({} if target.alpha is None else {"alpha": target.alpha}),
-  )
-
-  def measure(x, axis):
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    n = math.prod(x.shape[a] for a in axes)
-    mean, sigma = sd(x, axes)
-    return mean, sigma * reference.normal_constant(n)
-
-  name = f"{GAIN_NORM}:{target.measure}"
-  if target.alpha is not None:
-    name += f":{target.alpha}"
-  return Measure(
-      name,
-      measure,
-      mask_refusal="its constant needs the static number of values",
-  )
-
-
-def max_pool_2x2(x: jax.Array) -> jax.Array:
-  """2x2 stride-2 VALID max-pool of NHWC ``x``, as a reshape and a max.
-
-  The values are ``nn.max_pool(x, (2, 2), strides=(2, 2))``'s. The gradient
-  goes to each window's maximum, split equally over tied maxima, where
-  ``nn.max_pool``'s (``select_and_scatter``) gives it all to one of them; the
-  two agree wherever a window's maximum is unique, and after a ReLU the ties
-  are zeros, whose ReLU gradient is zero either way. Why not ``nn.max_pool``:
-  on XLA:CPU its gradient builds index arrays and a scatter and took about a
-  third of a LeNet step (``benchmarks/bench_lenet_step.py``).
-
-  >>> x = jnp.arange(16.).reshape(1, 4, 4, 1)
-  >>> max_pool_2x2(x)[0, :, :, 0]
-  Array([[ 5.,  7.],
-         [13., 15.]], dtype=float32)
-  """
-  n, h, w, c = x.shape
-  x = x[:, : h // 2 * 2, : w // 2 * 2, :]
-  return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
-
-
-def im2col(
-    x: jax.Array,
-    kh: int,
-    kw: int,
-    *,
-    strides: int = 1,
-    padding: str = "VALID",
-) -> jax.Array:
-  """``kh x kw`` patches ``(n, oh, ow, kh*kw*c)`` of NHWC ``x``.
-
-  Ordered like a flattened HWIO kernel, so ``im2col(x, kh, kw, strides=s,
-  padding=p) @ kernel.reshape(-1, features)`` is ``lax.conv_general_dilated``
-  with window strides ``(s, s)`` and padding ``p`` (``'VALID'`` or
-  ``'SAME'``, as in ``nn.Conv``).
-  """
-  if padding != "VALID":
-    pads = lax.padtype_to_pads(x.shape[1:3], (kh, kw), (strides,) * 2, padding)
-    x = jnp.pad(x, ((0, 0), *pads, (0, 0)))
-  _, h, w, _ = x.shape
-  oh, ow = (h - kh) // strides + 1, (w - kw) // strides + 1
-  rows, cols = strides * (oh - 1) + 1, strides * (ow - 1) + 1
-  return jnp.concatenate(
-      [
-          x[:, i : i + rows : strides, j : j + cols : strides, :]
-          for i in range(kh)
-          for j in range(kw)
-      ],
-      axis=-1,
-  )
-
-
-class PatchConv(nn.Module):
-  """``nn.Conv(features, kernel_size, padding='VALID', use_bias=False)`` as a matmul.
-
-  The same parameter (``kernel``, HWIO, flax's default LeCun-normal init, so
-  the same values from the same key) and the same function up to float32
-  summation order, computed as an im2col matmul: the patches side by side,
-  times the flattened kernel. Why: on XLA:CPU (jaxlib 0.10) LeNet's
-  convolutions, and above all their gradients, ran several times slower
-  than these matmuls (``benchmarks/bench_lenet_step.py``).
-
-  Attributes:
-    features: Output channels.
-    kernel_size: ``(height, width)`` of the kernel.
-  """
-
-  features: int
-  kernel_size: tuple[int, int]
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    kh, kw = self.kernel_size
-    kernel = self.param(
-        "kernel",
-        nn.initializers.lecun_normal(),
-        (kh, kw, x.shape[-1], self.features),
-        jnp.float32,
-    )
-    return im2col(x, kh, kw) @ kernel.reshape(-1, self.features)
+# Re-exported: callers, tests and docs name these as train.models.*.
+from train.norms import CALIBRATIONS as CALIBRATIONS
+from train.norms import ModuleDef
+from train.norms import NormSpec as NormSpec
+from train.norms import make_norm as make_norm
+from train.norms import norm_names as norm_names
+from train.norms import parse_norm as parse_norm
+from train.norms import recompute_elementwise
 
 
 def conv_same(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
@@ -441,57 +172,6 @@ def computed_once(x: jax.Array) -> jax.Array:
   after any arithmetic; an infinite element becomes NaN.
   """
   return x / lax.stop_gradient(1 + 0 * x)
-
-
-#: Primitives that act element by element (and the broadcasts and reshapes
-#: around them): cheap to recompute, and on XLA:CPU costly to store.
-_ELEMENTWISE_PRIMITIVES = frozenset(
-    "abs add and bitcast_convert_type broadcast_in_dim ceil clamp copy copy_p "
-    "convert_element_type div eq exp expand_dims expm1 floor ge gt integer_pow "
-    "is_finite le log log1p lt max min mul ne neg not or pow reshape round "
-    "rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign "
-    "sqrt square squeeze stop_gradient sub xor".split()
-)
-
-
-def _save_all_but_elementwise(prim, *_, **__) -> bool:
-  return prim.name not in _ELEMENTWISE_PRIMITIVES
-
-
-def recompute_elementwise(norm: ModuleDef) -> ModuleDef:
-  """``norm`` whose backward pass recomputes its elementwise work.
-
-  Autodiff keeps what a norm layer's backward pass needs, ``x - S(x)`` among
-  it, as arrays the size of the activations, and XLA:CPU then writes and
-  reads each of them once more: in ResNet20 ``x - mean`` alone took 52-59 ms
-  of the 650-735 ms of op time in a step (one device,
-  ``benchmarks/bench_resnet_step.py``'s profile). Under
-  :func:`flax.linen.remat` with this policy the layer keeps only its input
-  and what is not elementwise (the statistics, a selection), and the
-  backward pass recomputes the rest inside its own fusions. The
-  function, parameters and ``batch_stats`` are unchanged, and so are the
-  values up to float rounding (the same operations, fused differently; the
-  benchmark's step agreed bit for bit).
-
-  Args:
-    norm: A norm factory (:func:`make_norm`'s): a Module class or a
-      ``functools.partial`` of one.
-
-  Returns:
-    The same factory over the rematerialized class.
-
-  Raises:
-    TypeError: If ``norm`` is neither.
-  """
-  if isinstance(norm, functools.partial):
-    return functools.partial(
-        recompute_elementwise(norm.func), *norm.args, **norm.keywords
-    )
-  if isinstance(norm, type) and issubclass(norm, nn.Module):
-    return nn.remat(norm, policy=_save_all_but_elementwise)
-  raise TypeError(
-      f"expected a Module class or a functools.partial of one, got {norm!r}"
-  )
 
 
 class ResNetConv(nn.Module):
