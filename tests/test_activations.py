@@ -31,6 +31,7 @@ def _lower_percentile(values: np.ndarray, p: float) -> float:
 
 
 @pytest.mark.parametrize("norm", ["bn", "sqd1"])
+@pytest.mark.slow
 def test_recorded_percentiles_equal_numpy(tmp_path, norm):
   ds = small_dataset()
   config = train.resolve(TINY.replace(norm=norm, epochs=2))

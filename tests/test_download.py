@@ -301,6 +301,7 @@ def test_load_dataset_failed_download_explains(server, places, monkeypatch):
   assert _files_in(places["user"] / "mnist") == []
 
 
+@pytest.mark.slow
 def test_training_cli_downloads_only_without_data_dir(
     server, places, monkeypatch, tmp_path, capsys
 ):

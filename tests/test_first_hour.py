@@ -222,6 +222,7 @@ def test_data_dir_without_the_data_is_an_error_not_another_copy(
     assert str(installed) in err  # the copy it did not use, named
 
 
+@pytest.mark.slow
 def test_cli_prints_estimate_after_first_epoch(tmp_path):
   data = write_tiny_mnist(tmp_path / "data")
   result = subprocess.run(

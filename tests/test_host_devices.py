@@ -32,6 +32,7 @@ def _devices_seen(env_extra, batch):
   return tuple(int(v) for v in out.split())
 
 
+@pytest.mark.slow
 def test_configure_splits_the_cpu_and_the_loop_uses_a_divisor():
   assert _devices_seen({"GBN_HOST_DEVICES": "3"}, batch=12) == (3, 3)
   assert _devices_seen({"GBN_HOST_DEVICES": "3"}, batch=10) == (3, 2)
@@ -68,6 +69,7 @@ def test_each_clis_default_model_is_its_configs():
   assert mnist.DEFAULT_MODEL == configs.MNIST.model
 
 
+@pytest.mark.slow
 def test_resnet20_gets_one_device_and_lenet_every_core_before_jax_starts():
   code = (  # what train.cifar does before JAX starts
       "import sys; from train import host_devices;"

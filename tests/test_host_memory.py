@@ -67,6 +67,7 @@ def test_choose():
 
 
 @glibc_only
+@pytest.mark.slow
 def test_reuse_stops_the_page_faults_and_changes_no_result(fresh):
   reused = _run(GBN_HOST_MALLOC="reuse")
   assert reused["applied"] and not fresh["applied"]
@@ -78,6 +79,7 @@ def test_reuse_stops_the_page_faults_and_changes_no_result(fresh):
 
 
 @glibc_only
+@pytest.mark.slow
 def test_the_documented_tunables_do_the_same_without_the_module(fresh):
   tuned = _run(GBN_HOST_MALLOC="default", GLIBC_TUNABLES=host_memory.TUNABLES)
   assert not tuned["applied"]
@@ -85,6 +87,7 @@ def test_the_documented_tunables_do_the_same_without_the_module(fresh):
 
 
 @glibc_only
+@pytest.mark.slow
 def test_the_users_glibc_tunables_win():
   tuned = _run(
       GBN_HOST_MALLOC="reuse", GLIBC_TUNABLES="glibc.malloc.arena_max=2"

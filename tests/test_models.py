@@ -282,6 +282,7 @@ def test_sd_norm_equals_flax_batchnorm(name):
   )
 
 
+@pytest.mark.slow
 def test_norms_differ_in_training_mode():
   """A non-sd measure really changes the computation."""
   x = jax.random.normal(jax.random.key(4), (8, 28, 28, 1))
@@ -575,6 +576,7 @@ def test_resnet_conv_equals_flax_conv(shape, strides):
 
 
 @pytest.mark.parametrize("norm", ["bn", "sqd2"])
+@pytest.mark.slow
 def test_resnet20_cpu_convs_are_the_same_model(norm):
   x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
   labels = jnp.arange(4) % 10

@@ -544,6 +544,7 @@ def test_subprocess_allocation_failure_raises(
 
 
 @needs_native
+@pytest.mark.slow
 def test_kernel_portable_code():
   # GBN_KTH_SCALAR=1 makes the kernel run its portable (non-AVX2) code.
   env = dict(os.environ, GBN_KTH_SCALAR="1")

@@ -564,6 +564,7 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
   )
 
 
+@pytest.mark.slow
 def test_cli_flag_end_to_end(tmp_path, capsys):
   data = write_tiny_mnist(tmp_path / "data")
   common = [

@@ -500,6 +500,7 @@ def test_flax_batchnorm_model_swap():
 # --- the training suite's --renorm ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_cli_renorm_trains_and_precise_stats_are_finite(tmp_path):
   import gbn_jax  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top

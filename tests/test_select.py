@@ -427,6 +427,7 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
 
 
 @needs_native
+@pytest.mark.slow
 def test_native_portable_code():
   # The kernel runs AVX2 code where the CPU has it, portable code elsewhere;
   # GBN_KTH_SCALAR=1 forces the portable code, for this machine's native tests.
@@ -545,6 +546,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_multidevice_equals_single_device_on_concatenated_batch():
   # Self-contained: the subprocess gets 4 forced host devices.
   env = dict(os.environ)

@@ -614,6 +614,7 @@ def test_cli_end_to_end(tmp_path, cache_env):
   assert "could not find the mnist dataset" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_real_nan(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
   result = _cli(
@@ -702,6 +703,7 @@ def _cache_entries(folder: Path) -> set[str]:
   return {p.name for p in folder.rglob("*-cache")} if folder.exists() else set()
 
 
+@pytest.mark.slow
 def test_cli_keeps_compiled_programs_in_the_user_cache(tmp_path):
   """The first run writes the cache, the second reads it back."""
   data = write_tiny_mnist(tmp_path / "data")

@@ -352,6 +352,7 @@ class _Unrolled(nn.Module):
 
 
 @pytest.mark.parametrize("measure", MEASURES)
+@pytest.mark.slow
 def test_scan_over_layers_and_remat(measure):
   fields = tuple(_fields(measure).items())
   x = _batch()
@@ -437,6 +438,7 @@ def test_jit_and_grad_equal_eager(measure):
 
 
 @pytest.mark.parametrize("measure", MEASURES)
+@pytest.mark.slow
 def test_shard_map_and_pmap(measure):
   # The statistics pooled over a named axis: under shard_map and pmap the
   # layer (with axis_name) must equal the plain call, forward and both
