@@ -120,6 +120,7 @@ def test_selection_layers_point_down():
       "native": 2,
       "radix": 3,
       "bracket": 4,
+      "pallas": 4,
       "dispatch": 5,
       "fused": 6,
   }

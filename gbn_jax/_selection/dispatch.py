@@ -25,6 +25,7 @@ from gbn_jax._selection import common
 from gbn_jax._selection import config
 from gbn_jax._selection import loop
 from gbn_jax._selection import native
+from gbn_jax._selection import pallas
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 from gbn_jax._selection.common import F32
@@ -47,6 +48,9 @@ _BACKENDS = {
     # Sampled bracket: one counting-and-compaction pass, a small sort, radix
     # on a miss.
     "bracket": bracket.kth_smallest_bracket,
+    # Radix select as a Pallas kernel (Triton on GPUs, interpreted elsewhere):
+    # never a default until a GPU times it.
+    "pallas": pallas.kth_smallest_pallas,
 }
 
 #: Exact methods accepted by ``kth_smallest(..., method=...)`` and
@@ -59,7 +63,11 @@ _BACKENDS = {
 #: split the int32 key range in four (17 passes, data-independent cost) (both
 #: ``loop``). ``"sort"``: sorts int keys (the reference, ``sort``).
 #: ``"accelerator"``: radix select (``radix``). ``"bracket"``: sampled
-#: bracket (``bracket``).
+#: bracket (``bracket``). ``"pallas"``: radix select in a Pallas kernel
+#: (``pallas``): compiled on GPUs, run in Pallas's interpret mode (exact, but
+#: the slowest method) on CPUs and TPUs; a lowering for the CPU and a GPU at
+#: once fails (JAX lowers a compiled kernel's every per-platform branch for
+#: the CPU too).
 METHODS = ("native",) + loop.METHODS + ("sort",) + tuple(_BACKENDS)
 
 _ADAPTIVE_MIN_ROWS = (
@@ -152,9 +160,10 @@ def fused_sums_backend(
   """Which backend gives a superquantile's sums in its selection's sweep.
 
   Read per platform (inside ``common.per_platform``, as
-  ``fused.superquantile_parts`` does). ``"native"`` where ``native.sums_apply``; ``"accelerator"`` where
-  :func:`kth_smallest` would select with the radix select (the method in
-  scope, else the default for the pooled row count) and ``x`` is float32 or
+  ``fused.superquantile_parts`` does). ``"native"`` where ``native.sums_apply``; ``"accelerator"``
+  (``"pallas"``) where :func:`kth_smallest` would select with the radix
+  select (its Pallas kernel) -- the method in scope, else the default for
+  the pooled row count -- and ``x`` is float32 or
   half precision (upcast exactly; float64 keeps its float64 selection and
   sums, since the radix sums are float32); else ``None``.
   """
@@ -168,7 +177,7 @@ def fused_sums_backend(
     method = default_method(
         rows * common.axis_size(axis_name, axis_index_groups)
     )
-  return "accelerator" if method == "accelerator" else None
+  return method if method in ("accelerator", "pallas") else None
 
 
 def check_forced_native(axis_name: str | None) -> None:

@@ -3,7 +3,7 @@
 ``qbar_alpha = q_alpha + E[(x - q_alpha)^+] / (1 - alpha)`` needs the quantile
 and two means. Where a backend offers the means next to the selection
 (``dispatch.fused_sums_backend``: the native kernel in its one sweep, the radix
-select with one more pass), :func:`superquantile_parts` takes them from there;
+select with one more pass, its Pallas kernel in its last pass), :func:`superquantile_parts` takes them from there;
 the custom JVPs differentiate them as the separate computation would be: the
 quantile's tangent split among its ties, the excess's over the elements not
 ``<= q``.
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
+from gbn_jax._selection import pallas
 from gbn_jax._selection import radix
 from gbn_jax._selection.reductions import count_true
 from gbn_jax._selection.reductions import element_count
@@ -79,8 +80,15 @@ def _native_all_jvp(alpha, axes, primals, tangents):
   return out, (q_dot, counts[0], mean_dot, excess_dot, counts[1])
 
 
-def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
-  """``kth_smallest_with_sums_accelerator`` at ``q_alpha``'s rank, and the count."""
+#: The radix selections with sums, by ``dispatch.fused_sums_backend``'s name.
+_WITH_SUMS = {
+    "accelerator": radix.kth_smallest_with_sums_accelerator,
+    "pallas": pallas.kth_smallest_with_sums_pallas,
+}
+
+
+def _accelerator_sums(alpha, axes, axis_name, groups, backend, x, where):
+  """``backend``'s selection with sums at ``q_alpha``'s rank, and the count."""
   if where is None:
     # Static, as element_count gives it to the unfused path (exact for any
     # alpha; the traced rank may round in float32).
@@ -88,7 +96,7 @@ def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
   else:
     # The rank from the radix's own pooled count: no pass over the mask here.
     k = functools.partial(quantile_rank, alpha)
-  return radix.kth_smallest_with_sums_accelerator(
+  return _WITH_SUMS[backend](
       x,
       k,
       axes,
@@ -100,7 +108,7 @@ def _accelerator_sums(alpha, axes, axis_name, groups, x, where):
 
 
 def _accelerator_parts(
-    alpha, axes, axis_name, groups, x, where
+    alpha, axes, axis_name, groups, backend, x, where
 ) -> tuple[Array, Array, Array]:
   """``(q_alpha, E[x], E[(x - q_alpha)^+])`` from the radix passes and one sums pass.
 
@@ -109,19 +117,21 @@ def _accelerator_parts(
   masked by ``where`` and pooled over ``axis_name``.
   """
   q, _, mean, mean_excess, _, _ = _accelerator_all(
-      alpha, axes, axis_name, groups, x, where
+      alpha, axes, axis_name, groups, backend, x, where
   )
   return q, mean.astype(x.dtype), mean_excess
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _accelerator_all(alpha, axes, axis_name, groups, x, where):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _accelerator_all(alpha, axes, axis_name, groups, backend, x, where):
   """:func:`_accelerator_sums`, differentiable."""
-  return _accelerator_sums(alpha, axes, axis_name, groups, x, where)
+  return _accelerator_sums(alpha, axes, axis_name, groups, backend, x, where)
 
 
 @_accelerator_all.defjvp
-def _accelerator_all_jvp(alpha, axes, axis_name, groups, primals, tangents):
+def _accelerator_all_jvp(
+    alpha, axes, axis_name, groups, backend, primals, tangents
+):
   x, where = primals
   x_dot, _ = tangents
   # Traced after the primal's platform branch is done: choose per platform
@@ -129,7 +139,7 @@ def _accelerator_all_jvp(alpha, axes, axis_name, groups, primals, tangents):
   # tangents (float0) are made outside the platform branches.
   out, (q_dot, mean_dot, excess_dot) = common.per_platform(
       lambda: _accelerator_all_jvp_traced(
-          alpha, axes, axis_name, groups, x, where, x_dot
+          alpha, axes, axis_name, groups, backend, x, where, x_dot
       )
   )
   zero_ties, zero_above, zero_n = map(zero_tangent, (out[1], out[4], out[5]))
@@ -137,11 +147,11 @@ def _accelerator_all_jvp(alpha, axes, axis_name, groups, primals, tangents):
 
 
 def _accelerator_all_jvp_traced(
-    alpha, axes, axis_name, groups, x, where, x_dot
+    alpha, axes, axis_name, groups, backend, x, where, x_dot
 ):
   # Through _accelerator_all itself: differentiated again its outputs have
   # this rule's tangents; the radix passes' would have none.
-  out = _accelerator_all(alpha, axes, axis_name, groups, x, where)
+  out = _accelerator_all(alpha, axes, axis_name, groups, backend, x, where)
   q, ties, mean, mean_excess, n_above, n = out
   q_full = expand(q, axes)
   selected = x == q_full
@@ -195,8 +205,10 @@ def superquantile_parts(
     backend = dispatch.fused_sums_backend(x, axes, where, axis_name, groups)
     if backend == "native":
       return _native_parts(alpha, axes, x)
-    if backend == "accelerator":
-      return _accelerator_parts(alpha, axes, axis_name, groups, x, where)
+    if backend in _WITH_SUMS:
+      return _accelerator_parts(
+          alpha, axes, axis_name, groups, backend, x, where
+      )
     return unfused()
 
   return common.per_platform(parts, denormals=False)

@@ -1,0 +1,464 @@
+"""Exact k-th smallest by radix select in a Pallas kernel (GPU candidate, issue 36).
+
+The ``radix`` backend's passes are XLA ops: a scatter-add histogram (atomics
+into ``256 x F`` global counters, 0.64-2.4 ms a pass on an H100) or a
+compare-and-sum whose ``N x 16 x F`` temporary XLA must fuse. Here each pass
+is one ``pallas_call`` (Triton lowering on GPUs) in which every program owns a
+block of feature columns, walks their rows in chunks and keeps the block's
+histogram in registers: one read of the column per pass, no atomics, no
+temporary in memory.
+
+* Keys as in ``radix``: ``common.merged_keys`` (``-0.0`` merged into
+  ``+0.0``), sign bit flipped so that their unsigned order is the key order;
+  computed in the kernel from the float rows (no key array in memory).
+* ``32 / digit_bits`` passes (default 8 of 4 bits: 16 bins, each counted by a
+  compare per element, which a GPU does in registers). Pass ``p`` counts, per
+  column, digit ``p`` of the masked-in elements whose higher digits equal the
+  prefix chosen so far. The kernel does one pass per call and a Python loop of
+  fixed passes (no ``while``) chooses the bins in JAX between calls, where the
+  per-device histograms are ``psum``-ed over ``axis_name`` (exact: integer
+  counts). After the last pass the prefix is the answer's key; the histograms
+  give the tie and "above" counts as in ``radix``.
+* With ``sums=True`` the last pass's reads also give ``sum(x)`` and, for each
+  of the ``2**digit_bits`` candidates ``q_b`` the last digit can still choose,
+  ``sum((x - q_b)`` over ``x`` not ``<= q_b``): the chosen bin's is the
+  superquantile's excess, summed relative to the answer as ``radix.radix_sums``
+  sums it, with no pass after the selection.
+
+Masked-out elements (``where``) and the padding of the rows to whole chunks
+are never counted. Comparisons are integer ones on keys (denormals distinct
+from zero, as in ``radix`` and ``np.sort``); the excess uses float compares,
+as ``radix.radix_sums`` does.
+
+**Where it runs.** On a CUDA lowering (``common.per_platform``'s GPU branch)
+the kernel is compiled by Pallas's Triton lowering; anywhere else (XLA:CPU,
+TPUs) it runs in Pallas's *interpret mode*: the same kernel evaluated as
+ordinary XLA ops, exact but much slower than every other method (for tests).
+It is selectable as ``method="pallas"`` and never a default: it awaits its
+timing on a GPU (``benchmarks/device_check.sh``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+import jax.numpy as jnp
+import numpy as np
+
+from gbn_jax._selection import common
+from gbn_jax._selection import radix
+from gbn_jax._selection.common import Comm
+from gbn_jax._selection.common import check_element_count
+from gbn_jax._selection.common import key_to_output
+from gbn_jax._selection.common import prepare_k
+from gbn_jax._selection.common import replicate_explicit
+from gbn_jax._selection.common import to_rows
+
+Array = jax.Array
+
+__all__ = [
+    "PallasSelection",
+    "kth_smallest_pallas",
+    "kth_smallest_with_sums_pallas",
+    "pallas_kth_smallest",
+]
+
+_I32 = jnp.int32
+_F32 = jnp.float32
+_SIGN = np.int32(np.iinfo(np.int32).min)
+_FLIP = np.int32(0x7FFFFFFF)
+#: Digit widths the kernel accepts (its one-hot histogram is 2**bits wide).
+DIGIT_BITS = (2, 4, 8)
+
+
+class PallasSelection(NamedTuple):
+  """:class:`radix.RadixSelection`'s fields, plus the sums when asked for.
+
+  ``total`` and ``excess`` (float32 ``[F]``, pooled over devices):
+  ``sum(x)`` and ``sum(x - q)`` over the masked-in ``x`` not ``<= q``;
+  ``None`` unless ``sums=True``.
+  """
+
+  keys: Array
+  n: Array
+  ties: Array
+  above: Array
+  local_n: Array
+  local_ties: Array
+  local_above: Array
+  total: Array | None
+  excess: Array | None
+
+
+def use_interpret() -> bool:
+  """Whether the platform being traced for runs the kernel in interpret mode.
+
+  Only GPUs compile it (Triton); the CPU and TPUs (whose Pallas lowering,
+  Mosaic, this kernel does not target) interpret it.
+  """
+  return common.lowering_platform() != common.GPU
+
+
+def _flipped_keys(x: Array) -> Array:
+  """``merged_keys(x) ^ INT_MIN`` from integer ops the Triton lowering has."""
+  b = lax.bitcast_convert_type(x, _I32)
+  key = b ^ ((b >> 31) & _FLIP)
+  key = jnp.where(key == -1, _I32(0), key)  # -0.0 as +0.0
+  return key ^ _SIGN
+
+
+def _pass_kernel(
+    *refs,
+    shift: int,
+    digit_bits: int,
+    n_rows: int,
+    block_rows: int,
+    n_chunks: int,
+    masked: bool,
+    sums: bool,
+):
+  """One radix pass over a block of columns: histogram (and sums) in registers."""
+  if masked:
+    rows_ref, mask_ref, prefix_ref, *out_refs = refs
+  else:
+    rows_ref, prefix_ref, *out_refs = refs
+    mask_ref = None
+  n_bins = 1 << digit_bits
+  block_cols = rows_ref.shape[1]
+  prefix = prefix_ref[...]  # [1, BF]: the digits chosen so far
+  bins = lax.broadcasted_iota(_I32, (1, n_bins, block_cols), 1)
+  if sums:
+    # The last pass's candidate answers, one per bin: flipped key -> float.
+    cand = ((prefix[:, None, :] << digit_bits) | bins) ^ _SIGN
+    cand = jnp.where(cand == -1, _I32(0), cand)
+    q = lax.bitcast_convert_type(cand ^ ((cand >> 31) & _FLIP), _F32)
+
+  def body(i, carry):
+    start = pl.multiple_of(i * block_rows, block_rows)
+    x = rows_ref[pl.ds(start, block_rows), :]
+    u = _flipped_keys(x)
+    row = start + lax.broadcasted_iota(_I32, x.shape, 0)
+    valid = row < n_rows  # the padding to whole chunks is never counted
+    if mask_ref is not None:
+      valid = valid & (mask_ref[pl.ds(start, block_rows), :] != 0)
+    match = valid
+    if shift + digit_bits < 32:  # the first pass has no prefix yet
+      match = match & (
+          lax.shift_right_logical(u, _I32(shift + digit_bits)) == prefix
+      )
+    digit = lax.shift_right_logical(u, _I32(shift)) & _I32(n_bins - 1)
+    hit = (digit[:, None, :] == bins) & match[:, None, :]
+    out = (carry[0] + jnp.sum(hit.astype(_I32), axis=0),)
+    if sums:
+      total = carry[1] + jnp.sum(jnp.where(valid, x, 0.0), axis=0)[None]
+      xb = x[:, None, :]
+      # As radix_sums: relative to q, over the elements not <= q (NaN too).
+      above = valid[:, None, :] & ~(xb <= q)
+      excess = carry[2] + jnp.sum(jnp.where(above, xb - q, 0.0), axis=0)
+      out += (total, excess)
+    return out
+
+  init = (jnp.zeros((n_bins, block_cols), _I32),)
+  if sums:
+    init += (
+        jnp.zeros((1, block_cols), _F32),
+        jnp.zeros((n_bins, block_cols), _F32),
+    )
+  result = lax.fori_loop(0, n_chunks, body, init)
+  for ref, value in zip(out_refs, result):
+    ref[...] = value
+
+
+def _block_sizes(
+    n_rows: int, n_cols: int, block_rows: int | None, block_cols: int | None
+) -> tuple[int, int]:
+  """Powers of two (Triton's loads need them), no larger than needed."""
+  if block_rows is None:
+    # Interpret mode pays per chunk: long chunks. Registers bound a GPU's.
+    block_rows = 512 if use_interpret() else 32
+  if block_cols is None:
+    block_cols = 16
+  for name, b in (("block_rows", block_rows), ("block_cols", block_cols)):
+    if b < 1 or b & (b - 1):
+      raise ValueError(f"{name} must be a power of two, got {b}.")
+  return (
+      min(block_rows, pl.next_power_of_2(n_rows)),
+      min(block_cols, pl.next_power_of_2(n_cols)),
+  )
+
+
+def _pad_to(a: Array, rows: int, cols: int, value: Any) -> Array:
+  pad = ((0, rows - a.shape[0]), (0, cols - a.shape[1]))
+  if not any(p for _, p in pad):
+    return a
+  return jnp.pad(a, pad, constant_values=value)
+
+
+def _run_pass(
+    rows, mask, prefix, *, shift, digit_bits, blocks, sums, interpret
+):
+  """One ``pallas_call``: per-column histogram ``[n_bins, F]`` (and sums)."""
+  n_rows, n_cols = rows.shape
+  block_rows, block_cols = blocks
+  padded_rows = pl.cdiv(n_rows, block_rows) * block_rows
+  padded_cols = pl.cdiv(n_cols, block_cols) * block_cols
+  n_bins = 1 << digit_bits
+  operands = [_pad_to(rows, padded_rows, padded_cols, 0.0)]
+  column_block = pl.BlockSpec((padded_rows, block_cols), lambda j: (0, j))
+  in_specs = [column_block]
+  if mask is not None:
+    operands.append(_pad_to(mask.astype(jnp.int8), padded_rows, padded_cols, 0))
+    in_specs.append(column_block)
+  operands.append(_pad_to(prefix[None], 1, padded_cols, 0))
+  in_specs.append(pl.BlockSpec((1, block_cols), lambda j: (0, j)))
+  out_shape = [jax.ShapeDtypeStruct((n_bins, padded_cols), _I32)]
+  out_specs = [pl.BlockSpec((n_bins, block_cols), lambda j: (0, j))]
+  if sums:
+    out_shape += [
+        jax.ShapeDtypeStruct((1, padded_cols), _F32),
+        jax.ShapeDtypeStruct((n_bins, padded_cols), _F32),
+    ]
+    out_specs += [
+        pl.BlockSpec((1, block_cols), lambda j: (0, j)),
+        pl.BlockSpec((n_bins, block_cols), lambda j: (0, j)),
+    ]
+  kernel = functools.partial(
+      _pass_kernel,
+      shift=shift,
+      digit_bits=digit_bits,
+      n_rows=n_rows,
+      block_rows=block_rows,
+      n_chunks=padded_rows // block_rows,
+      masked=mask is not None,
+      sums=sums,
+  )
+  out = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(padded_cols // block_cols,),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      interpret=interpret,
+      # Triton explicitly: jax's GPU default may be the Mosaic GPU lowering,
+      # which this kernel (register histograms, no async copies) is not for.
+      compiler_params=None
+      if interpret
+      else pl_triton.CompilerParams(num_warps=4),
+      name=f"gbn_radix_pass_{shift}",
+  )(*operands)
+  return [o[:, :n_cols] for o in out]
+
+
+def pallas_kth_smallest(
+    rows: Array,
+    mask: Array | None,
+    k: Array | Callable[[Array], Array],
+    comm: Comm,
+    *,
+    digit_bits: int = 4,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+    interpret: bool | None = None,
+    sums: bool = False,
+) -> PallasSelection:
+  """Exact k-th smallest key per column of ``rows``, one kernel per radix pass.
+
+  Args:
+    rows: float32 ``[N, F]`` (``common.to_rows``); ``mask`` decides which
+      entries count, whatever they hold.
+    mask: bool ``[N, F]`` or ``None`` (all masked in).
+    k: int32 ``[F]`` 1-based ranks over the masked-in elements of all devices,
+      or a function of the pooled count ``n`` returning them (as in
+      ``radix.radix_kth_smallest``). Out of ``[1, n]`` the key is meaningless.
+    comm: histograms (and sums) are ``psum``-ed along its axis.
+    digit_bits: bits per pass, one of :data:`DIGIT_BITS` (4: 8 passes of 16
+      bins).
+    block_rows: rows per chunk a program reads at a time, a power of two
+      (default: 32 compiled, 512 interpreted; capped at the row count).
+    block_cols: columns per program, a power of two (default 16).
+    interpret: run the kernel in Pallas's interpret mode; default: everywhere
+      but on a GPU (:func:`use_interpret`).
+    sums: also return the superquantile's sums from the last pass.
+
+  Returns:
+    :class:`PallasSelection`.
+
+  Raises:
+    ValueError: a bad ``digit_bits``, ``block_rows`` or ``block_cols``.
+  """
+  if digit_bits not in DIGIT_BITS:
+    raise ValueError(
+        f"digit_bits must be one of {DIGIT_BITS}, got {digit_bits}."
+    )
+  if interpret is None:
+    interpret = use_interpret()
+  blocks = _block_sizes(*rows.shape, block_rows, block_cols)
+  n_bins = 1 << digit_bits
+  n_passes = 32 // digit_bits
+  rows = rows.astype(_F32)
+  prefix = jnp.zeros(rows.shape[1:], _I32)
+  total = excess = None
+  for p in range(n_passes):
+    final = p == n_passes - 1
+    out = _run_pass(
+        rows,
+        mask,
+        prefix,
+        shift=32 - digit_bits * (p + 1),
+        digit_bits=digit_bits,
+        blocks=blocks,
+        sums=sums and final,
+        interpret=interpret,
+    )
+    local_hist = out[0]
+    hist = comm.psum(local_hist)
+    cum = jnp.cumsum(hist, axis=0)
+    local_cum = jnp.cumsum(local_hist, axis=0)
+    if p == 0:
+      n, local_n = cum[-1], local_cum[-1]
+      if callable(k):
+        k = k(n)
+      rank = jnp.clip(k, 1, jnp.maximum(n, 1))  # rank within the prefix
+      below = jnp.zeros_like(n)
+      local_below = jnp.zeros_like(local_n)
+    # The first bin whose inclusive count reaches the remaining rank.
+    chosen = jnp.minimum(
+        jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1
+    )
+    in_bin = common.take_rows(hist, chosen)
+    local_in_bin = common.take_rows(local_hist, chosen)
+    before = common.take_rows(cum, chosen) - in_bin
+    rank = rank - before
+    below = below + before
+    local_below = (
+        local_below + common.take_rows(local_cum, chosen) - local_in_bin
+    )
+    prefix = (prefix << digit_bits) | chosen
+    if sums and final:
+      total, excess = comm.psum((out[1][0], common.take_rows(out[2], chosen)))
+  return PallasSelection(
+      keys=prefix ^ _SIGN,
+      n=n,
+      ties=in_bin,
+      above=n - below - in_bin,
+      local_n=local_n,
+      local_ties=local_in_bin,
+      local_above=local_n - local_below - local_in_bin,
+      total=total,
+      excess=excess,
+  )
+
+
+def _per_platform_select(interpret, **options):
+  """A rows selection for ``radix.drop_in_selection``, interpreted or not per platform.
+
+  GPUs and TPUs may share a trace (``common.ACCELERATOR``); the kernel is
+  compiled on one and interpreted on the other, so split them again.
+  """
+
+  def select_rows(rows, mask, k, comm):
+    traced = lambda: pallas_kth_smallest(
+        rows, mask, k, comm, interpret=interpret, **options
+    )
+    return common.per_platform(traced, denormals=True)
+
+  return select_rows
+
+
+def kth_smallest_pallas(
+    x: Array,
+    k: int | Array,
+    axis: tuple[int, ...],
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    return_ties: bool = False,
+    digit_bits: int = 4,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+    interpret: bool | None = None,
+) -> Array | tuple[Array, Array | None]:
+  """``dispatch.kth_smallest`` by the Pallas radix kernel (``method="pallas"``).
+
+  The contract of ``radix.kth_smallest_accelerator``: the k-th smallest
+  (1-based) over ``axis`` of the masked-in elements of all devices along
+  ``axis_name``, float32, an element of ``x`` bit for bit (``-0.0`` as
+  ``+0.0``), NaN where ``k`` is not in ``[1, n]``; half precision upcast,
+  float64 to the sort reference. ``return_ties``: also this device's key tie
+  counts, float32 (``None`` for float64). The kernel options are
+  :func:`pallas_kth_smallest`'s.
+  """
+  return radix.drop_in_selection(
+      _per_platform_select(
+          interpret,
+          digit_bits=digit_bits,
+          block_rows=block_rows,
+          block_cols=block_cols,
+      ),
+      x,
+      k,
+      axis,
+      where=where,
+      axis_name=axis_name,
+      axis_index_groups=axis_index_groups,
+      return_ties=return_ties,
+  )
+
+
+def kth_smallest_with_sums_pallas(
+    x: Array,
+    k: int | Array | Callable[[Array], Array],
+    axis: tuple[int, ...],
+    *,
+    where: Array | None = None,
+    axis_name: str | None = None,
+    axis_index_groups: Any = None,
+    return_count: bool = False,
+    digit_bits: int = 4,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, ...]:
+  """``radix.kth_smallest_with_sums_accelerator``'s outputs, sums from the last pass.
+
+  Returns, each of the non-reduced shape: the value (NaN where ``k`` is out of
+  range), the pooled tie count, the mean, the mean of ``(x - value)^+``, the
+  pooled ``#{not x <= value}`` (int32 key counts) and, if ``return_count``,
+  the pooled masked-in count. ``k`` may be a function of that count.
+  """
+  x, axes, where, comm = radix._prepare(  # pylint: disable=protected-access
+      x, axis, where, axis_name, axis_index_groups
+  )
+  x = x.astype(_F32)
+  rows, mask, kept_shape = to_rows(x, axes, where)
+  check_element_count(rows.shape[0] * comm.size())
+  if callable(k):
+    rank_of = lambda n: prepare_k(k(n), kept_shape)
+  else:
+    k = prepare_k(k, kept_shape)
+    rank_of = lambda n: k
+  rows = replicate_explicit(rows)
+  mask = None if mask is None else replicate_explicit(mask)
+  select = _per_platform_select(
+      interpret,
+      digit_bits=digit_bits,
+      block_rows=block_rows,
+      block_cols=block_cols,
+      sums=True,
+  )
+  sel = select(rows, mask, rank_of, comm)
+  count = sel.n.astype(_F32)
+  k = rank_of(sel.n)
+  bad_k = (k < 1) | (k > sel.n)
+  value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys))
+  out = (value, sel.ties, sel.total / count, sel.excess / count, sel.above)
+  if return_count:
+    out += (sel.n,)
+  return tuple(a.reshape(kept_shape) for a in out)
