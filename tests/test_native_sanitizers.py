@@ -1,7 +1,8 @@
 """The C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
 Builds ``gbn_jax/csrc/kth_smallest_cpu.cc`` with ``-fsanitize=address,undefined``
-(the include path and language flags of setup.py) into a temporary directory
+(the include path and language flags of setup.py) once per run, shared by the
+xdist workers (a temporary directory keyed by the sources' hash, file-locked),
 and runs a bounded fuzz of both FFI entry points in a subprocess that loads
 it through ``GBN_KTH_LIBRARY``, with the sanitizer runtime preloaded
 (libstdc++ beside libasan, or ASAN aborts inside jaxlib on ``__cxa_throw``).
@@ -12,11 +13,14 @@ libasan. About a minute and a half on two cores.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -24,9 +28,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "gbn_jax" / "csrc" / "kth_smallest_cpu.cc"
-CONV_SOURCE = ROOT / "gbn_jax" / "csrc" / "conv_cpu.cc"
-INCLUDE = ROOT / "gbn_jax" / "csrc" / "third_party"
+CSRC = ROOT / "gbn_jax" / "csrc"
+SOURCE = CSRC / "kth_smallest_cpu.cc"
+CONV_SOURCE = CSRC / "conv_cpu.cc"
+INCLUDE = CSRC / "third_party"
+# The instrumented libraries, shared by the xdist workers and later runs (one
+# directory per hash of the build's inputs).
+BUILD_ROOT = pathlib.Path(tempfile.gettempdir()) / f"gbn_jax_asan_{os.getuid()}"
 # Seconds of fuzzing per run (after the fixed cases), AVX2 and portable code.
 FUZZ_SECONDS = {"avx2": 35.0, "portable": 15.0}
 SANITIZER_REPORTS = (
@@ -63,9 +71,31 @@ def _runtime_library(cxx: str, name: str) -> str | None:
   )
 
 
-def _sanitized(tmp_path_factory, source: pathlib.Path, name: str):
+def _build_key(command: list[str], cxx: str) -> str:
+  """A hash of everything the instrumented library depends on: the compiler
+  (its ``--version``), the command, and every file under ``gbn_jax/csrc``."""
+  digest = hashlib.sha256()
+  version = subprocess.run(
+      [cxx, "--version"], capture_output=True, text=True, timeout=60
+  ).stdout
+  digest.update(version.encode())
+  digest.update("\0".join(command).encode())
+  for path in sorted(CSRC.rglob("*")):
+    if path.is_file():
+      digest.update(path.relative_to(CSRC).as_posix().encode())
+      digest.update(path.read_bytes())
+  return digest.hexdigest()[:24]
+
+
+def _sanitized(source: pathlib.Path, name: str):
   """``(library, preload)``: ``source`` built with ASAN and UBSAN, and the
-  runtime libraries to preload."""
+  runtime libraries to preload.
+
+  The build takes about a minute, and each pytest-xdist worker would
+  otherwise repeat it: the library goes to a directory in the system's temp
+  dir keyed by the hash of its inputs, built once under an exclusive file
+  lock, which the other workers (and later runs) wait on and then reuse.
+  """
   cxx = _compiler()
   if cxx is None:
     pytest.skip("no C++ compiler")
@@ -76,11 +106,9 @@ def _sanitized(tmp_path_factory, source: pathlib.Path, name: str):
   libstdcxx = _runtime_library(cxx, "libstdc++.so")
   if libstdcxx is not None:
     preload.append(libstdcxx)
-  library = tmp_path_factory.mktemp("asan") / name
   # -fno-builtin: at -O1 GCC turns int64_t(floor(x)) into lfloor, whose
   # overflow float-cast-overflow then misses.
-  command = [
-      cxx,
+  flags = [
       "-std=c++17",
       "-O1",
       "-fno-builtin",
@@ -93,27 +121,42 @@ def _sanitized(tmp_path_factory, source: pathlib.Path, name: str):
       "-fno-sanitize-recover=all",
       f"-I{INCLUDE}",
       str(source),
-      "-o",
-      str(library),
   ]
-  proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
-  if proc.returncode != 0:
-    if "sanitize" in proc.stderr or "asan" in proc.stderr:
-      pytest.skip(
-          f"the compiler cannot build with sanitizers: {proc.stderr[-500:]}"
-      )
-    pytest.fail(f"sanitizer build failed:\n{proc.stderr[-3000:]}")
+  key = _build_key([cxx, *flags], cxx)
+  directory = BUILD_ROOT / f"{source.stem}-{key}"
+  directory.mkdir(parents=True, exist_ok=True)
+  library = directory / name
+  with open(directory / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if library.exists():
+      return str(library), preload
+    # Built under another name and renamed: a library that exists is whole.
+    partial = directory / f"{name}.{os.getpid()}.partial"
+    proc = subprocess.run(
+        [cxx, *flags, "-o", str(partial)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+      partial.unlink(missing_ok=True)
+      if "sanitize" in proc.stderr or "asan" in proc.stderr:
+        pytest.skip(
+            f"the compiler cannot build with sanitizers: {proc.stderr[-500:]}"
+        )
+      pytest.fail(f"sanitizer build failed:\n{proc.stderr[-3000:]}")
+    os.replace(partial, library)
   return str(library), preload
 
 
 @pytest.fixture(scope="module")
-def sanitized_build(tmp_path_factory):
-  return _sanitized(tmp_path_factory, SOURCE, "kth_cpu_asan.so")
+def sanitized_build():
+  return _sanitized(SOURCE, "kth_cpu_asan.so")
 
 
 @pytest.fixture(scope="module")
-def sanitized_conv_build(tmp_path_factory):
-  return _sanitized(tmp_path_factory, CONV_SOURCE, "conv_cpu_asan.so")
+def sanitized_conv_build():
+  return _sanitized(CONV_SOURCE, "conv_cpu_asan.so")
 
 
 FUZZ_SCRIPT = textwrap.dedent(r"""
