@@ -80,11 +80,15 @@ def _native_all_jvp(alpha, axes, primals, tangents):
   return out, (q_dot, counts[0], mean_dot, excess_dot, counts[1])
 
 
-#: The radix selections with sums, by ``dispatch.fused_sums_backend``'s name.
-_WITH_SUMS = {
-    "accelerator": radix.kth_smallest_with_sums_accelerator,
-    "pallas": pallas.kth_smallest_with_sums_pallas,
-}
+#: ``dispatch.fused_sums_backend``'s names of the radix selections with sums.
+_RADIX_BACKENDS = ("accelerator", "pallas")
+
+
+def _with_sums(backend: str) -> Callable[..., tuple[Array, ...]]:
+  # Looked up when traced, so that tests may wrap the module functions.
+  if backend == "pallas":
+    return pallas.kth_smallest_with_sums_pallas
+  return radix.kth_smallest_with_sums_accelerator
 
 
 def _accelerator_sums(alpha, axes, axis_name, groups, backend, x, where):
@@ -96,7 +100,7 @@ def _accelerator_sums(alpha, axes, axis_name, groups, backend, x, where):
   else:
     # The rank from the radix's own pooled count: no pass over the mask here.
     k = functools.partial(quantile_rank, alpha)
-  return _WITH_SUMS[backend](
+  return _with_sums(backend)(
       x,
       k,
       axes,
@@ -205,7 +209,7 @@ def superquantile_parts(
     backend = dispatch.fused_sums_backend(x, axes, where, axis_name, groups)
     if backend == "native":
       return _native_parts(alpha, axes, x)
-    if backend in _WITH_SUMS:
+    if backend in _RADIX_BACKENDS:
       return _accelerator_parts(
           alpha, axes, axis_name, groups, backend, x, where
       )
