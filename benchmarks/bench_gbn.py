@@ -230,7 +230,7 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   # In scope for every call, traces and timed runs alike: the method is part
   # of jit's cache key.
-  with gbn_jax.selection_config(method=args.select_method):
+  with gbn_jax.selection.selection_config(method=args.select_method):
     return _run(args, argv)
 
 

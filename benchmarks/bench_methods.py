@@ -5,7 +5,7 @@ run (``bench_gbn.interleaved_samples``), median after warm-up:
 
 * ``bn``: ``flax.linen.BatchNorm``'s forward+backward (the yardstick);
 * one ``sqd:<alpha>`` GBatchNorm forward+backward per selection method, each
-  run under ``gbn_jax.selection_config(method=...)`` for that method.
+  run under ``gbn_jax.selection.selection_config(method=...)`` for that method.
 
 Before timing, each method's ``gbn_jax.quantile`` of the layer's input is
 compared bit for bit with the sort reference (``sort.kth_smallest_reference``)
@@ -45,14 +45,14 @@ DEFAULT_ALPHAS = (0.25, 0.5, 0.75, 0.99)
 
 
 def with_method(method: str, fn):
-  """``fn`` whose every call runs under ``gbn_jax.selection_config(method=method)``.
+  """``fn`` whose every call runs under ``gbn_jax.selection.selection_config(method=method)``.
 
   The method is part of jit's cache key, so each call must be in scope to hit
   the program traced for it (entering the scope costs microseconds).
   """
 
   def call():
-    with gbn_jax.selection_config(method=method):
+    with gbn_jax.selection.selection_config(method=method):
       return fn()
 
   return call
@@ -65,7 +65,7 @@ def exact_everywhere(
   n = int(np.prod([x.shape[a] for a in axes]))
   k = gbn_jax.quantiles.quantile_rank(alpha, n)
   for data in (x, jnp.maximum(x, 0.0)):
-    with gbn_jax.selection_config(method=method):
+    with gbn_jax.selection.selection_config(method=method):
       got = jax.jit(
           functools.partial(gbn_jax.quantile, alpha=alpha, axis=axes)
       )(data)

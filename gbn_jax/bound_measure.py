@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import dataclasses
+import inspect
 import numbers
 from typing import Any
 
@@ -38,7 +39,6 @@ Array = jax.Array
 MeasureFn = Callable[..., tuple[Array, Array]]
 
 __all__ = [
-    "MEASURE_CONTRACT",
     "Measure",
     "MeasureFn",
 ]
@@ -54,6 +54,23 @@ MEASURE_CONTRACT = (
 
 # The built-ins that order values: complex input is an error for them.
 _ORDERING = (rsd, sqd, rbd, wcd, bpoe)
+
+
+#: The default of a parameter a measure function requires
+#: (:func:`keyword_params`).
+REQUIRED = object()
+# Keywords that are not a measure's parameters: the reduction's, and sd's.
+_RESERVED = frozenset({"where", "axis_name", "axis_index_groups", "squared"})
+
+
+def keyword_params(fn: MeasureFn) -> dict[str, Any]:
+  """Keyword-only parameters of ``fn`` other than the reduction keywords,
+  each to its default (:data:`REQUIRED` for none)."""
+  out = {}
+  for p in inspect.signature(fn).parameters.values():
+    if p.kind is p.KEYWORD_ONLY and p.name not in _RESERVED:
+      out[p.name] = REQUIRED if p.default is p.empty else p.default
+  return out
 
 
 def check_declared(name: str, what: str, value: Any) -> bool:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gbn_jax import deviations
 from gbn_jax import quantiles
 
 Array = jax.Array
@@ -37,10 +38,7 @@ NormalScale = float | Callable[..., Any]
 
 __all__ = [
     "CALIBRATIONS",
-    "INV_SQRT_2_PI",
     "NormalScale",
-    "SQRT_2_OVER_PI",
-    "check_calibration",
     "expected_normal_max",
     "rbd_normal_scale",
     "sqd_normal_scale",
@@ -51,10 +49,8 @@ __all__ = [
 CALIBRATIONS = (None, "normal")
 
 _NORMAL = statistics.NormalDist()
-#: ``E|Z|`` (``mad``) and ``E[Z | Z > 0] = phi(0) / (1/2)`` (``bpoe``).
-SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-#: ``E[Z+] = phi(0)`` (``rsd``).
-INV_SQRT_2_PI = 1 / math.sqrt(2 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+_INV_SQRT_2_PI = 1 / math.sqrt(2 * math.pi)
 
 
 def check_calibration(calibration: Any) -> None:
@@ -208,3 +204,17 @@ def wcd_normal_scale(n: int | Array, **unused: Any) -> float | Array:
   """
   del unused
   return expected_normal_max(n)
+
+
+#: Each built-in measure function's normal scale: what
+#: :func:`gbn_jax.register_measure` takes for ``normal_scale`` when a name is
+#: registered for one without it.
+BUILTIN_SCALES: dict[Callable[..., Any], NormalScale] = {
+    deviations.sd: 1.0,
+    deviations.mad: _SQRT_2_OVER_PI,  # E|Z|
+    deviations.rsd: _INV_SQRT_2_PI,  # E[Z+] = phi(0)
+    deviations.sqd: sqd_normal_scale,
+    deviations.rbd: rbd_normal_scale,
+    deviations.wcd: wcd_normal_scale,
+    deviations.bpoe: _SQRT_2_OVER_PI,  # E[Z | Z > 0] = phi(0) / (1/2)
+}

@@ -35,9 +35,7 @@ from gbn_jax.quantiles import extreme
 Array = jax.Array
 
 __all__ = [
-    "COMPLEX_OK",
     "bpoe",
-    "check_real",
     "mad",
     "rbd",
     "rsd",
@@ -49,7 +47,7 @@ __all__ = [
 #: The built-ins defined for complex input, through the modulus: ``sd`` (mean
 #: and ``sqrt(E|x - E x|^2)``, flax's BatchNorm) and ``mad`` (``E|x - E x|``).
 #: The others order values (quantiles, extremes, the sign of ``x - E x``).
-COMPLEX_OK = ("sd", "mad")
+_COMPLEX_OK = ("sd", "mad")
 
 
 def check_real(x: Array, name: str) -> None:
@@ -57,10 +55,10 @@ def check_real(x: Array, name: str) -> None:
 
   Args:
     x: the input.
-    name: the measure's name, for the message; names in :data:`COMPLEX_OK`
+    name: the measure's name, for the message; names in :data:`_COMPLEX_OK`
       pass.
   """
-  if jnp.iscomplexobj(x) and name not in COMPLEX_OK:
+  if jnp.iscomplexobj(x) and name not in _COMPLEX_OK:
     raise TypeError(
         f"measure {name!r} is not defined for complex input ({jnp.result_type(x)}):"
         " it orders values (a quantile, an extreme or the sign of x - mean),"

@@ -29,9 +29,9 @@ that ``D`` is ``sigma`` for Gaussian data, as BatchNorm's is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+import contextlib
 import dataclasses
-import inspect
 import math
 import numbers
 import types
@@ -40,9 +40,11 @@ from typing import Any
 from gbn_jax import bound_measure
 from gbn_jax import calibration as calibration_lib
 from gbn_jax import quantiles
-from gbn_jax.bound_measure import MEASURE_CONTRACT
+from gbn_jax.bound_measure import MEASURE_CONTRACT  # noqa: F401
+from gbn_jax.bound_measure import REQUIRED
 from gbn_jax.bound_measure import Measure
 from gbn_jax.bound_measure import MeasureFn
+from gbn_jax.bound_measure import keyword_params
 from gbn_jax.calibration import CALIBRATIONS
 from gbn_jax.calibration import NormalScale
 from gbn_jax.calibration import expected_normal_max
@@ -57,7 +59,6 @@ from gbn_jax.deviations import wcd
 __all__ = [
     "CALIBRATIONS",
     "MEASURES",
-    "MEASURE_CONTRACT",
     "FixedParamsError",
     "Measure",
     "MeasureFn",
@@ -65,7 +66,9 @@ __all__ = [
     "get_measure",
     "parse_measure_name",
     "register_measure",
+    "registered_measure",
     "resolve_measure",
+    "unregister_measure",
     # The built-ins, defined in gbn_jax.deviations and gbn_jax.calibration.
     "sd",
     "mad",
@@ -76,33 +79,10 @@ __all__ = [
     "bpoe",
     "expected_normal_max",
 ]
-# Measure, MeasureFn and MEASURE_CONTRACT are defined in gbn_jax.bound_measure.
 
-_REQUIRED = object()
-# Keywords that are not a measure's parameters: the reduction's, and sd's.
-_RESERVED = frozenset({"where", "axis_name", "axis_index_groups", "squared"})
-
-#: Each built-in function's normal scale (see ``normal_scale`` in
-#: :func:`register_measure`); every built-in supports masks and pools devices.
-#: A name registered for a built-in function inherits these declarations.
-_BUILTINS: dict[MeasureFn, NormalScale] = {
-    sd: 1.0,
-    mad: calibration_lib.SQRT_2_OVER_PI,  # E|Z|
-    rsd: calibration_lib.INV_SQRT_2_PI,  # E[Z+] = phi(0)
-    sqd: calibration_lib.sqd_normal_scale,
-    rbd: calibration_lib.rbd_normal_scale,
-    wcd: calibration_lib.wcd_normal_scale,
-    bpoe: calibration_lib.SQRT_2_OVER_PI,  # E[Z | Z > 0] = phi(0) / (1/2)
-}
-
-
-def _keyword_params(fn: MeasureFn) -> dict[str, Any]:
-  """Keyword-only parameters of ``fn`` other than the reduction keywords."""
-  out = {}
-  for p in inspect.signature(fn).parameters.values():
-    if p.kind is p.KEYWORD_ONLY and p.name not in _RESERVED:
-      out[p.name] = _REQUIRED if p.default is p.empty else p.default
-  return out
+# Every built-in supports masks and pools devices; a name registered for a
+# built-in function inherits these declarations and its normal scale.
+_BUILTINS = calibration_lib.BUILTIN_SCALES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +111,7 @@ class MeasureSpec:
   def accepted(self) -> tuple[str, ...]:
     """The parameters :func:`get_measure` accepts for this name."""
     bound = dict(self.params)
-    return tuple(k for k in _keyword_params(self.fn) if k not in bound)
+    return tuple(k for k in keyword_params(self.fn) if k not in bound)
 
   @property
   def required(self) -> tuple[str, ...]:
@@ -140,8 +120,8 @@ class MeasureSpec:
     bound = dict(self.params)
     return tuple(
         k
-        for k, v in _keyword_params(self.fn).items()
-        if v is _REQUIRED and k not in bound
+        for k, v in keyword_params(self.fn).items()
+        if v is REQUIRED and k not in bound
     )
 
 
@@ -172,8 +152,8 @@ def register_measure(
     in a call of the measure) is a ``TypeError`` naming the measure.
   * ``pools_devices=True``: ``fn`` takes ``axis_name=`` and
     ``axis_index_groups=`` and pools the elements of every device along the
-    named axis itself (with :func:`gbn_jax.quantile`, :func:`gbn_jax.mean`,
-    :func:`gbn_jax.extreme` and friends, which take the same keywords).
+    named axis itself (with the reductions of :mod:`gbn_jax.reductions`,
+    which take the same keywords).
     Without it, under ``axis_name`` the batch (and the mask) is gathered
     across the named axis (``lax.all_gather``) and ``fn`` is called on the
     global batch: exact, at the cost of moving the activations.
@@ -206,16 +186,17 @@ def register_measure(
       capability that is not a bool.
 
   >>> import jax.numpy as jnp
-  >>> register_measure('sqd_p90', sqd, alpha=0.9, overwrite=True)
+  >>> register_measure('sqd_p90', sqd, alpha=0.9)
   >>> get_measure('sqd_p90')
   Measure('sqd_p90', alpha=0.9)
   >>> iqr = lambda x, axis: (jnp.median(x, axis), jnp.subtract(
   ...     *jnp.quantile(x, jnp.array([0.75, 0.25]), axis=axis)))
-  >>> register_measure('iqr', iqr, normal_scale=1.3489795, overwrite=True)
+  >>> register_measure('iqr', iqr, normal_scale=1.3489795)
   >>> get_measure('iqr', calibration='normal')
   Measure('iqr', calibration='normal')
   >>> MEASURES['iqr'].supports_mask, MEASURES['sqd_p90'].supports_mask
   (False, True)
+  >>> unregister_measure('sqd_p90'); unregister_measure('iqr')
   """
   if not isinstance(name, str) or not name or ":" in name:
     raise ValueError(
@@ -259,8 +240,63 @@ def register_measure(
   )
 
 
+def unregister_measure(name: str) -> None:
+  """Removes a name :func:`register_measure` stored.
+
+  Args:
+    name: a registered name other than a built-in one (``'sd'``, ``'sqd2'``,
+      ...: the layers' defaults and the training suite rely on them).
+
+  Raises:
+    ValueError: ``name`` is built in, or not registered.
+  """
+  if name in _BUILTIN_NAMES:
+    raise ValueError(f"measure {name!r} is built in and cannot be removed.")
+  if name not in _REGISTRY:
+    raise ValueError(_unknown_message(name))
+  del _REGISTRY[name]
+
+
+@contextlib.contextmanager
+def registered_measure(
+    name: str, fn: MeasureFn, **declarations: Any
+) -> Iterator[MeasureSpec]:
+  """:func:`register_measure` for the length of a ``with`` block.
+
+  On exit, normal or by an exception, the registry is restored: ``name`` is
+  removed, or given back what it stood for before (with ``overwrite=True``).
+
+  Args:
+    name: the name, as for :func:`register_measure`.
+    fn: the measure function, as for :func:`register_measure`.
+    **declarations: :func:`register_measure`'s other keywords and the
+      parameters the name binds.
+
+  Yields:
+    The name's :class:`MeasureSpec`.
+
+  Raises:
+    ValueError, TypeError: as :func:`register_measure`.
+
+  >>> with registered_measure('sqd_p99', sqd, alpha=0.99) as spec:
+  ...   get_measure('sqd_p99'), spec.params
+  (Measure('sqd_p99', alpha=0.99), (('alpha', 0.99),))
+  >>> 'sqd_p99' in MEASURES
+  False
+  """
+  previous = _REGISTRY.get(name)
+  register_measure(name, fn, **declarations)
+  try:
+    yield _REGISTRY[name]
+  finally:
+    if previous is None:
+      _REGISTRY.pop(name, None)
+    else:
+      _REGISTRY[name] = previous
+
+
 def _check_params(name: str, fn: MeasureFn, params: Mapping[str, Any]) -> None:
-  accepted = _keyword_params(fn)
+  accepted = keyword_params(fn)
   unknown = set(params) - set(accepted)
   if unknown:
     raise TypeError(
@@ -366,8 +402,8 @@ def get_measure(
   bound.update(params)
   missing = [
       k
-      for k, v in _keyword_params(spec.fn).items()
-      if v is _REQUIRED and k not in bound
+      for k, v in keyword_params(spec.fn).items()
+      if v is REQUIRED and k not in bound
   ]
   if missing:
     raise TypeError(f"measure {name!r} needs parameter(s) {missing}.")
@@ -504,3 +540,6 @@ register_measure("sqd3", sqd, alpha=0.75)
 register_measure("rbd", rbd)
 register_measure("wcd", wcd)
 register_measure("bpoe", bpoe)
+
+# The names above: unregister_measure refuses them.
+_BUILTIN_NAMES = frozenset(_REGISTRY)

@@ -25,7 +25,7 @@ Conventions:
   (everything masked out) gives NaN.
 
 The selection itself (``gbn_jax._selection``) is exact whichever backend runs;
-:func:`gbn_jax.selection_config` forces one.
+:func:`gbn_jax.selection.selection_config` forces one.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ __all__ = [
     "quantile",
     "quantile_rank",
     "superquantile",
-    "validate_alpha",
 ]
 
 

@@ -1,6 +1,6 @@
 """sqd from the radix select's fused sums (the accelerator path), on the CPU.
 
-``gbn_jax.selection_config(method="accelerator")`` makes ``quantiles._superquantile_and_mean``
+``gbn_jax.selection.selection_config(method="accelerator")`` makes ``quantiles._superquantile_and_mean``
 take ``q``, ``E[x]`` and ``E[(x - q)^+]`` from one call of
 ``radix.kth_smallest_with_sums_accelerator``, as it does by default on a
 GPU for large batches. Values and gradients are checked against numpy written
@@ -49,7 +49,7 @@ def fused(monkeypatch):
   monkeypatch.setattr(quantiles, "_quantile_and_mean_excess", unfused)
   # Traced for the CPU only (as a CPU jit lowers it), not once per kind of
   # platform: the calls counted are then one trace's.
-  with gbn_jax.selection_config(method="accelerator"):
+  with gbn_jax.selection.selection_config(method="accelerator"):
     with common.platform_scope(common.CPU):
       yield calls
 
@@ -59,7 +59,10 @@ _QUANTILE_AND_MEAN_EXCESS = quantiles._quantile_and_mean_excess  # pylint: disab
 
 def _unfused(fn, *args, monkeypatch):
   """``fn(*args)`` with the sort reference selecting (no fused sums)."""
-  with gbn_jax.selection_config(method="sort"), monkeypatch.context() as m:
+  with (
+      gbn_jax.selection.selection_config(method="sort"),
+      monkeypatch.context() as m,
+  ):
     m.setattr(quantiles, "_quantile_and_mean_excess", _QUANTILE_AND_MEAN_EXCESS)
     return fn(*args)
 
@@ -425,7 +428,7 @@ def test_one_call_and_default_dispatch(fused, monkeypatch):
   )
   monkeypatch.setattr(common, "on_cpu", lambda: False)
   monkeypatch.setattr(native, "applies", lambda axis_name: False)
-  with gbn_jax.selection_config(method=None):
+  with gbn_jax.selection.selection_config(method=None):
     # Accelerators default to the bracket select (measured faster): unfused.
     assert not fuses(big)
     monkeypatch.setattr(dispatch, "_ACCELERATOR_LARGE_METHOD", "accelerator")
@@ -470,7 +473,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
     results = {}
     for method in ("accelerator", "sort"):
       # Traced for the CPU only: one trace's calls, not one per platform.
-      with gbn_jax.selection_config(method=method), common.platform_scope("cpu"):
+      with gbn_jax.selection.selection_config(method=method), common.platform_scope("cpu"):
         for masked in (False, True):
           w = where if masked else np.ones_like(where)
           got = jax.jit(jax.value_and_grad(lambda x: pooled(x, w), has_aux=True))(x)

@@ -278,7 +278,8 @@ def test_a_function_that_pools_devices_gets_the_axis_name():
 
   def pooling(x, axis, *, axis_name=None, axis_index_groups=None):
     got.append((x.shape, axis_name, axis_index_groups))
-    return gbn_jax.mean(x, axis, axis_name=axis_name), gbn_jax.extreme(
+    s = gbn_jax.reductions.mean(x, axis, axis_name=axis_name)
+    return s, gbn_jax.reductions.extreme(
         x, axis, largest=True, axis_name=axis_name
     )
 
@@ -368,7 +369,7 @@ def test_training_cli_uses_the_parser(monkeypatch):
     [
         lambda x: gbn_jax.quantile(x, 0.5, 0),
         lambda x: gbn_jax.superquantile(x, 0.5, 0),
-        lambda x: gbn_jax.extreme(x, 0, largest=True),
+        lambda x: gbn_jax.reductions.extreme(x, 0, largest=True),
     ],
     ids=["quantile", "superquantile", "extreme"],
 )
@@ -390,7 +391,9 @@ def test_prepare_reduction_refuses_complex_unless_allowed():
 
 def test_mean_is_defined_for_complex_input():
   x = np.array([[1 + 2j, 2], [3 - 1j, 5j]], np.complex64)
-  np.testing.assert_allclose(gbn_jax.mean(x, 0), x.mean(0), rtol=1e-6)
+  np.testing.assert_allclose(
+      gbn_jax.reductions.mean(x, 0), x.mean(0), rtol=1e-6
+  )
 
 
 # --- the public helpers a custom measure is built from ------------------------
@@ -400,28 +403,30 @@ def test_mean_and_extreme_against_numpy_with_a_mask():
   rng = np.random.default_rng(8)
   x = rng.standard_normal((6, 5, 3)).astype(np.float32)
   mask = rng.random(x.shape) < 0.6
-  got = gbn_jax.mean(x, (0, 1), where=mask)
+  got = gbn_jax.reductions.mean(x, (0, 1), where=mask)
   want = np.array(
       [x[..., j][mask[..., j]].astype(np.float64).mean() for j in range(3)]
   )
   np.testing.assert_allclose(got, want, rtol=1e-6)
   for largest, pick in ((True, np.max), (False, np.min)):
-    got = gbn_jax.extreme(x, (0, 1), largest=largest, where=mask)
+    got = gbn_jax.reductions.extreme(x, (0, 1), largest=largest, where=mask)
     want = [pick(x[..., j][mask[..., j]]) for j in range(3)]
     np.testing.assert_array_equal(got, want)
   # axis=None reduces everything, as in quantile.
-  np.testing.assert_array_equal(gbn_jax.extreme(x, largest=False), x.min())
+  np.testing.assert_array_equal(
+      gbn_jax.reductions.extreme(x, largest=False), x.min()
+  )
 
 
 def test_extreme_gradient_splits_ties():
   x = jnp.array([1.0, 3.0, 3.0, 2.0])
-  g = jax.grad(lambda v: gbn_jax.extreme(v, 0, largest=True))(x)
+  g = jax.grad(lambda v: gbn_jax.reductions.extreme(v, 0, largest=True))(x)
   np.testing.assert_array_equal(g, [0.0, 0.5, 0.5, 0.0])
 
 
 def test_reductions_share_their_argument_names():
   want = ["x", "axis", "where", "axis_name", "axis_index_groups"]
-  for fn in (gbn_jax.mean, gbn_jax.extreme):
+  for fn in (gbn_jax.reductions.mean, gbn_jax.reductions.extreme):
     names = [n for n in inspect.signature(fn).parameters if n != "largest"]
     assert names == want, fn
   for fn in (gbn_jax.quantile, gbn_jax.superquantile):

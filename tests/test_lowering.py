@@ -192,7 +192,7 @@ def test_forced_native_with_axis_name_raises():
   x = jnp.ones((8, 2))
   with pytest.raises(ValueError, match="axis_name='b'"):
     dispatch.kth_smallest(x, 1, (0,), axis_name="b", method="native")
-  with gbn_jax.selection_config(method="native"):
+  with gbn_jax.selection.selection_config(method="native"):
     with pytest.raises(ValueError, match="cannot pool"):
       jax.pmap(
           lambda v: gbn_jax.quantile(v, 0.5, axis=0, axis_name="b"),

@@ -280,7 +280,7 @@ def test_kernel_rejects_bad_bracket_sigmas(sigmas):
 @pytest.mark.parametrize("sigmas", [np.inf, np.nan, -1.0])
 def test_selection_config_rejects_bad_bracket_sigmas(sigmas):
   with pytest.raises(ValueError, match="bracket_sigmas"):
-    with gbn_jax.selection_config(bracket_sigmas=sigmas):
+    with gbn_jax.selection.selection_config(bracket_sigmas=sigmas):
       pass
 
 
@@ -396,7 +396,7 @@ def test_kernel_missed_brackets_by_histogram_and_gather(columns, monkeypatch):
   # bracket_sigmas = 0 makes brackets miss: few columns are selected by
   # histogram passes (a gathered column would cost more than the input), many
   # gathered whole.
-  with gbn_jax.selection_config(bracket_sigmas=0.0):
+  with gbn_jax.selection.selection_config(bracket_sigmas=0.0):
     rng = np.random.default_rng(columns)
     x = rng.standard_normal((40_000, columns)).astype(np.float32)
     x[rng.random(x.shape) < 0.01] = np.inf
@@ -471,7 +471,7 @@ ALLOCATION_SCRIPT = textwrap.dedent("""
     gc.collect()
     # Compiled, not run: a run would leave freed kernel memory in the heap.
     # The kernel's bracket width is fixed when tracing.
-    with gbn_jax.selection_config(bracket_sigmas=sigmas):
+    with gbn_jax.selection.selection_config(bracket_sigmas=sigmas):
       f = jax.jit(lambda v: gbn_jax.superquantile(v, 0.5, axis=0)).lower(x).compile()
 
     def vm_size():

@@ -230,7 +230,7 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers(
 
   results = {}
   for method in ("sort", "accelerator"):
-    with gbn_jax.selection_config(method=method):
+    with gbn_jax.selection.selection_config(method=method):
       (_, stats), grad = jax.value_and_grad(measures, has_aux=True)(
           jnp.asarray(x)
       )

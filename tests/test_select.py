@@ -245,7 +245,7 @@ def test_native_sampled_bracket_path(kind, sigmas, monkeypatch):
   # Over 16384 rows the kernel brackets the target from a sample and gathers;
   # sigmas=0 makes brackets miss often, exercising its whole-column fallback.
   # 19 features: two groups of eight take the AVX2 sweep, three the scalar one.
-  with gbn_jax.selection_config(bracket_sigmas=sigmas):
+  with gbn_jax.selection.selection_config(bracket_sigmas=sigmas):
     select = jax.jit(
         lambda v, k: dispatch.kth_smallest(v, k, (0, 1, 2), method="native")
     )
@@ -299,7 +299,7 @@ def test_native_tie_counts(kind, rows, sigmas, monkeypatch):
   # The kernel reports how many elements equal the answer as XLA:CPU's float
   # comparison counts them (zeros and denormals all equal); quantile
   # gradients divide by it.
-  with gbn_jax.selection_config(bracket_sigmas=sigmas):
+  with gbn_jax.selection.selection_config(bracket_sigmas=sigmas):
     select = jax.jit(
         lambda v, k: dispatch.kth_smallest(
             v, k, (0,), method="native", return_ties=True
@@ -389,7 +389,7 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
   # The kernel's second entry point also returns E[x], E[(x - q)^+] and
   # #{x > q}, summed in the sweep that selects q; sqd takes its statistics
   # from there. 11 features: the last AVX2 group overlaps the one before.
-  with gbn_jax.selection_config(bracket_sigmas=sigmas):
+  with gbn_jax.selection.selection_config(bracket_sigmas=sigmas):
     select = jax.jit(lambda v, k: native.kth_smallest_with_sums(v, k, (0,)))
     if kind == "offset":  # cancellation: E[(x - q)^+] is small next to x
       x = (1000 + data("normal", (rows, 11), seed=rows)).astype(np.float32)
@@ -620,13 +620,13 @@ def test_selection_config_is_part_of_the_trace_context(monkeypatch):
     traces.append(1)
     return dispatch.kth_smallest(v, 150, (0,))
 
-  with gbn_jax.selection_config(method="sort"):
+  with gbn_jax.selection.selection_config(method="sort"):
     assert_bitwise(f(x), want)
   assert (len(traces), len(loops)) == (1, 0)
-  with gbn_jax.selection_config(method="bisect"):
+  with gbn_jax.selection.selection_config(method="bisect"):
     assert_bitwise(f(x), want)
     assert_bitwise(f(x), want)  # cached within the setting
-    with gbn_jax.selection_config(
+    with gbn_jax.selection.selection_config(
         bracket_sigmas=1.0
     ):  # nested: keeps the method
       assert config.current() == config.SelectionConfig(
@@ -634,17 +634,17 @@ def test_selection_config_is_part_of_the_trace_context(monkeypatch):
       )
     assert config.current().bracket_sigmas == 3.0
   assert (len(traces), loops) == (2, [common.CPU, common.ACCELERATOR])
-  with gbn_jax.selection_config(method="sort"):
+  with gbn_jax.selection.selection_config(method="sort"):
     assert_bitwise(f(x), want)  # the first trace, from the cache
   assert len(traces) == 2
   # The public quantile (jitted inside the package) follows it too.
-  with gbn_jax.selection_config(method="bisect"):
+  with gbn_jax.selection.selection_config(method="bisect"):
     got = gbn_jax.quantile(x, 0.5, axis=0)
   # With tie counts, which tell GPUs from TPUs.
   assert set(loops[2:]) == {common.CPU, common.GPU, common.TPU}
   assert_bitwise(got, want)
   with pytest.raises(ValueError, match="method"):
-    with gbn_jax.selection_config(method="quick"):
+    with gbn_jax.selection.selection_config(method="quick"):
       pass
 
 
@@ -654,9 +654,10 @@ def test_bracket_sigmas_setting_reaches_a_jitted_kernel_call():
   k = jnp.full((11,), 20500, jnp.int32)
   missed = native.PATHS.index("missed_bracket")
   f = jax.jit(lambda v, k: native.kth_smallest_keys(v, k)[2])
-  with gbn_jax.selection_config(bracket_sigmas=3.0):
+  with gbn_jax.selection.selection_config(bracket_sigmas=3.0):
     wide = np.asarray(f(x, k))
-  with gbn_jax.selection_config(bracket_sigmas=0.0):  # same jit object
+  # The same jit object as above.
+  with gbn_jax.selection.selection_config(bracket_sigmas=0.0):
     narrow = np.asarray(f(x, k))
   # At 0 sigmas brackets on continuous data miss (see the sampled-path test).
   assert np.sum(wide == missed) <= 1 and np.sum(narrow == missed) >= 9, (

@@ -163,7 +163,7 @@ def test_program_cache_is_keyed_by_the_selection_config_in_scope():
   )
   default, _ = train.compile_program(*args)
   assert train.compile_program(*args) == (default, True)
-  with gbn_jax.selection_config(method="sort"):
+  with gbn_jax.selection.selection_config(method="sort"):
     sort, cached = train.compile_program(*args)
     assert not cached and sort is not default
     assert train.compile_program(*args) == (sort, True)

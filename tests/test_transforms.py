@@ -247,7 +247,7 @@ def test_hessian(measure):
   v = jax.random.normal(jax.random.key(10), x.shape)
   h = 1e-3
   for method in (None, "accelerator"):
-    with gbn_jax.selection_config(method=method):
+    with gbn_jax.selection.selection_config(method=method):
       grad = jax.jit(jax.grad(loss))
       _, hvp = jax.jvp(grad, (x,), (v,))
       fd = (grad(x + h * v) - grad(x - h * v)) / (2 * h)

@@ -587,7 +587,7 @@ def _program_context() -> tuple[Any, ...]:
 
   JAX keys its own jit caches on its trace context: its config flags
   (``jax_enable_x64``, the default matmul precision, ...) and user contexts
-  such as :func:`gbn_jax.selection_config`, which picks the selection method
+  such as :func:`gbn_jax.selection.selection_config`, which picks the selection method
   at trace time. A program compiled under one of them must not serve a run
   under another, so the key holds the same context; the selection setting is
   also named on its own in case a JAX release moves the private accessor.

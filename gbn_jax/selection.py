@@ -1,0 +1,69 @@
+"""The selection's tunables: an advanced knob, for benchmarks and tests.
+
+Every order statistic (:func:`gbn_jax.reductions.quantile`, the measures
+built on it such as ``'sqd'``) selects the k-th smallest value exactly; which
+backend does it is picked by batch size and platform. :func:`selection_config`
+forces a backend (one of :data:`METHODS`) or tunes one inside a ``with``
+block, as a :class:`SelectionConfig`. Results do not depend on it: every
+method is exact; speed does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import contextlib
+from typing import Any
+
+from gbn_jax._selection import dispatch
+from gbn_jax._selection.config import SelectionConfig
+from gbn_jax._selection.dispatch import METHODS
+
+__all__ = ["METHODS", "SelectionConfig", "selection_config"]
+
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def selection_config(
+    *, method: Any = _UNSET, bracket_sigmas: Any = _UNSET
+) -> Iterator[SelectionConfig]:
+  """Scopes the selection's tunables to a ``with`` block, trace-correctly.
+
+  The setting is part of JAX's trace context (``jax.make_user_context``): a
+  jitted function called inside the block is traced for it, not served from
+  a trace made under another setting. Arguments left out keep the enclosing
+  block's value. Like JAX's own config contexts, the scope is the current
+  thread's.
+
+  Args:
+    method: one of :data:`METHODS` to force on every selection (quantiles,
+      superquantiles, measures such as ``sqd``) traced in scope, or ``None``
+      for the default: the native kernel where it applies, else by batch size
+      and backend. Every method is exact.
+    bracket_sigmas: half-width of the native kernel's sampled bracket, in
+      binomial standard deviations (default 3.0; 0 makes misses, and so its
+      fallback path, common).
+
+  Yields:
+    The :class:`SelectionConfig` in scope.
+
+  Raises:
+    ValueError: a ``method`` not in :data:`METHODS`, or a negative or
+      non-finite ``bracket_sigmas``.
+
+  >>> import jax.numpy as jnp
+  >>> from gbn_jax import reductions, selection
+  >>> with selection.selection_config(method="sort") as config:
+  ...   reductions.quantile(jnp.array([3., 1., 2.]), 0.5)
+  Array(2., dtype=float32)
+  >>> config
+  SelectionConfig(method='sort', bracket_sigmas=3.0)
+  """
+  # Only what the caller gave: the rest keeps the enclosing block's value.
+  given = {}
+  if method is not _UNSET:
+    given["method"] = method
+  if bracket_sigmas is not _UNSET:
+    given["bracket_sigmas"] = bracket_sigmas
+  with dispatch.selection_config(**given) as config:
+    yield config
