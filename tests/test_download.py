@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from train import data_locate
+from train import data_tfds
 from train import datasets
 from train import download
 
@@ -301,6 +302,11 @@ def test_load_dataset_failed_download_explains(server, places, monkeypatch):
   assert _files_in(places["user"] / "mnist") == []
 
 
+def _no_tfds(*args, **kwargs):
+  del args, kwargs
+  raise data_tfds.TfdsUnavailable("not in this test")
+
+
 @pytest.mark.slow
 def test_training_cli_downloads_only_without_data_dir(
     server, places, monkeypatch, tmp_path, capsys
@@ -310,6 +316,9 @@ def test_training_cli_downloads_only_without_data_dir(
   from train import main as train_main  # pylint: disable=g-import-not-at-top
 
   _serve_mnist(server, monkeypatch, n_train=32, n_test=8)
+  # tensorflow-datasets reads TFDS_DATA_DIR once, when first imported: a test
+  # that ran before in this process may have left it a folder holding MNIST.
+  monkeypatch.setattr(data_tfds, "load_tfds", _no_tfds)
   run = ["--batch-size", "16", "--epochs", "1", "--no-progress"]
   monkeypatch.setenv(download.ENV_NO_DOWNLOAD, "1")
   code = train_main.run(
