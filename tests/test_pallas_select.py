@@ -12,6 +12,7 @@ same functions, which needs no GPU to export.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import pallas
 
+from process_helpers import run_python
 from selection_helpers import ExactnessSuite
 from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
@@ -268,3 +270,56 @@ def test_hundred_thousand_rows(kind):
   x = data(kind, (100_000, 3), seed=10)
   for k in (1, 50_000, 99_999, 100_000):
     check(x, np.full(3, k), (0,))
+
+
+_SHARD_MAP_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from gbn_jax._selection import pallas, sort
+mesh = Mesh(np.array(jax.devices()[:4]), ("b",))
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4 * 600, 5)).astype(np.float32)
+x[:, 1] = np.maximum(x[:, 1], 0)  # ReLU zeros
+where = rng.random(x.shape) < 0.8
+k = np.asarray([1, 900, 1500, 1800, 7], np.int32)
+
+def local(xs, ws):
+  value, ties, mean, excess, above = pallas.kth_smallest_with_sums_pallas(
+      xs, jnp.asarray(k), (0,), where=ws, axis_name="b")
+  _, local_ties = pallas.kth_smallest_pallas(
+      xs, jnp.asarray(k), (0,), where=ws, axis_name="b", return_ties=True)
+  return value, ties, mean, excess, above, local_ties[None]
+
+fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("b"), P("b")),
+                           out_specs=(P(), P(), P(), P(), P(), P("b"))))
+value, ties, mean, excess, above, local_ties = fn(x, where)
+want = np.asarray(sort.kth_smallest_reference(x, k, (0,), where=where))
+assert np.array_equal(np.asarray(value).view(np.int32), want.view(np.int32))
+assert np.array_equal(ties, ((x == want) & where).sum(0))
+assert np.array_equal(above, (~(x <= want) & where).sum(0))
+for d, (xd, wd) in enumerate(zip(np.split(x, 4), np.split(where, 4))):
+  assert np.array_equal(local_ties[d], ((xd == want) & wd).sum(0)), d
+n = where.sum(0)
+np.testing.assert_allclose(mean, np.where(where, x, 0).sum(0) / n, rtol=1e-5)
+gap = np.where(where & (x > want), x.astype(np.float64) - want, 0).sum(0) / n
+np.testing.assert_allclose(excess, gap, rtol=1e-5, atol=1e-7)
+g = jax.pmap(lambda xs: pallas.kth_smallest_pallas(
+    xs, 600, (0,), axis_name="b", axis_index_groups=[[0, 1], [2, 3]]),
+    axis_name="b")(x.reshape(4, 600, 5))
+for d, rows in ((0, x[:1200]), (3, x[1200:])):
+  assert np.array_equal(g[d], sort.kth_smallest_reference(rows, 600, (0,)))
+# Compiled for CUDA, the kernel's outputs are typed device-varying (check_vma).
+checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+cuda = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+    jax.ShapeDtypeStruct(x.shape, jnp.float32),
+    jax.ShapeDtypeStruct(x.shape, jnp.bool_))
+assert cuda.mlir_module().count("@__gpu$xla.gpu.triton") == 16  # 2 selections
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_shard_map_and_pmap_groups_on_four_host_devices():
+  flags = os.environ.get("XLA_FLAGS", "")
+  env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4"}
+  assert "OK" in run_python(_SHARD_MAP_SCRIPT, env)

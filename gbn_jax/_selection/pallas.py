@@ -34,6 +34,11 @@ as ``radix.radix_sums`` does.
 the kernel is compiled by Pallas's Triton lowering; anywhere else (XLA:CPU,
 TPUs) it runs in Pallas's *interpret mode*: the same kernel evaluated as
 ordinary XLA ops, exact but much slower than every other method (for tests).
+Under ``shard_map`` (device-varying rows) the interpreter fails JAX's
+``check_vma`` typing, so there the same loop body runs as plain JAX on the
+whole arrays. A lowering for the CPU and CUDA at once fails: JAX lowers every
+``platform_dependent`` branch for every platform, and Pallas has no CPU
+lowering of a compiled kernel.
 It is selectable as ``method="pallas"`` and never a default: it awaits its
 timing on a GPU (``benchmarks/device_check.sh``).
 """
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -113,25 +119,42 @@ def _flipped_keys(x: Array) -> Array:
   return key ^ _SIGN
 
 
-def _pass_kernel(
-    *refs,
-    shift: int,
-    digit_bits: int,
-    n_rows: int,
-    block_rows: int,
-    n_chunks: int,
-    masked: bool,
-    sums: bool,
-):
+def _pass_kernel(*refs, masked: bool, **options):
   """One radix pass over a block of columns: histogram (and sums) in registers."""
   if masked:
     rows_ref, mask_ref, prefix_ref, *out_refs = refs
   else:
     rows_ref, prefix_ref, *out_refs = refs
     mask_ref = None
+  rows = lambda start, size: rows_ref[pl.ds(start, size), :]
+  mask = None
+  if mask_ref is not None:
+    mask = lambda start, size: mask_ref[pl.ds(start, size), :]
+  result = _pass_body(rows, mask, prefix_ref[...], **options)
+  for ref, value in zip(out_refs, result):
+    ref[...] = value
+
+
+def _pass_body(
+    load_rows: Callable[[Array, int], Array],
+    load_mask: Callable[[Array, int], Array] | None,
+    prefix: Array,
+    *,
+    shift: int,
+    digit_bits: int,
+    n_rows: int,
+    block_rows: int,
+    n_chunks: int,
+    sums: bool,
+) -> tuple[Array, ...]:
+  """The kernel's loop over row chunks, on whatever ``load_*`` read from.
+
+  ``prefix``: ``[1, BF]``, the digits chosen so far. Returns the histogram
+  ``[n_bins, BF]`` and, with ``sums``, ``sum(x)`` ``[1, BF]`` and the
+  excess over each bin's candidate answer ``[n_bins, BF]``.
+  """
   n_bins = 1 << digit_bits
-  block_cols = rows_ref.shape[1]
-  prefix = prefix_ref[...]  # [1, BF]: the digits chosen so far
+  block_cols = prefix.shape[1]
   bins = lax.broadcasted_iota(_I32, (1, n_bins, block_cols), 1)
   if sums:
     # The last pass's candidate answers, one per bin: flipped key -> float.
@@ -141,12 +164,12 @@ def _pass_kernel(
 
   def body(i, carry):
     start = pl.multiple_of(i * block_rows, block_rows)
-    x = rows_ref[pl.ds(start, block_rows), :]
+    x = load_rows(start, block_rows)
     u = _flipped_keys(x)
     row = start + lax.broadcasted_iota(_I32, x.shape, 0)
     valid = row < n_rows  # the padding to whole chunks is never counted
-    if mask_ref is not None:
-      valid = valid & (mask_ref[pl.ds(start, block_rows), :] != 0)
+    if load_mask is not None:
+      valid = valid & (load_mask(start, block_rows) != 0)
     match = valid
     if shift + digit_bits < 32:  # the first pass has no prefix yet
       match = match & (
@@ -170,9 +193,9 @@ def _pass_kernel(
         jnp.zeros((1, block_cols), _F32),
         jnp.zeros((n_bins, block_cols), _F32),
     )
-  result = lax.fori_loop(0, n_chunks, body, init)
-  for ref, value in zip(out_refs, result):
-    ref[...] = value
+  # Under shard_map (plain-JAX path) the carries vary per device as the rows.
+  init = common.varying_like(init, prefix)
+  return lax.fori_loop(0, n_chunks, body, init)
 
 
 def _block_sizes(
@@ -200,6 +223,23 @@ def _pad_to(a: Array, rows: int, cols: int, value: Any) -> Array:
   return jnp.pad(a, pad, constant_values=value)
 
 
+def _out_struct(shape: tuple[int, ...], dtype: Any, like: Array) -> Any:
+  """An output type, device-varying under ``shard_map`` where ``like`` is.
+
+  ``check_vma`` needs the type of a ``pallas_call``'s outputs spelled out;
+  JAX releases name it ``manual_axis_type`` (the aval's ``mat``) or ``vma``.
+  """
+  params = inspect.signature(jax.ShapeDtypeStruct).parameters
+  aval = jax.typeof(like)
+  if "manual_axis_type" in params and getattr(aval, "mat", None) is not None:
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.mat)
+  if "vma" in params:
+    return jax.ShapeDtypeStruct(
+        shape, dtype, vma=frozenset(common.varying_axes(like))
+    )
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def _run_pass(
     rows, mask, prefix, *, shift, digit_bits, blocks, sums, interpret
 ):
@@ -217,30 +257,29 @@ def _run_pass(
     in_specs.append(column_block)
   operands.append(_pad_to(prefix[None], 1, padded_cols, 0))
   in_specs.append(pl.BlockSpec((1, block_cols), lambda j: (0, j)))
-  out_shape = [jax.ShapeDtypeStruct((n_bins, padded_cols), _I32)]
+  out_shape = [_out_struct((n_bins, padded_cols), _I32, operands[0])]
   out_specs = [pl.BlockSpec((n_bins, block_cols), lambda j: (0, j))]
   if sums:
     out_shape += [
-        jax.ShapeDtypeStruct((1, padded_cols), _F32),
-        jax.ShapeDtypeStruct((n_bins, padded_cols), _F32),
+        _out_struct((1, padded_cols), _F32, operands[0]),
+        _out_struct((n_bins, padded_cols), _F32, operands[0]),
     ]
     out_specs += [
         pl.BlockSpec((1, block_cols), lambda j: (0, j)),
         pl.BlockSpec((n_bins, block_cols), lambda j: (0, j)),
     ]
-  kernel = functools.partial(
-      _pass_kernel,
+  options = dict(
       shift=shift,
       digit_bits=digit_bits,
       n_rows=n_rows,
       block_rows=block_rows,
       n_chunks=padded_rows // block_rows,
-      masked=mask is not None,
       sums=sums,
   )
-  out = pl.pallas_call(
+  kernel = functools.partial(_pass_kernel, masked=mask is not None, **options)
+  call = functools.partial(
+      pl.pallas_call,
       kernel,
-      out_shape=out_shape,
       grid=(padded_cols // block_cols,),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -251,7 +290,19 @@ def _run_pass(
       if interpret
       else pl_triton.CompilerParams(num_warps=4),
       name=f"gbn_radix_pass_{shift}",
-  )(*operands)
+  )
+  if interpret and common.varying_axes(operands[0]):
+    # Pallas's interpreter types the kernel's buffers device-invariant and
+    # fails on shard_map's device-varying rows (check_vma): the same loop on
+    # the whole arrays instead, in plain JAX.
+    load = lambda a: lambda start, size: lax.dynamic_slice_in_dim(
+        a, start, size
+    )
+    mask_load = load(operands[1]) if mask is not None else None
+    prefix = common.varying_like(operands[-1], operands[0])
+    out = _pass_body(load(operands[0]), mask_load, prefix, **options)
+  else:
+    out = call(out_shape=out_shape)(*operands)
   return [o[:, :n_cols] for o in out]
 
 
