@@ -443,6 +443,8 @@ PUBLIC_MODULES = [
     "gbn_jax.deviations",
     "gbn_jax.measures",
     "gbn_jax.quantiles",
+    "gbn_jax.reductions",
+    "gbn_jax.selection",
 ]
 
 
