@@ -350,14 +350,14 @@ def test_get_measure_points_the_colon_spelling_at_the_parser():
 
 
 def test_training_cli_uses_the_parser(monkeypatch):
-  from train import models  # pylint: disable=g-import-not-at-top
+  from train import norms  # pylint: disable=g-import-not-at-top
 
   seen = []
-  real = models.parse_measure_name
+  real = norms.parse_measure_name
   monkeypatch.setattr(
-      models, "parse_measure_name", lambda t: seen.append(t) or real(t)
+      norms, "parse_measure_name", lambda t: seen.append(t) or real(t)
   )
-  assert models.parse_norm("sqd:0.4") == models.NormSpec("sqd", 0.4)
+  assert norms.parse_norm("sqd:0.4") == norms.NormSpec("sqd", 0.4)
   assert seen == ["sqd:0.4"]
 
 
