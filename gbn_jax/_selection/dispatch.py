@@ -108,7 +108,7 @@ def selection_config(
     The :class:`~gbn_jax._selection.config.SelectionConfig` in scope.
 
   >>> import gbn_jax, jax.numpy as jnp
-  >>> with gbn_jax.selection_config(method="sort"):
+  >>> with gbn_jax.selection.selection_config(method="sort"):
   ...   gbn_jax.quantile(jnp.array([3., 1., 2.]), 0.5)
   Array(2., dtype=float32)
   """
