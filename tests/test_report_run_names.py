@@ -67,7 +67,7 @@ def test_names_do_not_depend_on_how_dirs_are_written(two_sweeps):
     report.write_report(dirs, out)
     sections[name] = _runs_section(out / "report.md")
   assert all(s == sections["relative"] for s in sections.values()), sections
-  # Below results/, the folder that holds the runs and the report.
+  # Below results/, the deepest folder holding the runs' folders.
   assert _names(Path("results/reports/relative/report.md")) == [
       "activations/bn-seed1",
       "sweeps/a/bn-seed0",
@@ -75,26 +75,24 @@ def test_names_do_not_depend_on_how_dirs_are_written(two_sweeps):
   ]
 
 
-def test_names_with_the_report_far_from_the_runs():
-  # Only the filesystem's root holds runs and report: the names are then
-  # below the deepest folder holding the runs' folders.
+def test_names_do_not_depend_on_where_the_report_goes():
+  # Below the deepest folder holding the runs' folders, wherever the report
+  # is written; runs that share one folder keep its name.
   runs = [
       report.Run(Path(f"/data/x/sweeps/{s}/{r}"), {}, [])
       for s, r in (("a", "bn-seed0"), ("a", "sqd1-seed0"), ("b", "bn-seed1"))
   ]
-  assert report.run_names(runs, Path("/elsewhere/out")) == [
+  for out in ("/elsewhere/out", "/data/x/reports/r", "/data/x/sweeps/a/r"):
+    assert report.run_names(runs, Path(out)) == [
+        "a/bn-seed0",
+        "a/sqd1-seed0",
+        "b/bn-seed1",
+    ]
+  assert report.run_names(runs[:2], Path("/tmp/r")) == [
       "a/bn-seed0",
       "a/sqd1-seed0",
-      "b/bn-seed1",
   ]
-  # A report inside the only run: the run's own name, never ".".
-  assert report.run_names(runs[:1], runs[0].path / "report") == ["bn-seed0"]
-  # Otherwise, below the folder that holds runs and report.
-  assert report.run_names(runs, Path("/data/x/reports/r")) == [
-      "sweeps/a/bn-seed0",
-      "sweeps/a/sqd1-seed0",
-      "sweeps/b/bn-seed1",
-  ]
+  assert report.run_names(runs[:1], runs[0].path / "report") == ["a/bn-seed0"]
 
 
 @pytest.mark.slow

@@ -737,8 +737,15 @@ def test_cli_keeps_compiled_programs_in_the_user_cache(tmp_path):
   entries = _cache_entries(folder)
   # At least the train step, the evaluation and the epoch's batches.
   assert len(entries) >= 3, sorted(p.name for p in folder.rglob("*"))
-  # The same programs again: read back, none compiled anew.
-  assert _cache_entries(run(tmp_path / "xdg")) == entries
+  # The same programs again: the CLI's own are read back, none compiled
+  # anew. (A tiny helper program, such as a key's fold_in, enters the cache
+  # only when its compile happens to pass the minimum time: timing decides
+  # that, so only the programs the CLI names are checked.)
+  again = _cache_entries(run(tmp_path / "xdg"))
+  assert entries <= again
+  main_programs = {e for e in entries if not e.startswith("jit__")}
+  assert len(main_programs) >= 3, sorted(entries)
+  assert {e for e in again - entries if not e.startswith("jit__")} == set()
   assert not run(tmp_path / "off", "--no-compile-cache").exists()
 
 

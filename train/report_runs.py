@@ -265,20 +265,22 @@ def first_config(by_norm: dict[str, list[Run]]) -> dict[str, Any]:
 
 
 def run_names(runs: Sequence[Run], out: Path) -> list[str]:
-  """Each run's name: its path below the deepest folder holding every run
-  and the report (``results/`` for the README's reports).
+  """Each run's name: its path below the deepest folder holding the runs'
+  folders (``results/`` for the README's report), or, where they all share
+  one folder, below that folder's parent (so the sweep's name stays).
 
-  Only resolved paths enter, so the names do not depend on how a DIR was
-  written (relative, ``./``-prefixed, absolute, through a symlink). Where
-  that folder is the filesystem's root (runs and report far apart), the
-  names are below the deepest folder holding the runs' folders.
+  Only resolved paths enter, so the names depend neither on how a DIR was
+  written (relative, ``./``-prefixed, absolute, through a symlink) nor on
+  where the report goes (``out`` is unused, kept for the callers).
   """
+  del out
   paths = [run.path.resolve() for run in runs]
   if not paths:
     return []
-  base = Path(os.path.commonpath([*paths, out.resolve()]))
-  if base == Path(base.anchor):
-    base = Path(os.path.commonpath([p.parent for p in paths]))
+  parents = {p.parent for p in paths}
+  base = Path(os.path.commonpath(list(parents)))
+  if len(parents) == 1:
+    base = base.parent
   return [str(p.relative_to(base)) if p != base else p.name for p in paths]
 
 
