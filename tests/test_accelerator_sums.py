@@ -10,9 +10,6 @@ ties tied, and against the unfused path (the sort reference).
 
 import fractions
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -27,6 +24,9 @@ from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
 from gbn_jax._selection import radix
+
+from process_helpers import forced_host_devices
+from process_helpers import run_python_result
 
 ALPHAS = [1e-6, 0.25, 0.5, 0.75, 0.99, 0.999999]
 N_FEATURES = 8
@@ -491,17 +491,8 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
 
 
 def test_shard_map_over_two_host_devices():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run(
-      [sys.executable, "-c", _SHARD_MAP_SCRIPT],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=300,
+  proc = run_python_result(
+      _SHARD_MAP_SCRIPT, env=forced_host_devices(2), timeout=300
   )
   assert proc.returncode == 0 and "OK" in proc.stdout, (
       proc.stdout + proc.stderr[-5000:]

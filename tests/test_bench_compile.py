@@ -8,9 +8,6 @@ every field of its JSON.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 from jax import lax
@@ -20,6 +17,7 @@ import pytest
 from benchmarks import bench_compile as bench
 
 from process_helpers import REPO
+from process_helpers import run_module
 
 _HLO = """\
 HloModule jit_f, entry_computation_layout={(f32[8]{0})->(f32[8]{0}, s32[])}
@@ -138,26 +136,16 @@ def _positive_int(value) -> bool:
 @pytest.mark.slow  # two fresh processes compiling LeNet's programs
 def test_lenet_json_has_every_field(tmp_path):
   out = tmp_path / "compile.json"
-  env = dict(os.environ)
-  env["PYTHONPATH"] = REPO
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "benchmarks.bench_compile",
-          "--models=lenet",
-          "--norms=bn,sqd2",
-          "--batch=8",
-          "--train-images=32",
-          "--test-images=16",
-          f"--out={out}",
-      ],
-      env=env,
-      cwd=REPO,
-      capture_output=True,
-      text=True,
+  proc = run_module(
+      "benchmarks.bench_compile",
+      "--models=lenet",
+      "--norms=bn,sqd2",
+      "--batch=8",
+      "--train-images=32",
+      "--test-images=16",
+      f"--out={out}",
+      env={"PYTHONPATH": REPO},
       timeout=600,
-      check=False,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())

@@ -12,10 +12,6 @@ subprocess. Values must match bit for bit, tie counts exactly (integer keys,
 from __future__ import annotations
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +24,8 @@ from gbn_jax._selection import dispatch
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 
+from process_helpers import forced_host_devices
+from process_helpers import run_python_result
 from selection_helpers import ExactnessSuite
 from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
@@ -303,18 +301,7 @@ print("OK")
 
 
 def test_shard_map_and_pmap_groups_on_four_host_devices():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  )
-  env["JAX_PLATFORMS"] = "cpu"
-  root = pathlib.Path(__file__).parent.parent
-  proc = subprocess.run(
-      [sys.executable, "-c", _SHARD_MAP_SCRIPT],
-      env=env,
-      cwd=root,
-      capture_output=True,
-      text=True,
-      timeout=300,
+  proc = run_python_result(
+      _SHARD_MAP_SCRIPT, env=forced_host_devices(4), timeout=300
   )
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 
 from flax import nnx
@@ -22,6 +21,10 @@ from gbn_jax import GBatchNorm
 from gbn_jax import get_measure
 from gbn_jax import measures
 import gbn_jax.nnx as gnnx
+
+from process_helpers import forced_host_devices
+from process_helpers import run_pytest
+from process_helpers import run_python
 
 HERE = pathlib.Path(__file__).parent
 BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
@@ -143,11 +146,7 @@ def test_constants_do_not_import_scipy():
       "gbn_jax.get_measure('sqd', alpha=0.3, calibration='normal')"
       ".normal_constant(5); assert 'scipy' not in sys.modules"
   )
-  subprocess.run(
-      [sys.executable, "-c", code],
-      check=True,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
+  run_python(code)  # ProcessFailed unless the assert held
 
 
 # --- D is sigma for Gaussian data -----------------------------------------------
@@ -481,28 +480,9 @@ def test_measure_objects_and_repr():
 def test_multidevice_calibration():
   """tests/multidevice/test_calibration_multidevice.py on 4 host devices (also
   part of tests/test_multidevice.py's whole-folder run)."""
-  env = dict(
-      os.environ,
-      JAX_PLATFORMS="cpu",
-      XLA_FLAGS=(
-          os.environ.get("XLA_FLAGS", "")
-          + " --xla_force_host_platform_device_count=4"
-      ).strip(),
-  )
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "pytest",
-          "-q",
-          "-p",
-          "no:cacheprovider",
-          str(HERE / "multidevice" / "test_calibration_multidevice.py"),
-      ],
-      env=env,
-      cwd=HERE,
-      capture_output=True,
-      text=True,
+  proc = run_pytest(
+      str(HERE / "multidevice" / "test_calibration_multidevice.py"),
+      env=forced_host_devices(4),
       timeout=900,
   )
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]

@@ -18,7 +18,6 @@ import functools
 import importlib.util
 import os
 import pathlib
-import subprocess
 import tarfile
 
 from flax import nnx
@@ -32,6 +31,7 @@ from gbn_jax import GBatchNorm
 import gbn_jax.linen
 import gbn_jax.nnx
 
+from process_helpers import ProcessFailed
 import reference as ref
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def flax_models(tmp_path_factory):
       patch.setenv("PIP_DEFAULT_TIMEOUT", "20")
       patch.setenv("PIP_RETRIES", "1")
       src = suite._unpack(args, tmp_path_factory.mktemp("flax_sdist"))  # pylint: disable=protected-access
-  except (subprocess.CalledProcessError, StopIteration, OSError) as e:
+  except (ProcessFailed, StopIteration, OSError) as e:
     pytest.skip(
         f"flax's sdist could not be had ({type(e).__name__}: {e}); set"
         " GBN_FLAX_SDIST or GBN_FLAX_SRC to a copy to run these tests offline"

@@ -17,17 +17,14 @@ a tiny budget makes the caps cut, so that those paths are checked too.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 import re
-import subprocess
 import sys
 import tarfile
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
+from process_helpers import run_shell_script
 
 STEPS = ("tests", "radix", "methods", "steps", "full")
 # timeout's exit status when it stopped a step: TERM, or KILL 5 s later.
@@ -103,21 +100,13 @@ def _check_sweep_run(run: Path, finished: bool, augment: bool) -> None:
 def test_dry_run_writes_every_file_a_device_run_writes(tmp_path, budget):
   out, work = tmp_path / "out", tmp_path / "work"
   env = dict(
-      os.environ,
       DRY_RUN="1",
       OUT=str(out),
       WORK=str(work),
       PYTHON=sys.executable,
       BUDGET=budget,
   )
-  proc = subprocess.run(
-      ["bash", "benchmarks/device_check.sh"],
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=1000,
-  )
+  proc = run_shell_script("benchmarks/device_check.sh", env=env, timeout=1000)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # What comes back from a device, whatever cut the run short: the log, the
   # results, and the ResNet20 runs to resume from.

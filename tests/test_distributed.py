@@ -15,8 +15,6 @@ import os
 from pathlib import Path
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -24,6 +22,8 @@ import pytest
 
 from train import checkpointing
 
+from process_helpers import run_module
+from process_helpers import start_module
 from test_train import REPO
 from test_train import write_tiny_mnist
 
@@ -57,10 +57,8 @@ def setup(tmp_path_factory):
 
 
 def _args(data: Path, workdir: Path, epochs: int) -> list[str]:
+  """``train.mnist``'s arguments."""
   return [
-      sys.executable,
-      "-m",
-      "train.mnist",
       "--data-dir",
       str(data),
       "--workdir",
@@ -82,7 +80,6 @@ def _launch_pair(setup, workdir: Path, epochs: int, port: int):
   processes = []
   for rank in (0, 1):
     env = {
-        **os.environ,
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
         "JAX_NUM_PROCESSES": "2",
         "JAX_PROCESS_ID": str(rank),
@@ -92,13 +89,11 @@ def _launch_pair(setup, workdir: Path, epochs: int, port: int):
         "GBN_TEST_WRITE_LOG": str(root / f"writes{rank}-{workdir.name}"),
     }
     processes.append(
-        subprocess.Popen(
-            _args(data, workdir, epochs),
-            cwd=REPO,
+        start_module(
+            "train.mnist",
+            *_args(data, workdir, epochs),
             env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            keep_output=True,
         )
     )
   return processes
@@ -106,13 +101,11 @@ def _launch_pair(setup, workdir: Path, epochs: int, port: int):
 
 def _single_process(setup, workdir: Path, epochs: int) -> list[dict]:
   _, data, _ = setup
-  result = subprocess.run(
-      _args(data, workdir, epochs),
-      cwd=REPO,
-      capture_output=True,
-      text=True,
+  result = run_module(
+      "train.mnist",
+      *_args(data, workdir, epochs),
+      env={"GBN_HOST_DEVICES": "2"},
       timeout=300,
-      env={**os.environ, "GBN_HOST_DEVICES": "2"},
   )
   assert result.returncode == 0, result.stderr
   assert "2 device(s)" in result.stderr

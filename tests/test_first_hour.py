@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 
 import matplotlib
 import pytest
@@ -16,7 +14,8 @@ from train import configs
 from train import main as train_main
 from train import plot
 
-from test_train import REPO
+from process_helpers import run_module
+from process_helpers import run_python_result
 from test_train import TINY
 from test_train import _fake_run
 from test_train import write_tiny_mnist
@@ -225,26 +224,9 @@ def test_data_dir_without_the_data_is_an_error_not_another_copy(
 @pytest.mark.slow
 def test_cli_prints_estimate_after_first_epoch(tmp_path):
   data = write_tiny_mnist(tmp_path / "data")
-  result = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "train.mnist",
-          "--data-dir",
-          str(data),
-          "--workdir",
-          str(tmp_path / "run"),
-          "--batch-size",
-          "16",
-          "--epochs",
-          "3",
-          "--no-progress",
-      ],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
+  args = ["--data-dir", str(data), "--workdir", str(tmp_path / "run")]
+  args += ["--batch-size", "16", "--epochs", "3", "--no-progress"]
+  result = run_module("train.mnist", *args, timeout=300)
   assert result.returncode == 0, result.stderr
   lines = result.stderr.splitlines()
   at = next(i for i, l in enumerate(lines) if l.startswith("epoch 1/3"))
@@ -268,26 +250,18 @@ def test_norm_momentum_error_names_the_flag(capsys):
 
 
 def test_data_not_found_is_quiet_without_tensorflow(tmp_path):
-  result = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "train.cifar",
-          "--dataset",
-          "svhn",
-          "--model",
-          "lenet",
-          "--data-dir",
-          str(tmp_path / "nowhere"),
-          "--workdir",
-          str(tmp_path / "run"),
-      ],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
+  result = run_module(
+      "train.cifar",
+      "--dataset",
+      "svhn",
+      "--model",
+      "lenet",
+      "--data-dir",
+      str(tmp_path / "nowhere"),
+      "--workdir",
+      str(tmp_path / "run"),
       timeout=120,
       env={
-          **os.environ,
           "TFDS_DATA_DIR": str(tmp_path / "tfds"),
           "GBN_DATA_DIR": "",
           "HOME": str(tmp_path),
@@ -411,19 +385,12 @@ def test_plot_takes_a_sweep_glob_and_a_folder_above_the_runs(tmp_path, capsys):
 
 
 def test_gbn_jax_nnx_after_plain_import():
-  result = subprocess.run(
-      [
-          sys.executable,
-          "-c",
-          "import sys, gbn_jax\n"
-          "assert 'gbn_jax.nnx' not in sys.modules\n"
-          "from flax import nnx\n"
-          "layer = gbn_jax.nnx.GBatchNorm(4, measure='sqd1', rngs=nnx.Rngs(0))\n"
-          "print(type(layer).__module__)",
-      ],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
+  result = run_python_result(
+      "import sys, gbn_jax\n"
+      "assert 'gbn_jax.nnx' not in sys.modules\n"
+      "from flax import nnx\n"
+      "layer = gbn_jax.nnx.GBatchNorm(4, measure='sqd1', rngs=nnx.Rngs(0))\n"
+      "print(type(layer).__module__)",
       timeout=120,
   )
   assert result.returncode == 0, result.stderr

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import fractions
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -30,6 +27,9 @@ import gbn_jax
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
+
+from process_helpers import run_pytest
+from process_helpers import run_python_result
 
 TINY = np.finfo(np.float32).tiny
 needs_native = pytest.mark.skipif(
@@ -441,12 +441,8 @@ def test_subprocess_peak_memory_on_atoms(kind, fn, alpha):
   # the bracket spanned the atom and every key was gathered. Now the extra
   # memory must stay under 1.5x the input (it is near zero).
   rows = 20_000_000  # 80 MB
-  proc = subprocess.run(
-      [sys.executable, "-c", MEMORY_SCRIPT, str(rows), kind, fn, repr(alpha)],
-      env=dict(os.environ, JAX_PLATFORMS="cpu"),
-      capture_output=True,
-      text=True,
-      timeout=300,
+  proc = run_python_result(
+      MEMORY_SCRIPT, str(rows), kind, fn, repr(alpha), timeout=300
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   growth = float(proc.stdout.split("GROWTH")[-1])
@@ -517,19 +513,12 @@ ALLOCATION_SCRIPT = textwrap.dedent("""
 def test_subprocess_allocation_failure_raises(
     rows, columns, kind, sigmas, must_raise
 ):
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-c",
-          ALLOCATION_SCRIPT,
-          str(rows),
-          str(columns),
-          kind,
-          repr(sigmas),
-      ],
-      env=dict(os.environ, JAX_PLATFORMS="cpu"),
-      capture_output=True,
-      text=True,
+  proc = run_python_result(
+      ALLOCATION_SCRIPT,
+      str(rows),
+      str(columns),
+      kind,
+      repr(sigmas),
       timeout=300,
   )
   output = proc.stdout + proc.stderr[-3000:]
@@ -547,22 +536,11 @@ def test_subprocess_allocation_failure_raises(
 @pytest.mark.slow
 def test_kernel_portable_code():
   # GBN_KTH_SCALAR=1 makes the kernel run its portable (non-AVX2) code.
-  env = dict(os.environ, GBN_KTH_SCALAR="1")
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "pytest",
-          "-q",
-          "-p",
-          "no:cacheprovider",
-          __file__,
-          "-k",
-          "kernel and not portable and not subprocess",
-      ],
-      env=env,
-      capture_output=True,
-      text=True,
+  proc = run_pytest(
+      __file__,
+      "-k",
+      "kernel and not portable and not subprocess",
+      env={"GBN_KTH_SCALAR": "1"},
       timeout=900,
   )
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]

@@ -18,12 +18,14 @@ import hashlib
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 
 import pytest
+
+from process_helpers import ProcessError
+from process_helpers import run_program
+from process_helpers import run_python_result
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +58,10 @@ def _compiler() -> str | None:
 def _runtime_library(cxx: str, name: str) -> str | None:
   """The compiler's copy of a runtime library (libasan.so, libstdc++.so)."""
   try:
-    path = subprocess.run(
-        [cxx, f"-print-file-name={name}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
+    found = run_program([cxx, f"-print-file-name={name}"], timeout=60)
+  except (OSError, ProcessError):
     return None
+  path = found.stdout.strip()
   return (
       os.path.realpath(path)
       if os.path.isabs(path) and os.path.exists(path)
@@ -75,9 +73,7 @@ def _build_key(command: list[str], cxx: str) -> str:
   """A hash of everything the instrumented library depends on: the compiler
   (its ``--version``), the command, and every file under ``gbn_jax/csrc``."""
   digest = hashlib.sha256()
-  version = subprocess.run(
-      [cxx, "--version"], capture_output=True, text=True, timeout=60
-  ).stdout
+  version = run_program([cxx, "--version"], timeout=60).stdout
   digest.update(version.encode())
   digest.update("\0".join(command).encode())
   for path in sorted(CSRC.rglob("*")):
@@ -132,12 +128,7 @@ def _sanitized(source: pathlib.Path, name: str):
       return str(library), preload
     # Built under another name and renamed: a library that exists is whole.
     partial = directory / f"{name}.{os.getpid()}.partial"
-    proc = subprocess.run(
-        [cxx, *flags, "-o", str(partial)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_program([cxx, *flags, "-o", str(partial)], timeout=600)
     if proc.returncode != 0:
       partial.unlink(missing_ok=True)
       if "sanitize" in proc.stderr or "asan" in proc.stderr:
@@ -333,14 +324,9 @@ def _run_script(script: str, args: list[str], env: dict, ok: str) -> None:
   # Compiled here, not read from the suite's cache: the instrumented library
   # must be the one that runs.
   env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  proc = subprocess.run(
-      [sys.executable, "-c", script, *args],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-      cwd=ROOT,
-  )
+  # env is the whole environment: what it lacks of this process's goes.
+  drop = [k for k in os.environ if k not in env]
+  proc = run_python_result(script, *args, env=env, drop=drop, timeout=600)
   output = proc.stdout[-3000:] + proc.stderr[-8000:]
   reports = [r for r in SANITIZER_REPORTS if r in proc.stderr]
   assert not reports, output

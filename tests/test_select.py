@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -28,6 +26,9 @@ from gbn_jax._selection import native
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 
+from process_helpers import forced_host_devices
+from process_helpers import run_pytest
+from process_helpers import run_python_result
 import selection_helpers
 from selection_helpers import TINY
 from selection_helpers import assert_bitwise
@@ -431,22 +432,11 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
 def test_native_portable_code():
   # The kernel runs AVX2 code where the CPU has it, portable code elsewhere;
   # GBN_KTH_SCALAR=1 forces the portable code, for this machine's native tests.
-  env = dict(os.environ, GBN_KTH_SCALAR="1")
-  proc = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "pytest",
-          "-q",
-          "-p",
-          "no:cacheprovider",
-          __file__,
-          "-k",
-          "native and not portable",
-      ],
-      env=env,
-      capture_output=True,
-      text=True,
+  proc = run_pytest(
+      __file__,
+      "-k",
+      "native and not portable",
+      env={"GBN_KTH_SCALAR": "1"},
       timeout=900,
   )
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
@@ -549,17 +539,8 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_multidevice_equals_single_device_on_concatenated_batch():
   # Self-contained: the subprocess gets 4 forced host devices.
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-      env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  ).strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run(
-      [sys.executable, "-c", MULTIDEVICE_SCRIPT],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
+  proc = run_python_result(
+      MULTIDEVICE_SCRIPT, env=forced_host_devices(4), timeout=600
   )
   assert proc.returncode == 0 and "MULTIDEVICE OK" in proc.stdout, (
       proc.stdout + proc.stderr[-5000:]

@@ -265,21 +265,56 @@ def test_train_and_benchmark_imports_are_acyclic():
   assert _cycle(graph) is None, _cycle(graph)
 
 
+def _absolute_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+  """``(line, module)`` for each absolute import in ``path``, deferred or
+  not (``from a import b`` counts as ``a``)."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found += [(node.lineno, a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      found.append((node.lineno, node.module or ""))
+  return found
+
+
 def test_library_does_not_import_train_or_benchmarks():
   # gbn_jax is the installed package; train/ and benchmarks/ are not in the
   # distributions, so no import of them anywhere in it, deferred or not.
-  found = []
-  for name, path in _modules().items():
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        targets = [a.name for a in node.names]
-      elif isinstance(node, ast.ImportFrom) and not node.level:
-        targets = [node.module or ""]
-      else:
-        continue
-      found += [
-          f"{name}:{node.lineno} {t}"
-          for t in targets
-          if t.split(".")[0] in ("train", "benchmarks")
-      ]
+  found = [
+      f"{name}:{line} {target}"
+      for name, path in _modules().items()
+      for line, target in _absolute_imports(path)
+      if target.split(".")[0] in ("train", "benchmarks")
+  ]
   assert not found, found
+
+
+# The one module of tests/ that starts processes (issue 39): one place for
+# their environment, working folder and captured output.
+PROCESS_MODULES = {"process_helpers.py"}
+
+
+def _subprocess_importers(root: pathlib.Path) -> set[str]:
+  """Files under ``root`` that import ``subprocess``, deferred or not."""
+  return {
+      path.relative_to(root).as_posix()
+      for path in root.rglob("*.py")
+      if any(
+          m.split(".")[0] == "subprocess" for _, m in _absolute_imports(path)
+      )
+  }
+
+
+def test_only_the_process_helpers_import_subprocess():
+  found = _subprocess_importers(TESTS)
+  assert found == PROCESS_MODULES, sorted(found - PROCESS_MODULES)
+
+
+def test_subprocess_check_sees_every_form_of_import(tmp_path):
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "plain.py").write_text("import os, subprocess as sp\n")
+  (tmp_path / "sub" / "deferred.py").write_text(
+      "def f():\n  from subprocess import run\n"
+  )
+  (tmp_path / "clean.py").write_text("import os\nfrom . import subprocess\n")
+  assert _subprocess_importers(tmp_path) == {"plain.py", "sub/deferred.py"}

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -27,7 +26,8 @@ from train import gain as gain_lib
 from train import report
 from train import sweep
 
-from test_train import REPO
+from process_helpers import run_module
+from process_helpers import start_module
 from test_train import exact
 from test_train import write_tiny_mnist
 
@@ -156,11 +156,9 @@ def test_sweep_cli_errors(tmp_path, capsys):
 # --- real sweeps -----------------------------------------------------------------
 
 
-def _sweep_command(sweep_dir: Path, data: Path, *grid: str) -> list[str]:
+def _sweep_args(sweep_dir: Path, data: Path, *grid: str) -> list[str]:
+  """``train.sweep``'s arguments: LeNet on the tiny MNIST, then ``grid``."""
   return [
-      sys.executable,
-      "-m",
-      "train.sweep",
       "--sweep-dir",
       str(sweep_dir),
       "--defaults",
@@ -201,16 +199,11 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
   sweep_dir = tmp_path / "sweep"
   grid = ["--norm", "mad,bn", "--epochs", "25"]
   env = {
-      **os.environ,
       "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   }
-  process = subprocess.Popen(
-      _sweep_command(sweep_dir, data, *grid),
-      cwd=REPO,
-      env=env,
-      stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL,
+  process = start_module(
+      "train.sweep", *_sweep_args(sweep_dir, data, *grid), env=env
   )
   first = sweep_dir / "mnist-lenet-mad-b16-lr0.05-seed0"
   deadline = time.monotonic() + 240
@@ -228,13 +221,8 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
     time.sleep(0.1)
   assert not _processes_running(str(first))
 
-  result = subprocess.run(
-      _sweep_command(sweep_dir, data, *grid),
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
+  result = run_module(
+      "train.sweep", *_sweep_args(sweep_dir, data, *grid), env=env, timeout=600
   )
   assert result.returncode == 0, result.stderr
   assert "runs 2/2, epochs 50/50" in result.stderr
@@ -245,12 +233,10 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
 
   # The interrupted run equals an uninterrupted one (a second sweep dir).
   other = tmp_path / "other"
-  result = subprocess.run(
-      _sweep_command(other, data, "--norm", "mad", "--epochs", "25"),
-      cwd=REPO,
+  result = run_module(
+      "train.sweep",
+      *_sweep_args(other, data, "--norm", "mad", "--epochs", "25"),
       env=env,
-      capture_output=True,
-      text=True,
       timeout=600,
   )
   assert result.returncode == 0, result.stderr
@@ -258,13 +244,8 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
 
   # Finished runs are skipped: the rerun starts no process.
   before = log
-  result = subprocess.run(
-      _sweep_command(sweep_dir, data, *grid),
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=120,
+  result = run_module(
+      "train.sweep", *_sweep_args(sweep_dir, data, *grid), env=env, timeout=120
   )
   assert result.returncode == 0 and "runs 2/2" in result.stderr
   assert (first / sweep.LOG_FILE).read_text() == before
@@ -293,13 +274,11 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
 def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
   data = write_tiny_mnist(tmp_path / "data", n_train=96)
   sweep_dir = tmp_path / "sweep"
-  result = subprocess.run(
-      _sweep_command(
+  result = run_module(
+      "train.sweep",
+      *_sweep_args(
           sweep_dir, data, "--norm", "bn", "--lr", "1e30,0.05", "--epochs", "2"
       ),
-      cwd=REPO,
-      capture_output=True,
-      text=True,
       timeout=600,
   )
   assert result.returncode == 1

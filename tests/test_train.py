@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -32,6 +30,9 @@ from train import plot
 from train import train
 
 import data_helpers
+from process_helpers import run_module
+from process_helpers import run_python_result
+from process_helpers import start_module
 
 REPO = Path(__file__).resolve().parents[1]
 # Metrics that must match between runs; the rest are timings.
@@ -543,17 +544,6 @@ def cache_env(tmp_path_factory):
   }
 
 
-def _cli(module: str, *args: str, env=None, timeout=300):
-  return subprocess.run(
-      [sys.executable, "-m", module, *args],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-      env={**os.environ, **(env or {})},
-  )
-
-
 def test_cli_end_to_end(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
   workdir = tmp_path / "run"
@@ -568,7 +558,7 @@ def test_cli_end_to_end(tmp_path, cache_env):
       "0.05",
       "--no-progress",
   ]
-  result = _cli(
+  result = run_module(
       "train.mnist", *common, "--epochs", "2", "--norm", "mad", env=cache_env
   )
   assert result.returncode == 0, result.stderr
@@ -581,12 +571,12 @@ def test_cli_end_to_end(tmp_path, cache_env):
       norm="mad", epochs=2, batch_size=16, learning_rate=0.05, augment=False
   )
 
-  result = _cli("train.mnist", *common, "--epochs", "2", "--norm", "bn")
+  result = run_module("train.mnist", *common, "--epochs", "2", "--norm", "bn")
   assert result.returncode == 1
   assert "different config" in result.stderr and "norm" in result.stderr
   assert "Traceback" not in result.stderr
 
-  result = _cli(
+  result = run_module(
       "train.mnist",
       *common,
       "--epochs",
@@ -600,7 +590,7 @@ def test_cli_end_to_end(tmp_path, cache_env):
   assert result.returncode == 1
   assert "larger than the training set" in result.stderr
 
-  result = _cli(
+  result = run_module(
       "train.mnist",
       "--data-dir",
       str(tmp_path / "nowhere"),
@@ -617,7 +607,7 @@ def test_cli_end_to_end(tmp_path, cache_env):
 @pytest.mark.slow
 def test_cli_real_nan(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
-  result = _cli(
+  result = run_module(
       "train.mnist",
       "--data-dir",
       str(data),
@@ -710,25 +700,20 @@ def test_cli_keeps_compiled_programs_in_the_user_cache(tmp_path):
   args = ["--data-dir", str(data), "--batch-size", "16", "--epochs", "1"]
   args += ["--no-progress", "--overwrite", "--workdir", str(tmp_path / "run")]
   # The suite's own cache folder (tests/conftest.py) would win.
-  env = {
-      k: v
-      for k, v in os.environ.items()
-      if k
-      not in (
-          "JAX_COMPILATION_CACHE_DIR",
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-          "GBN_COMPILE_CACHE",
-      )
-  }
+  drop = (
+      "JAX_COMPILATION_CACHE_DIR",
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+      "GBN_COMPILE_CACHE",
+  )
 
   def run(xdg: Path, *extra: str):
-    result = subprocess.run(
-        [sys.executable, "-m", "train.mnist", *args, *extra],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = run_module(
+        "train.mnist",
+        *args,
+        *extra,
+        env={"XDG_CACHE_HOME": str(xdg)},
+        drop=drop,
         timeout=300,
-        env={**env, "XDG_CACHE_HOME": str(xdg)},
     )
     assert result.returncode == 0, result.stderr
     return xdg / "gbn_jax" / "jax_cache"
@@ -767,19 +752,8 @@ def test_cli_killed_mid_run_resumes_exactly(tmp_path, cache_env):
       "--no-progress",
   ]
   killed_dir, full_dir = tmp_path / "killed", tmp_path / "full"
-  process = subprocess.Popen(
-      [
-          sys.executable,
-          "-m",
-          "train.mnist",
-          *args,
-          "--workdir",
-          str(killed_dir),
-      ],
-      cwd=REPO,
-      stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL,
-      env={**os.environ, **cache_env},
+  process = start_module(
+      "train.mnist", *args, "--workdir", str(killed_dir), env=cache_env
   )
   deadline = time.monotonic() + 240
   while time.monotonic() < deadline and process.poll() is None:
@@ -790,12 +764,14 @@ def test_cli_killed_mid_run_resumes_exactly(tmp_path, cache_env):
   process.wait()
   done = len(checkpointing.read_metrics(killed_dir))
   assert process.returncode == -signal.SIGKILL and 2 <= done < 12
-  result = _cli(
+  result = run_module(
       "train.mnist", *args, "--workdir", str(killed_dir), env=cache_env
   )
   assert result.returncode == 0, result.stderr
   assert "resumed from" in result.stderr
-  result = _cli("train.mnist", *args, "--workdir", str(full_dir), env=cache_env)
+  result = run_module(
+      "train.mnist", *args, "--workdir", str(full_dir), env=cache_env
+  )
   assert result.returncode == 0, result.stderr
   assert exact(checkpointing.read_metrics(killed_dir)) == exact(
       checkpointing.read_metrics(full_dir)
@@ -827,19 +803,9 @@ def _run_devices(count: int, workdir: Path):
   script = _MULTI_DEVICE_SCRIPT.format(
       tests=str(REPO / "tests"), workdir=str(workdir) + "/"
   )
-  env = {
-      **os.environ,
-      "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
-      "JAX_PLATFORMS": "cpu",
-  }
-  result = subprocess.run(
-      [sys.executable, "-c", script],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      env=env,
-      timeout=600,
-  )
+  # This process's XLA_FLAGS replaced: the device count is this one.
+  env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
+  result = run_python_result(script, env=env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
