@@ -556,9 +556,10 @@ def test_help_says_calibration_is_a_no_op_for_bn_and_sd(capsys):
 def test_sweep_names_and_old_run_dirs(tmp_path):
   from train import checkpointing  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
-  from train import sweep  # pylint: disable=g-import-not-at-top
+  from train import sweep_grid  # pylint: disable=g-import-not-at-top
+  from train import sweep_runs  # pylint: disable=g-import-not-at-top
 
-  runs = sweep.expand(
+  runs = sweep_grid.expand(
       ["--norm", "bn,mad", "--calibration", "none,normal", "--epochs", "2"],
       "mnist",
   )
@@ -580,8 +581,8 @@ def test_sweep_names_and_old_run_dirs(tmp_path):
   (run_dir / "config.json").write_text(json.dumps(data))
   checkpointing.write_metrics(run_dir, [{"epoch": e} for e in (1, 2)])
   assert checkpointing.read_config(run_dir) == old.config
-  assert sweep.is_finished(old, run_dir)
-  assert not sweep.is_finished(runs[3], run_dir)
+  assert sweep_runs.is_finished(old, run_dir)
+  assert not sweep_runs.is_finished(runs[3], run_dir)
   assert configs.differences(
       checkpointing.read_config(run_dir), runs[3].config
   ) == ['calibration: "none" -> "normal"']

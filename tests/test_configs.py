@@ -10,7 +10,7 @@ import pytest
 
 from train import configs
 from train import main as train_main
-from train import sweep
+from train import sweep_grid
 from train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,4 +128,4 @@ def test_committed_run_names_reproduce():
         else configs.CIFAR
     )
     defaults = train.resolve(defaults.replace(dataset=config.dataset))
-    assert sweep.run_name(config, defaults) == path.parent.name, path
+    assert sweep_grid.run_name(config, defaults) == path.parent.name, path

@@ -1,4 +1,4 @@
-"""The sweep's ETA (``train.sweep``): from the work done, on a fake clock.
+"""The sweep's ETA (``train.sweep_progress``): from the work done, on a fake clock.
 
 The ETA must come from the time per finished epoch and count down (or hold)
 while nothing finishes; it once counted up, one second per second.
@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from train import sweep
+from train import sweep_progress
 
 
 class _Clock:
@@ -47,7 +47,7 @@ def _last_eta(stream: io.StringIO) -> str:
 def test_eta_counts_down_between_epochs_instead_of_up():
   # The issue's case: 2 runs of 1 epoch, the first done after 30 s.
   clock, stream = _Clock(), _Terminal()
-  progress = sweep._Progress(stream, 2, 2, clock=clock)
+  progress = sweep_progress.Progress(stream, 2, 2, clock=clock)
   progress.update(0, 0, 0, 0)
   assert _last_eta(stream) == "ETA ?"
   clock.now += 30
@@ -71,7 +71,7 @@ def test_eta_never_rises_while_nothing_finishes():
   rng = np.random.default_rng(0)
   clock, stream = _Clock(), _Terminal()
   total = 40
-  progress = sweep._Progress(stream, 4, total, clock=clock)
+  progress = sweep_progress.Progress(stream, 4, total, clock=clock)
   start = clock.now
   done, previous = 0, None
   finished_at = []
@@ -104,16 +104,17 @@ def test_eta_never_rises_while_nothing_finishes():
 
 
 def test_eta_seconds_from_the_definition():
-  assert sweep.eta_seconds(5, 0, 0.0, 12.0) is None
+  assert sweep_progress.eta_seconds(5, 0, 0.0, 12.0) is None
   # 4 epochs in 40 s: 10 s each; 6 left = 60 s, 15 s after the last = 45 s.
-  assert sweep.eta_seconds(6, 4, 40.0, 55.0) == 60.0 - 15.0
-  assert sweep.eta_seconds(6, 4, 40.0, 40.0) == 60.0
-  assert sweep.eta_seconds(1, 4, 40.0, 400.0) == 0.0  # overdue: holds at 0
+  assert sweep_progress.eta_seconds(6, 4, 40.0, 55.0) == 60.0 - 15.0
+  assert sweep_progress.eta_seconds(6, 4, 40.0, 40.0) == 60.0
+  # Overdue: holds at 0.
+  assert sweep_progress.eta_seconds(1, 4, 40.0, 400.0) == 0.0
 
 
 def test_status_lines_off_a_terminal_show_the_same_eta():
   clock, stream = _Clock(), io.StringIO()
-  progress = sweep._Progress(stream, 1, 3, clock=clock)
+  progress = sweep_progress.Progress(stream, 1, 3, clock=clock)
   clock.now += 20
   progress.update(0, 1, 1, 0, force=True)
   clock.now += 5

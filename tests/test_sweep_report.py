@@ -25,6 +25,8 @@ from train import configs
 from train import gain as gain_lib
 from train import report
 from train import sweep
+from train import sweep_grid
+from train import sweep_runs
 
 from process_helpers import run_module
 from process_helpers import start_module
@@ -35,7 +37,7 @@ from test_train import write_tiny_mnist
 
 
 def test_expand_cross_product_in_flag_order():
-  runs = sweep.expand(
+  runs = sweep_grid.expand(
       [
           "--seed",
           "0,1",
@@ -73,8 +75,10 @@ def test_expand_cross_product_in_flag_order():
 
 
 def test_expand_names_ignore_epochs_and_defaults():
-  a = sweep.expand(["--dataset", "fashion_mnist", "--epochs", "3"], "mnist")
-  b = sweep.expand(
+  a = sweep_grid.expand(
+      ["--dataset", "fashion_mnist", "--epochs", "3"], "mnist"
+  )
+  b = sweep_grid.expand(
       [
           "--dataset",
           "fashion_mnist",
@@ -87,10 +91,10 @@ def test_expand_names_ignore_epochs_and_defaults():
       "mnist",
   )
   assert a[0].name == b[0].name == "fashion_mnist-lenet-bn-b1000-lr0.01-seed0"
-  c = sweep.expand(["--dataset", "fashion_mnist", "--augment"], "mnist")
+  c = sweep_grid.expand(["--dataset", "fashion_mnist", "--augment"], "mnist")
   assert c[0].name == "fashion_mnist-lenet-bn-b1000-lr0.01-aug-seed0"
   # Repeated values are one run.
-  assert len(sweep.expand(["--norm", "bn,bn,mad"])) == 2
+  assert len(sweep_grid.expand(["--norm", "bn,bn,mad"])) == 2
 
 
 @pytest.mark.parametrize(
@@ -103,7 +107,7 @@ def test_expand_names_ignore_epochs_and_defaults():
     ],
 )
 def test_defaults_follow_the_dataset(argv, implied, tmp_path, capsys):
-  assert sweep.implied_defaults(argv) == implied
+  assert sweep_grid.implied_defaults(argv) == implied
   # Without --defaults, the runs are those of the implied CLI: Fashion-MNIST
   # gets LeNet and batch 1000 (train.mnist's), not CIFAR's ResNet20.
   assert sweep.main(["--sweep-dir", str(tmp_path), "--dry-run", *argv]) == 0
@@ -140,7 +144,7 @@ def test_defaults_required_for_mixed_datasets(tmp_path, capsys):
 )
 def test_expand_errors(argv, message):
   with pytest.raises(ValueError, match=re.escape(message)):
-    sweep.expand(argv)
+    sweep_grid.expand(argv)
 
 
 def test_sweep_cli_errors(tmp_path, capsys):
@@ -226,7 +230,7 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
   )
   assert result.returncode == 0, result.stderr
   assert "runs 2/2, epochs 50/50" in result.stderr
-  log = (first / sweep.LOG_FILE).read_text()
+  log = (first / sweep_runs.LOG_FILE).read_text()
   assert "resumed from" in log  # continued, not restarted
   rows = checkpointing.read_metrics(first)
   assert [r["epoch"] for r in rows] == list(range(1, 26))
@@ -248,7 +252,7 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
       "train.sweep", *_sweep_args(sweep_dir, data, *grid), env=env, timeout=120
   )
   assert result.returncode == 0 and "runs 2/2" in result.stderr
-  assert (first / sweep.LOG_FILE).read_text() == before
+  assert (first / sweep_runs.LOG_FILE).read_text() == before
   # Raising --epochs extends the same runs.
   dry = sweep.main(
       [
@@ -285,7 +289,7 @@ def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
   assert "failed" in result.stderr and "diverged" in result.stderr
   # --lr given twice: the grid's list wins over the helper's 0.05.
   bad = sweep_dir / "mnist-lenet-bn-b16-lr1e+30-seed0"
-  status = json.loads((bad / sweep.STATUS_FILE).read_text())
+  status = json.loads((bad / sweep_runs.STATUS_FILE).read_text())
   assert status["returncode"] == 1 and "diverged" in status["error"]
   good = sweep_dir / "mnist-lenet-bn-b16-lr0.05-seed0"
   assert len(checkpointing.read_metrics(good)) == 2

@@ -104,8 +104,8 @@ class FieldSpec:
 
   The CLI's flags (``train.main.build_parser``), the config they give
   (``train.main.config_from_args``), :func:`validate`, the sweep's run names
-  (``train.sweep.run_name``) and the loading of older ``config.json`` files
-  all follow from these, so a new field is one declaration in
+  (``train.sweep_grid.run_name``) and the loading of older ``config.json``
+  files all follow from these, so a new field is one declaration in
   :class:`Config`.
 
   Attributes:
@@ -118,7 +118,8 @@ class FieldSpec:
     choices: The flag's allowed values, for argparse.
     run_name: Its prefix in sweep run names; ``None``: never in a name.
       Named fields appear where their value differs from the sweep's
-      defaults, in field order, except where ``train.sweep.run_name`` says.
+      defaults, in field order, except where ``train.sweep_grid.run_name``
+      says.
     added: Newer than the first ``config.json`` files: an older file lacks
       it and means its default.
   """
