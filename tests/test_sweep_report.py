@@ -157,6 +157,30 @@ def test_sweep_cli_errors(tmp_path, capsys):
   assert "is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--jobs", "0"], "--jobs must be 'auto' or a positive integer"),
+        (["--defaults", "nope"], "argument --defaults: invalid choice"),
+        (["--frobnicate", "1"], "unrecognized argument '--frobnicate'"),
+        ([], "the following arguments are required: --sweep-dir"),
+    ],
+)
+def test_bad_sweep_flag_is_three_lines(argv, message, tmp_path, capsys):
+  # As train.cifar's: one usage line, the error, where the help is; never
+  # argparse's usage block, which buries the error.
+  sweep_dir = ["--sweep-dir", str(tmp_path)] if argv else []
+  with pytest.raises(SystemExit) as info:
+    sweep.main([*sweep_dir, "--dry-run", *argv])
+  assert info.value.code == 2
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 3, lines
+  assert lines[0].startswith("usage: python -m train.sweep ")
+  assert lines[1].startswith("python -m train.sweep: error: ")
+  assert message in lines[1], lines[1]
+  assert "'python -m train.sweep --help'" in lines[2]
+
+
 # --- real sweeps -----------------------------------------------------------------
 
 
