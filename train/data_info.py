@@ -56,50 +56,26 @@ class DatasetInfo:
   tfds_name: str
 
 
+# Each dataset's facts in DatasetInfo's field order: name, classes, image
+# shape, then the per-channel mean and std, augment by default, tfds name.
 # The Fashion-MNIST and CIFAR-10 statistics are checked against the data in
 # tests/test_input_pipeline.py when it is installed; the others are the values
 # published with the datasets' common training recipes.
-_INFOS: dict[str, DatasetInfo] = {
-    "mnist": DatasetInfo(
-        "mnist", 10, (28, 28, 1), (0.1307,), (0.3081,), False, "mnist"
-    ),
-    "fashion_mnist": DatasetInfo(
-        "fashion_mnist",
-        10,
-        (28, 28, 1),
-        (0.2860,),
-        (0.3530,),
-        False,
-        "fashion_mnist",
-    ),
-    "cifar10": DatasetInfo(
-        "cifar10",
-        10,
-        (32, 32, 3),
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-        True,
-        "cifar10",
-    ),
-    "cifar100": DatasetInfo(
-        "cifar100",
-        100,
-        (32, 32, 3),
-        (0.5071, 0.4865, 0.4409),
-        (0.2673, 0.2564, 0.2762),
-        True,
-        "cifar100",
-    ),
-    "svhn": DatasetInfo(
-        "svhn",
-        10,
-        (32, 32, 3),
-        (0.4377, 0.4438, 0.4728),
-        (0.1980, 0.2010, 0.1970),
-        True,
-        "svhn_cropped",
-    ),
-}
+# fmt: off
+_FACTS = (
+    ("mnist", 10, (28, 28, 1),
+     (0.1307,), (0.3081,), False, "mnist"),
+    ("fashion_mnist", 10, (28, 28, 1),
+     (0.2860,), (0.3530,), False, "fashion_mnist"),
+    ("cifar10", 10, (32, 32, 3),
+     (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True, "cifar10"),
+    ("cifar100", 100, (32, 32, 3),
+     (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), True, "cifar100"),
+    ("svhn", 10, (32, 32, 3),
+     (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970), True, "svhn_cropped"),
+)
+# fmt: on
+_INFOS: dict[str, DatasetInfo] = {row[0]: DatasetInfo(*row) for row in _FACTS}
 
 
 def dataset_info(name: str) -> DatasetInfo:
