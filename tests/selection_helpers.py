@@ -12,6 +12,9 @@ must pass; a test module subclasses it with its backend's ``check`` and
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,6 +57,38 @@ def numpy_kth(x, k, axis, where=None):
     ties[f] = np.sum(kept == v)
     above[f] = np.sum(~(kept <= v))
   return tuple(a.reshape(kept_shape) for a in (value, ties, above))
+
+
+def loops_in(jaxpr) -> list[tuple[str, int | None]]:
+  """``(primitive, length)`` of every loop and conditional, nested ones too."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("scan", "while", "cond"):
+      found.append((eqn.primitive.name, eqn.params.get("length")))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else [param]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found += loops_in(sub.jaxpr)
+  return found
+
+
+def assert_static_loops(fn, args, expected):
+  """``fn``'s loops and conditionals are ``expected``; every loop's trip count static.
+
+  The point of issue 10: no data-dependent loop, hence no host sync per radix
+  pass; of issue 36: the passes after the first are one ``fori_loop`` body (a
+  ``scan`` of static length), not unrolled. XLA knows the trip count of each
+  loop it keeps (XLA:GPU then runs the body without reading a predicate back
+  to the host); it may unroll one.
+  """
+  assert loops_in(jax.make_jaxpr(fn)(*args).jaxpr) == expected
+  lengths = sorted(n for name, n in expected if name == "scan")
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  loops = re.findall(r"= .*\bwhile\(.*", hlo)
+  assert len(loops) <= len(lengths), loops
+  for loop in loops:
+    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop)
+    assert trip and int(trip.group(1)) in lengths, loop
 
 
 def assert_bitwise(got, want):

@@ -29,6 +29,7 @@ from process_helpers import run_python_result
 from selection_helpers import ExactnessSuite
 from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
+from selection_helpers import assert_static_loops
 from selection_helpers import columns
 from selection_helpers import data
 from selection_helpers import numpy_kth
@@ -167,17 +168,16 @@ def test_compaction_keeps_row_order_and_counts_overflow(unique):
     assert np.all(np.asarray(buf[kept.size :, f]) == np.iinfo(np.int32).max)
 
 
-def test_one_cond_no_while_loop():
+def test_one_cond_no_data_dependent_loop():
   x = jnp.asarray(data("normal", (2000, 7), seed=0))
   where = jnp.asarray(np.random.default_rng(0).random(x.shape) < 0.5)
   k = jnp.full((7,), 300, jnp.int32)
   fn = lambda v, m: bracket.kth_smallest_bracket(
       v, k, (0,), where=m, return_ties=True
   )
-  jaxpr = str(jax.make_jaxpr(fn)(x, where))
-  assert "while" not in jaxpr and "scan" not in jaxpr
-  assert jaxpr.count("cond[") == 1
-  assert "while" not in jax.jit(fn).lower(x, where).as_text()
+  # The cond picks the radix select on a miss, whose passes after the first
+  # (4 of 8 bits on the CPU) are one loop of static length.
+  assert_static_loops(fn, (x, where), [("cond", None), ("scan", 3)])
 
 
 def test_vmap_and_vmap_axis_name_pooling():

@@ -22,6 +22,7 @@ from gbn_jax._selection import radix
 from selection_helpers import ExactnessSuite
 from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
+from selection_helpers import assert_static_loops
 from selection_helpers import columns
 from selection_helpers import data
 from selection_helpers import numpy_kth
@@ -117,8 +118,8 @@ def test_sums_for_the_superquantile(kind):
     )
 
 
-def test_no_while_loop_and_fixed_pass_count():
-  # The point of issue 10: no data-dependent loop, hence no host sync per pass.
+def test_fixed_pass_count_in_one_loop_body():
+  # Issue 10: no data-dependent loop; issue 36: one traced pass body.
   x = jnp.asarray(data("normal", (2000, 7), seed=0))
   where = jnp.asarray(np.random.default_rng(0).random(x.shape) < 0.5)
   k = jnp.full((7,), 300, jnp.int32)
@@ -131,21 +132,22 @@ def test_no_while_loop_and_fixed_pass_count():
       ),
   ]
   for fn in fns:
-    jaxpr = str(jax.make_jaxpr(fn)(x, where))
-    assert "while" not in jaxpr and "scan" not in jaxpr and "cond" not in jaxpr
-    hlo = jax.jit(fn).lower(x, where).as_text()
-    assert "while" not in hlo
-  # One scatter (the histogram) per 8-bit digit.
+    assert_static_loops(fn, (x, where), [("scan", 3)])
+  # One scatter (the histogram) per 8-bit digit: the first pass's and the
+  # loop body's.
   jaxpr = str(jax.make_jaxpr(fns[0])(x, where))
-  assert jaxpr.count("scatter-add") == 4
-  # Pooled over a named (vmapped) axis: one psum per pass, still no loop.
-  pooled = jax.make_jaxpr(
-      jax.vmap(
-          lambda v: radix.kth_smallest_accelerator(v, 100, (0,), axis_name="b"),
-          axis_name="b",
-      )
-  )(x.reshape(4, 500, 7))
-  assert "while" not in str(pooled)
+  assert jaxpr.count("scatter-add") == 2
+  # 4-bit digits: 8 passes, 7 of them in the loop.
+  compare = lambda v, m: radix.kth_smallest_with_sums_accelerator(
+      v, k, (0,), where=m, digit_bits=4, histogram="compare"
+  )
+  assert_static_loops(compare, (x, where), [("scan", 7)])
+  # Pooled over a named (vmapped) axis: one psum per pass, still one loop.
+  pooled = jax.vmap(
+      lambda v: radix.kth_smallest_accelerator(v, 100, (0,), axis_name="b"),
+      axis_name="b",
+  )
+  assert_static_loops(pooled, (x.reshape(4, 500, 7),), [("scan", 3)])
 
 
 def test_vmap_and_vmap_axis_name_pooling():

@@ -53,18 +53,21 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 import jax.numpy as jnp
 import numpy as np
+
+try:
+  # The class that jax.experimental.pallas.triton re-exports, from its own
+  # module: the public one also imports the Triton lowering (86 of the 105 ms
+  # this module added to `import gbn_jax`, -X importtime), which JAX itself
+  # imports when it lowers for a GPU.
+  from jax._src.pallas.triton.core import CompilerParams as TritonParams
+except ImportError:  # moved in a later JAX: the public path
+  from jax.experimental.pallas.triton import CompilerParams as TritonParams
 
 from gbn_jax._selection import common
 from gbn_jax._selection import radix
 from gbn_jax._selection.common import Comm
-from gbn_jax._selection.common import check_element_count
-from gbn_jax._selection.common import key_to_output
-from gbn_jax._selection.common import prepare_k
-from gbn_jax._selection.common import replicate_explicit
-from gbn_jax._selection.common import to_rows
 
 Array = jax.Array
 
@@ -286,9 +289,7 @@ def _run_pass(
       interpret=interpret,
       # Triton explicitly: jax's GPU default may be the Mosaic GPU lowering,
       # which this kernel (register histograms, no async copies) is not for.
-      compiler_params=None
-      if interpret
-      else pl_triton.CompilerParams(num_warps=4),
+      compiler_params=None if interpret else TritonParams(num_warps=4),
       name=f"gbn_radix_pass_{shift}",
   )
   if interpret and common.varying_axes(operands[0]):
@@ -350,60 +351,30 @@ def pallas_kth_smallest(
   if interpret is None:
     interpret = use_interpret()
   blocks = _block_sizes(*rows.shape, block_rows, block_cols)
-  n_bins = 1 << digit_bits
   n_passes = 32 // digit_bits
   rows = rows.astype(_F32)
-  prefix = jnp.zeros(rows.shape[1:], _I32)
-  total = excess = None
+  state = None
   for p in range(n_passes):
-    final = p == n_passes - 1
+    # A Python loop: each pass is its own kernel (its shift is static in it).
     out = _run_pass(
         rows,
         mask,
-        prefix,
+        jnp.zeros(rows.shape[1:], _I32) if state is None else state.prefix,
         shift=32 - digit_bits * (p + 1),
         digit_bits=digit_bits,
         blocks=blocks,
-        sums=sums and final,
+        sums=sums and p == n_passes - 1,
         interpret=interpret,
     )
-    local_hist = out[0]
-    hist = comm.psum(local_hist)
-    cum = jnp.cumsum(hist, axis=0)
-    local_cum = jnp.cumsum(local_hist, axis=0)
-    if p == 0:
-      n, local_n = cum[-1], local_cum[-1]
-      if callable(k):
-        k = k(n)
-      rank = jnp.clip(k, 1, jnp.maximum(n, 1))  # rank within the prefix
-      below = jnp.zeros_like(n)
-      local_below = jnp.zeros_like(local_n)
-    # The first bin whose inclusive count reaches the remaining rank.
-    chosen = jnp.minimum(
-        jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1
-    )
-    in_bin = common.take_rows(hist, chosen)
-    local_in_bin = common.take_rows(local_hist, chosen)
-    before = common.take_rows(cum, chosen) - in_bin
-    rank = rank - before
-    below = below + before
-    local_below = (
-        local_below + common.take_rows(local_cum, chosen) - local_in_bin
-    )
-    prefix = (prefix << digit_bits) | chosen
-    if sums and final:
-      total, excess = comm.psum((out[1][0], common.take_rows(out[2], chosen)))
-  return PallasSelection(
-      keys=prefix ^ _SIGN,
-      n=n,
-      ties=in_bin,
-      above=n - below - in_bin,
-      local_n=local_n,
-      local_ties=local_in_bin,
-      local_above=local_n - local_below - local_in_bin,
-      total=total,
-      excess=excess,
-  )
+    if state is None:
+      state = radix.first_descent(out[0], k, comm)
+    else:
+      state = radix.next_descent(state, out[0], comm)
+  total = excess = None
+  if sums:
+    chosen = state.prefix & _I32((1 << digit_bits) - 1)  # the last digit
+    total, excess = comm.psum((out[1][0], common.take_rows(out[2], chosen)))
+  return PallasSelection(*state.selection(), total=total, excess=excess)
 
 
 def _per_platform_select(interpret, **options):
@@ -484,19 +455,9 @@ def kth_smallest_with_sums_pallas(
   pooled ``#{not x <= value}`` (int32 key counts) and, if ``return_count``,
   the pooled masked-in count. ``k`` may be a function of that count.
   """
-  x, axes, where, comm = radix._prepare(  # pylint: disable=protected-access
-      x, axis, where, axis_name, axis_index_groups
+  prepared = radix.selection_rows(
+      *radix.prepare_input(x, axis, where, axis_name, axis_index_groups), k
   )
-  x = x.astype(_F32)
-  rows, mask, kept_shape = to_rows(x, axes, where)
-  check_element_count(rows.shape[0] * comm.size())
-  if callable(k):
-    rank_of = lambda n: prepare_k(k(n), kept_shape)
-  else:
-    k = prepare_k(k, kept_shape)
-    rank_of = lambda n: k
-  rows = replicate_explicit(rows)
-  mask = None if mask is None else replicate_explicit(mask)
   select = _per_platform_select(
       interpret,
       digit_bits=digit_bits,
@@ -504,12 +465,8 @@ def kth_smallest_with_sums_pallas(
       block_cols=block_cols,
       sums=True,
   )
-  sel = select(rows, mask, rank_of, comm)
+  sel = select(prepared.rows, prepared.mask, prepared.ranks, prepared.comm)
   count = sel.n.astype(_F32)
-  k = rank_of(sel.n)
-  bad_k = (k < 1) | (k > sel.n)
-  value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys))
-  out = (value, sel.ties, sel.total / count, sel.excess / count, sel.above)
-  if return_count:
-    out += (sel.n,)
-  return tuple(a.reshape(kept_shape) for a in out)
+  return radix.sums_outputs(
+      prepared, sel, sel.total / count, sel.excess / count, return_count
+  )

@@ -16,8 +16,14 @@ idles while the host decides. Radix select needs no decision on the host:
   ``psum``-ed over ``axis_name`` (exact: integer counts), cumulatively summed,
   and the bin holding the remaining rank is chosen; it extends the prefix and
   the counts below it leave the rank. After the last pass the prefix *is* the
-  answer's key. The pass count is static: a Python loop, traced once, so the
-  program has no ``while`` at all (checked by the tests with ``make_jaxpr``).
+  answer's key. The pass count is static: the first pass (which also counts
+  the masked-in elements) is traced on its own, the others as one
+  ``lax.fori_loop`` body of static trip count (issue 36: an unrolled Python
+  loop made the jaxpr of one sqd layer hold every pass; the program to trace
+  and compile now holds two). Nothing is data-dependent: XLA knows the trip
+  count (the tests check it in the CPU's compiled module), and XLA:GPU's
+  ``WhileThunk`` runs a loop of known trip count without copying a predicate
+  back to the host.
 * The last histogram also gives the tie count (the chosen bin) and, with the
   counts below the chosen bins of every pass, ``#{not x <= answer}``, both for
   the pooled rows and for this device's rows alone (the quantile's custom JVP
@@ -167,10 +173,101 @@ def _histogram_compare(digit: Array, match: Array, n_bins: int) -> Array:
 _HISTOGRAM_FNS = {"scatter": _histogram_scatter, "compare": _histogram_compare}
 
 
+class Descent(NamedTuple):
+  """The state between radix passes, per feature (all ``[F]`` int32).
+
+  ``prefix``: the digits chosen so far, low bits; ``rank``: the rank left
+  within the prefix; ``below``/``local_below``: elements (all devices / this
+  device's) whose keys fall below the prefix; ``ties``/``local_ties``: those in
+  the last chosen bin; ``n``/``local_n``: the masked-in counts (first pass).
+  """
+
+  prefix: Array
+  rank: Array
+  below: Array
+  local_below: Array
+  ties: Array
+  local_ties: Array
+  n: Array
+  local_n: Array
+
+  def selection(self) -> RadixSelection:
+    """The answer once the last pass has chosen its bin."""
+    return RadixSelection(
+        keys=self.prefix ^ _SIGN,
+        n=self.n,
+        ties=self.ties,
+        above=self.n - self.below - self.ties,
+        local_n=self.local_n,
+        local_ties=self.local_ties,
+        local_above=self.local_n - self.local_below - self.local_ties,
+    )
+
+
+def _narrow(state: Descent, local_hist: Array, hist: Array) -> Descent:
+  """One pass's choice: the bin of ``hist`` holding the remaining rank.
+
+  ``local_hist``: ``[2**digit_bits, F]`` counts, over this device's rows, of
+  the elements on the prefix; ``hist`` the same pooled over devices.
+  """
+  n_bins = hist.shape[0]
+  cum = jnp.cumsum(hist, axis=0)
+  local_cum = jnp.cumsum(local_hist, axis=0)
+  # The chosen bin: the first whose inclusive count reaches the rank.
+  chosen = jnp.minimum(
+      jnp.sum(cum < state.rank[None], axis=0, dtype=_I32), n_bins - 1
+  )
+  ties = common.take_rows(hist, chosen)
+  local_ties = common.take_rows(local_hist, chosen)
+  before = common.take_rows(cum, chosen) - ties
+  return state._replace(
+      prefix=(state.prefix << (n_bins.bit_length() - 1)) | chosen,
+      rank=state.rank - before,
+      below=state.below + before,
+      local_below=state.local_below
+      + common.take_rows(local_cum, chosen)
+      - local_ties,
+      ties=ties,
+      local_ties=local_ties,
+  )
+
+
+def first_descent(
+    local_hist: Array, k: Array | Callable[[Array], Array], comm: Comm
+) -> Descent:
+  """The state after the first pass (the whole key range), which counts ``n``.
+
+  ``k``: int32 ``[F]`` ranks, or a function of the pooled count ``n``
+  returning them (see :func:`radix_kth_smallest`).
+  """
+  hist = comm.psum(local_hist)
+  n = jnp.sum(hist, axis=0, dtype=_I32)
+  local_n = jnp.sum(local_hist, axis=0, dtype=_I32)
+  if callable(k):
+    k = k(n)
+  zero, local_zero = jnp.zeros_like(n), jnp.zeros_like(local_n)
+  start = Descent(
+      prefix=zero,
+      rank=jnp.clip(k, 1, jnp.maximum(n, 1)),
+      below=zero,
+      local_below=local_zero,
+      ties=zero,
+      local_ties=local_zero,
+      n=n,
+      local_n=local_n,
+  )
+  return _narrow(start, local_hist, hist)
+
+
+def next_descent(state: Descent, local_hist: Array, comm: Comm) -> Descent:
+  """The state after a later pass, on the prefix ``state`` chose."""
+  return _narrow(state, local_hist, comm.psum(local_hist))
+
+
 def radix_kth_smallest(
     rows: Array,
     mask: Array | None,
-    k: Array,
+    k: Array | Callable[[Array], Array],
     comm: Comm,
     *,
     digit_bits: int | None = None,
@@ -206,61 +303,26 @@ def radix_kth_smallest(
     raise ValueError(
         f"histogram must be one of {HISTOGRAMS}, got {histogram!r}."
     )
-  hist_fn = _HISTOGRAM_FNS[histogram]
-  n_bins = 1 << digit_bits
-  n_passes = 32 // digit_bits
+  hist_fn = functools.partial(_HISTOGRAM_FNS[histogram], n_bins=1 << digit_bits)
   # Unsigned order of u (as bits) is the key order.
   u = merged_keys(rows) ^ _SIGN
-  prefix = jnp.zeros(rows.shape[1:], _I32)  # chosen digits so far, low bits
-  below = local_below = None
-  for p in range(n_passes):
-    shift = 32 - digit_bits * (p + 1)
-    digit = lax.shift_right_logical(u, _I32(shift)) & _I32(n_bins - 1)
-    if p == 0:
-      match = jnp.ones(rows.shape, bool) if mask is None else mask
-    else:
-      match = (
-          lax.shift_right_logical(u, _I32(shift + digit_bits)) == prefix[None]
-      )
-      if mask is not None:
-        match = match & mask
-    local_hist = hist_fn(digit, match, n_bins)
-    hist = comm.psum(local_hist)
-    cum = jnp.cumsum(hist, axis=0)
-    local_cum = jnp.cumsum(local_hist, axis=0)
-    if p == 0:
-      n, local_n = cum[-1], local_cum[-1]
-      if callable(k):
-        k = k(n)
-      rank = jnp.clip(
-          k, 1, jnp.maximum(n, 1)
-      )  # remaining rank within the prefix
-      below = jnp.zeros_like(n)
-      local_below = jnp.zeros_like(local_n)
-    # The chosen bin: the first whose inclusive count reaches the rank.
-    chosen = jnp.minimum(
-        jnp.sum(cum < rank[None], axis=0, dtype=_I32), n_bins - 1
-    )
-    in_bin, local_in_bin = common.take_rows(hist, chosen), common.take_rows(
-        local_hist, chosen
-    )
-    before = common.take_rows(cum, chosen) - in_bin
-    rank = rank - before
-    below = below + before
-    local_below = (
-        local_below + common.take_rows(local_cum, chosen) - local_in_bin
-    )
-    prefix = (prefix << digit_bits) | chosen
-  keys = prefix ^ _SIGN
-  return RadixSelection(
-      keys=keys,
-      n=n,
-      ties=in_bin,
-      above=n - below - in_bin,
-      local_n=local_n,
-      local_ties=local_in_bin,
-      local_above=local_n - local_below - local_in_bin,
+  digit = lambda shift: lax.shift_right_logical(u, shift) & _I32(
+      (1 << digit_bits) - 1
   )
+  every = jnp.ones(rows.shape, bool) if mask is None else mask
+  state = first_descent(hist_fn(digit(_I32(32 - digit_bits)), every), k, comm)
+
+  def next_pass(p: Array, state: Descent) -> Descent:
+    # Pass p reads digit p of the elements whose higher digits are the prefix.
+    higher = _I32(32) - p * _I32(digit_bits)
+    match = lax.shift_right_logical(u, higher) == state.prefix[None]
+    if mask is not None:
+      match = match & mask
+    return next_descent(state, hist_fn(digit(higher - digit_bits), match), comm)
+
+  # One traced pass body: the trip count is static (no host sync on a GPU).
+  state = lax.fori_loop(1, 32 // digit_bits, next_pass, state)
+  return state.selection()
 
 
 def radix_sums(
@@ -289,7 +351,35 @@ def radix_sums(
 # Drop-in entry points with the contract of dispatch.kth_smallest.
 
 
-def _prepare(x, axis, where, axis_name, axis_index_groups):
+class SelectionRows(NamedTuple):
+  """A selection's input laid out for a rows kernel (radix, Pallas, bracket).
+
+  ``rows``: float32 ``[N, F]`` and ``mask`` (bool or ``None``), replicated
+  (``common.replicate_explicit``); ``kept_shape``: the non-reduced shape the
+  outputs take; ``comm``: pools over ``axis_name``; ``ranks``: int32 ``[F]``
+  1-based ranks, or a function of the pooled count ``n`` returning them.
+  """
+
+  rows: Array
+  mask: Array | None
+  kept_shape: tuple[int, ...]
+  comm: Comm
+  ranks: Array | Callable[[Array], Array]
+
+  def value(self, keys: Array, n: Array) -> Array:
+    """The answer as a float, NaN where the rank is not in ``[1, n]``."""
+    # A function of n is called again: [F] arithmetic, the same as inside
+    # the selection.
+    k = self.ranks(n) if callable(self.ranks) else self.ranks
+    return jnp.where((k < 1) | (k > n), jnp.nan, key_to_output(keys))
+
+  def outputs(self, *flat: Array) -> tuple[Array, ...]:
+    """``[F]`` results in the non-reduced shape."""
+    return tuple(a.reshape(self.kept_shape) for a in flat)
+
+
+def prepare_input(x, axis, where, axis_name, axis_index_groups):
+  """Validated ``(x, axes, where, comm)``, no gradient, half precision upcast."""
   x = check_input(x)
   axes = check_sorted_axes(x.ndim, axis)
   x = lax.stop_gradient(x)
@@ -299,6 +389,47 @@ def _prepare(x, axis, where, axis_name, axis_index_groups):
     where = lax.stop_gradient(jnp.asarray(where, bool))
   comm = Comm(axis_name, axis_index_groups)
   return x, axes, where, comm
+
+
+def selection_rows(
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None,
+    comm: Comm,
+    k: int | Array | Callable[[Array], Array],
+) -> SelectionRows:
+  """:class:`SelectionRows` of :func:`prepare_input`'s outputs and the ranks ``k``.
+
+  ``k``: ranks broadcastable to the non-reduced shape, or a function of the
+  pooled masked-in count (int32, flat ``[F]``) returning them. Raises
+  ``ValueError`` where the rows hold too many elements for int32 ranks.
+  """
+  rows, mask, kept_shape = to_rows(x.astype(_F32), axes, where)
+  check_element_count(rows.shape[0] * comm.size())
+  if callable(k):
+    ranks = lambda n: prepare_k(k(n), kept_shape)
+  else:
+    ranks = prepare_k(k, kept_shape)
+  return SelectionRows(
+      rows=replicate_explicit(rows),
+      mask=None if mask is None else replicate_explicit(mask),
+      kept_shape=kept_shape,
+      comm=comm,
+      ranks=ranks,
+  )
+
+
+def sums_outputs(
+    prepared: SelectionRows,
+    sel: RadixSelection,
+    mean: Array,
+    mean_excess: Array,
+    return_count: bool,
+) -> tuple[Array, ...]:
+  """The with-sums entry points' outputs (see :func:`kth_smallest_with_sums_accelerator`)."""
+  out = (prepared.value(sel.keys, sel.n), sel.ties, mean, mean_excess)
+  out += (sel.above,) + ((sel.n,) if return_count else ())
+  return prepared.outputs(*out)
 
 
 def kth_smallest_accelerator(
@@ -351,7 +482,9 @@ def drop_in_selection(
   :class:`RadixSelection` does); this handles dtypes, masks, ranks, sharding
   and out-of-range ``k`` for every accelerator method.
   """
-  x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
+  x, axes, where, comm = prepare_input(
+      x, axis, where, axis_name, axis_index_groups
+  )
   if x.dtype != _F32:
     value = sort.kth_smallest_reference(
         x,
@@ -362,20 +495,12 @@ def drop_in_selection(
         axis_index_groups=axis_index_groups,
     )
     return (value, None) if return_ties else value
-  rows, mask, kept_shape = to_rows(x, axes, where)
-  check_element_count(rows.shape[0] * comm.size())
-  k = prepare_k(k, kept_shape)
-  sel = select_rows(
-      replicate_explicit(rows),
-      None if mask is None else replicate_explicit(mask),
-      k,
-      comm,
-  )
-  bad_k = (k < 1) | (k > sel.n)
-  value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys)).reshape(kept_shape)
+  prepared = selection_rows(x, axes, where, comm, k)
+  sel = select_rows(prepared.rows, prepared.mask, prepared.ranks, comm)
+  value = prepared.value(sel.keys, sel.n)
   if return_ties:
-    return value, sel.local_ties.astype(_F32).reshape(kept_shape)
-  return value
+    return prepared.outputs(value, sel.local_ties.astype(_F32))
+  return prepared.outputs(value)[0]
 
 
 def kth_smallest_with_sums_accelerator(
@@ -405,25 +530,17 @@ def kth_smallest_with_sums_accelerator(
   quantile then needs no count of its own. ``return_count``: also return that
   count (int32), sixth.
   """
-  x, axes, where, comm = _prepare(x, axis, where, axis_name, axis_index_groups)
-  x = x.astype(_F32)
-  rows, mask, kept_shape = to_rows(x, axes, where)
-  check_element_count(rows.shape[0] * comm.size())
-  if callable(k):
-    rank_of = lambda n: prepare_k(k(n), kept_shape)
-  else:
-    k = prepare_k(k, kept_shape)
-    rank_of = lambda n: k
-  rows = replicate_explicit(rows)
-  mask = None if mask is None else replicate_explicit(mask)
+  prepared = selection_rows(
+      *prepare_input(x, axis, where, axis_name, axis_index_groups), k
+  )
+  rows, mask, comm = prepared.rows, prepared.mask, prepared.comm
   sel = radix_kth_smallest(
-      rows, mask, rank_of, comm, digit_bits=digit_bits, histogram=histogram
+      rows,
+      mask,
+      prepared.ranks,
+      comm,
+      digit_bits=digit_bits,
+      histogram=histogram,
   )
   mean, mean_excess = radix_sums(rows, mask, sel.keys, sel.n, comm)
-  k = rank_of(sel.n)  # [F] arithmetic, the same as inside the selection
-  bad_k = (k < 1) | (k > sel.n)
-  value = jnp.where(bad_k, jnp.nan, key_to_output(sel.keys))
-  out = (value, sel.ties, mean, mean_excess, sel.above)
-  if return_count:
-    out += (sel.n,)
-  return tuple(a.reshape(kept_shape) for a in out)
+  return sums_outputs(prepared, sel, mean, mean_excess, return_count)
