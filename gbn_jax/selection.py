@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 import contextlib
+import math
 from typing import Any
 
-from gbn_jax._selection import dispatch
+from gbn_jax._selection import config
 from gbn_jax._selection.config import SelectionConfig
 from gbn_jax._selection.dispatch import METHODS
 
@@ -53,17 +54,27 @@ def selection_config(
 
   >>> import jax.numpy as jnp
   >>> from gbn_jax import reductions, selection
-  >>> with selection.selection_config(method="sort") as config:
+  >>> with selection.selection_config(method="sort") as scoped:
   ...   reductions.quantile(jnp.array([3., 1., 2.]), 0.5)
   Array(2., dtype=float32)
-  >>> config
+  >>> scoped
   SelectionConfig(method='sort', bracket_sigmas=3.0)
   """
-  # Only what the caller gave: the rest keeps the enclosing block's value.
-  given = {}
-  if method is not _UNSET:
-    given["method"] = method
-  if bracket_sigmas is not _UNSET:
-    given["bracket_sigmas"] = bracket_sigmas
-  with dispatch.selection_config(**given) as config:
-    yield config
+  current = config.current()
+  if method is _UNSET:
+    method = current.method
+  elif method is not None and method not in METHODS:
+    raise ValueError(
+        f"method must be one of {METHODS} or None, got {method!r}."
+    )
+  if bracket_sigmas is _UNSET:
+    bracket_sigmas = current.bracket_sigmas
+  else:
+    bracket_sigmas = float(bracket_sigmas)
+    if not bracket_sigmas >= 0.0 or math.isinf(bracket_sigmas):
+      raise ValueError(
+          f"bracket_sigmas must be finite and >= 0, got {bracket_sigmas!r}."
+      )
+  scoped = SelectionConfig(method=method, bracket_sigmas=bracket_sigmas)
+  with config.scope(scoped):
+    yield scoped

@@ -21,6 +21,7 @@ import pytest
 
 import gbn_jax
 from gbn_jax import quantiles
+from gbn_jax import selection
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import pallas
@@ -206,7 +207,7 @@ def test_gbatchnorm_sqd2_equals_the_default_method(monkeypatch):
   step = lambda: jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
   (_, y0), g0 = step()
   assert not calls
-  with dispatch.selection_config(method="pallas"):
+  with selection.selection_config(method="pallas"):
     (_, y), g = step()
   assert calls  # the kernel's fused sums, not the unfused path
   np.testing.assert_allclose(
@@ -219,7 +220,7 @@ def test_gbatchnorm_sqd2_equals_the_default_method(monkeypatch):
 
 def test_superquantile_through_quantiles_module():
   x = data("normal", (500, 4), seed=4)
-  with dispatch.selection_config(method="pallas"):
+  with selection.selection_config(method="pallas"):
     got = jax.jit(lambda v: quantiles.superquantile(v, 0.9, axis=0))(x)
   q = np.sort(x, axis=0)[449]
   want = q + np.maximum(x - q, 0).mean(axis=0, dtype=np.float64) / 0.1

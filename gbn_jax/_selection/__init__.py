@@ -2,8 +2,9 @@
 
 Layers, imports pointing down only (``tests/test_structure.py`` checks it):
 
-* :mod:`.dispatch`: the entry points (:func:`.dispatch.kth_smallest`,
-  :func:`.dispatch.selection_config`) and the choice of backend.
+* :mod:`.dispatch`: the entry point :func:`.dispatch.kth_smallest` and the
+  choice of backend (scoped by :func:`gbn_jax.selection.selection_config`,
+  above this package).
 * :mod:`.fused`: a superquantile's sums in the selection's own sweep, where a
   backend offers that (native kernel, radix select), with their JVPs.
 * Backends, one module each: :mod:`.sort` (the sort-based reference),

@@ -4,8 +4,9 @@ The value lives in a :func:`jax.make_user_context` context, which JAX includes
 in its jit cache keys: a function traced under one setting is traced again
 under another, instead of silently keeping the setting it was first traced
 with (which module-level globals did). Set it with
-:func:`gbn_jax.selection.selection_config` (``dispatch.selection_config``, which
-validates the method names); the backends read :func:`current` while tracing.
+:func:`gbn_jax.selection.selection_config` (which validates the method names
+against ``dispatch.METHODS``); the backends read :func:`current` while
+tracing.
 """
 
 from __future__ import annotations

@@ -6,15 +6,13 @@ bit for bit (``-0.0`` and ``+0.0`` compare equal and come back as ``+0.0``).
 Sorting is the obvious way, but on XLA:CPU a float sort calls a comparator per
 comparison and is ~60x slower than a batch-norm layer; the backends below
 select without sorting the batch. This module validates, lays the input out
-(``common``) and picks a backend; :func:`selection_config` scopes the choice.
+(``common``) and picks a backend; :func:`gbn_jax.selection.selection_config`
+scopes the choice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-import contextlib
 import math
-from typing import Any
 
 import jax
 from jax import lax
@@ -37,7 +35,7 @@ from gbn_jax._selection.reductions import expand
 
 Array = jax.Array
 
-__all__ = ["METHODS", "kth_smallest", "selection_config"]
+__all__ = ["METHODS", "kth_smallest"]
 
 # Backends with the drop-in contract of kth_smallest (return_ties counts this
 # device's key ties), for accelerators but running anywhere. A new backend is
@@ -54,20 +52,19 @@ _BACKENDS = {
 }
 
 #: Exact methods accepted by ``kth_smallest(..., method=...)`` and
-#: :func:`selection_config`. ``"native"``: the compiled C++ kernel (XLA:CPU,
-#: one sweep; ``native``): forcing it without the kernel built, or with an
-#: ``axis_name``, raises ``ValueError``; a lowering for other platforms too
-#: (``jax.export(..., platforms=["cpu", "cuda"])``) runs it on the CPU and
-#: each other platform's default method there. ``"adaptive"``: sample +
+#: :func:`gbn_jax.selection.selection_config`. ``"native"``: the compiled C++
+#: kernel (XLA:CPU, one sweep; ``native``): forcing it without the kernel built,
+#: or with an ``axis_name``, raises ``ValueError``; a lowering for other
+#: platforms too (``jax.export(..., platforms=["cpu", "cuda"])``) runs it on the
+#: CPU and each other platform's default method there. ``"adaptive"``: sample +
 #: interpolating counting passes + fold; ``"bisect"``: counting passes that
 #: split the int32 key range in four (17 passes, data-independent cost) (both
 #: ``loop``). ``"sort"``: sorts int keys (the reference, ``sort``).
-#: ``"accelerator"``: radix select (``radix``). ``"bracket"``: sampled
-#: bracket (``bracket``). ``"pallas"``: radix select in a Pallas kernel
-#: (``pallas``): compiled on GPUs, run in Pallas's interpret mode (exact, but
-#: the slowest method) on CPUs and TPUs; a lowering for the CPU and a GPU at
-#: once fails (JAX lowers a compiled kernel's every per-platform branch for
-#: the CPU too).
+#: ``"accelerator"``: radix select (``radix``). ``"bracket"``: sampled bracket
+#: (``bracket``). ``"pallas"``: radix select in a Pallas kernel (``pallas``):
+#: compiled on GPUs, run in Pallas's interpret mode (exact, but the slowest
+#: method) on CPUs and TPUs; a lowering for the CPU and a GPU at once fails (JAX
+#: lowers a compiled kernel's every per-platform branch for the CPU too).
 METHODS = ("native",) + loop.METHODS + ("sort",) + tuple(_BACKENDS)
 
 _ADAPTIVE_MIN_ROWS = (
@@ -79,57 +76,6 @@ _ADAPTIVE_MIN_ROWS = (
 # bracket's sqd layers are 2.5-3.9x BatchNorm, the radix select's 4.8-13x (its
 # scatter histograms cost 0.66-2.4 ms a pass) and the adaptive loop's 8-11x.
 _ACCELERATOR_LARGE_METHOD = "bracket"
-
-_UNSET = object()
-
-
-@contextlib.contextmanager
-def selection_config(
-    *, method: Any = _UNSET, bracket_sigmas: Any = _UNSET
-) -> Iterator[config.SelectionConfig]:
-  """Scopes the selection's tunables to a ``with`` block, trace-correctly.
-
-  The setting is part of JAX's trace context (``jax.make_user_context``): a
-  jitted function called inside the block is traced for it, not served from
-  a trace made under another setting. Arguments left out keep the enclosing
-  block's value. Like JAX's own config contexts, the scope is the current
-  thread's.
-
-  Args:
-    method: one of :data:`METHODS` to force on every selection (quantiles,
-      superquantiles, measures such as ``sqd``) traced in scope, or ``None``
-      for the default: the native kernel where it applies, else by batch size
-      and backend. For benchmarks and tests; every method is exact.
-    bracket_sigmas: half-width of the native kernel's sampled bracket, in
-      binomial standard deviations (default 3.0; 0 makes misses, and so its
-      fallback path, common).
-
-  Yields:
-    The :class:`~gbn_jax._selection.config.SelectionConfig` in scope.
-
-  >>> import gbn_jax, jax.numpy as jnp
-  >>> with gbn_jax.selection.selection_config(method="sort"):
-  ...   gbn_jax.quantile(jnp.array([3., 1., 2.]), 0.5)
-  Array(2., dtype=float32)
-  """
-  current = config.current()
-  if method is _UNSET:
-    method = current.method
-  elif method is not None and method not in METHODS:
-    raise ValueError(
-        f"method must be one of {METHODS} or None, got {method!r}."
-    )
-  if bracket_sigmas is _UNSET:
-    bracket_sigmas = current.bracket_sigmas
-  else:
-    bracket_sigmas = float(bracket_sigmas)
-    if not bracket_sigmas >= 0.0 or math.isinf(bracket_sigmas):
-      raise ValueError(
-          f"bracket_sigmas must be finite and >= 0, got {bracket_sigmas!r}."
-      )
-  new = config.SelectionConfig(method=method, bracket_sigmas=bracket_sigmas)
-  with config.scope(new):
-    yield new
 
 
 def default_method(n_rows: int) -> str:
@@ -236,8 +182,9 @@ def kth_smallest(
       a 1024-row sample and per-bucket extremes cross devices).
     axis_index_groups: optional groups within ``axis_name``.
     method: one of :data:`METHODS`; default: the one in scope
-      (:func:`selection_config`), else :func:`default_method`'s for each
-      platform the computation is lowered for. ``"native"`` raises
+      (:func:`gbn_jax.selection.selection_config`), else
+      :func:`default_method`'s for each platform the computation is lowered
+      for. ``"native"`` raises
       ``ValueError`` where it can never run (see :data:`METHODS`).
     return_ties: also return, per position, how many of this device's
       masked-in elements equal the answer, as ``x == answer`` counts them on
