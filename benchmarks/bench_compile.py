@@ -58,6 +58,7 @@ PROGRAM_FIELDS = (
     "trace_s",
     "compile_s",
     "jaxpr_eqns",
+    "jaxpr_eqns_traced",
     "platform_conds",
     "jaxpr_eqns_other_platforms",
     "stablehlo_ops",
@@ -180,9 +181,12 @@ def count_jaxpr(closed: Any, backend: str) -> dict[str, int]:
   ``lax.platform_dependent`` traces every platform's branch (a ``cond`` with
   ``branches_platforms``); lowering for one platform keeps only its own.
   ``jaxpr_eqns_other_platforms`` counts the equations traced for the others.
+  ``jaxpr_eqns`` counts a sub-program at every call site; ``jaxpr_eqns_traced``
+  once (a nested ``jit`` that several call sites share is traced once).
   """
   totals = {
       "jaxpr_eqns": 0,
+      "jaxpr_eqns_traced": 0,
       "platform_conds": 0,
       "jaxpr_eqns_other_platforms": 0,
   }
@@ -202,9 +206,14 @@ def count_jaxpr(closed: Any, backend: str) -> dict[str, int]:
         for e in jaxpr.eqns
     )
 
+  seen: set[int] = set()
+
   def walk(jaxpr: Any, elsewhere: bool) -> None:
+    first = id(jaxpr) not in seen
+    seen.add(id(jaxpr))
     for eqn in jaxpr.eqns:
       totals["jaxpr_eqns"] += 1
+      totals["jaxpr_eqns_traced"] += first
       platforms = eqn.params.get("branches_platforms")
       others: set[int] = set()
       if platforms is not None:

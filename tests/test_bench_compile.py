@@ -98,12 +98,25 @@ def test_count_jaxpr_separates_other_platforms():
   # platform_index, cond, and the 1 + 3 equations of the branches.
   assert cpu == {
       "jaxpr_eqns": 6,
+      "jaxpr_eqns_traced": 6,
       "platform_conds": 1,
       "jaxpr_eqns_other_platforms": 3,
   }
   assert (
       bench.count_jaxpr(traced.jaxpr, "cuda")["jaxpr_eqns_other_platforms"] == 1
   )
+
+
+def test_count_jaxpr_counts_a_shared_sub_program_traced_once():
+  inner = jax.jit(lambda x: jnp.sin(jnp.cos(x)))  # two equations
+
+  def f(x):
+    return inner(inner(x) + 1.0)
+
+  counts = bench.count_jaxpr(jax.jit(f).trace(jnp.float32(1.0)).jaxpr, "cpu")
+  # Two calls and an add; the inner program at each call, traced once.
+  assert counts["jaxpr_eqns"] == 3 + 2 * 2
+  assert counts["jaxpr_eqns_traced"] == 3 + 2
 
 
 def test_children_run_without_a_persistent_cache(monkeypatch):
