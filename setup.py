@@ -1,12 +1,12 @@
-"""Builds the optional C++ CPU kernels; everything else is in pyproject.toml.
+"""Builds the optional C++ CPU kernel; everything else is in pyproject.toml.
 
-``gbn_jax._kth_cpu`` (the k-th smallest) and ``gbn_jax._conv_cpu`` (a
-convolution's kernel gradient) are XLA FFI handlers (not Python modules)
-that ``gbn_jax._selection.native`` and ``gbn_jax.convolution`` load with
-ctypes. ``optional=True``: without a C++17 compiler the install still
-succeeds and gbn_jax uses its pure-JAX selection and XLA's kernel gradient.
-The XLA FFI headers are vendored (gbn_jax/csrc/third_party), so the build
-needs no jaxlib.
+``gbn_jax._kth_cpu`` (the k-th smallest) is an XLA FFI handler (not a Python
+module) that ``gbn_jax._selection.native`` loads with ctypes.
+``optional=True``: without a C++17 compiler the install still succeeds and
+gbn_jax uses its pure-JAX selection. The XLA FFI headers are vendored
+(gbn_jax/csrc/third_party), so the build needs no jaxlib. (The training
+suite's convolution kernels, train/csrc, are no part of the library: they
+are compiled on first use, see train/native_build.py.)
 """
 
 from setuptools import Extension
@@ -26,9 +26,4 @@ def _kernel(name: str, source: str) -> Extension:
   )
 
 
-setup(
-    ext_modules=[
-        _kernel("gbn_jax._kth_cpu", "kth_smallest_cpu.cc"),
-        _kernel("gbn_jax._conv_cpu", "conv_cpu.cc"),
-    ]
-)
+setup(ext_modules=[_kernel("gbn_jax._kth_cpu", "kth_smallest_cpu.cc")])

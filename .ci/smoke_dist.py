@@ -2,8 +2,9 @@
 
 Run it from outside the checkout, so that ``gbn_jax`` is the installed copy:
 ``python -I smoke_dist.py --native`` (the wheel: the C++ kernel must load) or
-``--no-native`` (an sdist installed without a compiler: pure JAX); the
-convolution kernel gradient likewise.
+``--no-native`` (an sdist installed without a compiler: pure JAX). The
+library is normalization only: no convolution module or kernel is installed
+(the training suite's, ``train/convolution.py``, runs from a checkout).
 """
 
 import argparse
@@ -17,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import gbn_jax
-from gbn_jax import convolution
 from gbn_jax._selection import native
 import gbn_jax.nnx
 
@@ -50,38 +50,21 @@ def main() -> None:
   ), gbn_jax.__version__
   assert (package / "py.typed").is_file(), "py.typed missing"
   kernels = sorted(package.glob("_kth_cpu*.so"))
-  conv_kernels = sorted(package.glob("_conv_cpu*.so"))
   if args.native:
     assert (
         kernels and native.available()
     ), f"the compiled kernel did not load: {kernels}"
-    assert (
-        conv_kernels and convolution.native_available()
-    ), f"the compiled convolution kernel did not load: {conv_kernels}"
   else:
     assert (
         not kernels and not native.available()
     ), f"a kernel was built: {kernels}"
-    assert not conv_kernels and not convolution.native_available()
-
-  # The kernel gradient of a 3x3 SAME convolution, from the definition.
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((2, 5, 5, 3)).astype(np.float32)
-  g = rng.standard_normal((2, 5, 5, 8)).astype(np.float32)
-  xp = np.pad(x.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)))
-  want = np.stack(
-      [
-          np.stack(
-              [
-                  np.einsum("nhwc,nhwf->cf", xp[:, i : i + 5, j : j + 5], g)
-                  for j in range(3)
-              ]
-          )
-          for i in range(3)
-      ]
-  )
-  got = jax.jit(lambda x, g: convolution.conv_kernel_gradient(x, g, (3, 3)))
-  np.testing.assert_allclose(np.asarray(got(x, g)), want, rtol=1e-5, atol=1e-5)
+  convolution_files = [
+      path
+      for path in package.rglob("*")
+      if path.name.startswith(("convolution", "_conv_cpu", "conv_"))
+  ]
+  assert not convolution_files, convolution_files
+  assert importlib.util.find_spec("gbn_jax.convolution") is None
 
   # Both of the kernel's paths (radix select; sampled bracket over 16384 rows);
   # pure JAX's large-batch path is the test suite's (slow to compile here).

@@ -1,8 +1,9 @@
-"""gbn_jax.convolution.conv_kernel_gradient against the definition.
+"""train.convolution.conv_kernel_gradient against the definition.
 
-The reference is numpy in float64, written from the definition: the input
-zero-padded, and for each kernel offset the sum over images and output
-positions of the shifted input times the output gradient. Shapes cover the
+The reference is numpy in float64, written from the definition
+(``conv_helpers.kernel_gradient_reference``): the input zero-padded, and for
+each kernel offset the sum over images and output positions of the shifted
+input times the output gradient. Shapes cover the
 compiled kernel's vector path (features a multiple of 8, row blocks of 6 and
 their remainder) and its plain loops (other feature counts), strides,
 SAME/VALID/asymmetric padding, windows larger than the image, one image,
@@ -17,35 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax import convolution
-from gbn_jax.convolution import conv_kernel_gradient
+from train import convolution
+from train.convolution import conv_kernel_gradient
 
-DIMENSIONS = ("NHWC", "HWIO", "NHWC")
-
-
-def _pads(shape, kernel_size, strides, padding):
-  if isinstance(padding, str):
-    return lax.padtype_to_pads(shape[1:3], kernel_size, strides, padding)
-  return padding
-
-
-def reference(x, g, kernel_size, strides, pads):
-  """float64 d(sum(conv(x, k) * g))/dk, from the definition."""
-  x = np.asarray(x, np.float64)
-  g = np.asarray(g, np.float64)
-  kh, kw = kernel_size
-  sh, sw = strides
-  (top, bottom), (left, right) = pads
-  xp = np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
-  p, q = g.shape[1:3]
-  out = np.zeros((kh, kw, x.shape[-1], g.shape[-1]))
-  for i in range(kh):
-    for j in range(kw):
-      window = xp[
-          :, i : i + sh * (p - 1) + 1 : sh, j : j + sw * (q - 1) + 1 : sw
-      ]
-      out[i, j] = np.einsum("nhwc,nhwf->cf", window, g)
-  return out
+from conv_helpers import CASES
+from conv_helpers import DIMENSIONS
+from conv_helpers import kernel_gradient_reference as reference
+from conv_helpers import pads_of
 
 
 def _output_shape(shape, kernel_shape, strides, pads):
@@ -62,7 +41,7 @@ def _case(
     shape, kernel_size, strides, padding, features, kind="normal", seed=0
 ):
   strides = (strides,) * 2 if isinstance(strides, int) else strides
-  pads = _pads(shape, kernel_size, strides, padding)
+  pads = pads_of(shape, kernel_size, strides, padding)
   out = _output_shape(shape, (*kernel_size, shape[-1], features), strides, pads)
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape)
@@ -71,26 +50,6 @@ def _case(
     x = np.round(x * 2) / 2
     g = np.round(g)
   return x.astype(np.float32), g.astype(np.float32), strides, pads
-
-
-CASES = [
-    # (x shape, kernel size, strides, padding, features)
-    ((4, 8, 8, 16), (3, 3), 1, "SAME", 16),  # ResNet20's stage 1, small
-    ((3, 9, 7, 16), (3, 3), 2, "SAME", 32),  # strided, odd sizes
-    ((2, 8, 8, 32), (3, 3), 2, "SAME", 64),
-    ((2, 6, 6, 3), (3, 3), 1, "SAME", 16),  # the stem: 27 rows, 4 blocks + 3
-    ((1, 5, 5, 3), (5, 3), (1, 2), ((2, 1), (0, 3)), 8),  # asymmetric
-    ((2, 7, 7, 5), (3, 3), 1, "VALID", 24),  # 8 + 16 features
-    ((2, 7, 7, 5), (3, 3), 3, "SAME", 13),  # plain loops
-    ((2, 4, 4, 2), (1, 1), 1, "VALID", 1),
-    ((1, 2, 2, 4), (3, 3), 1, "SAME", 8),  # window larger than the image
-    ((5, 3, 11, 7), (2, 4), (2, 1), "SAME", 40),
-    ((1, 1, 1, 1), (1, 1), 1, "VALID", 1),
-    # Output rows longer than a block (6 positions in AVX2, 12 in AVX-512),
-    # 32 + 16 features:
-    ((2, 5, 29, 16), (3, 3), 1, "SAME", 48),
-    ((2, 9, 30, 16), (3, 3), 2, "SAME", 32),  # 15 positions a row
-]
 
 
 @pytest.mark.parametrize("kind", ["normal", "repeated"])
@@ -160,6 +119,27 @@ def test_the_compiled_kernel_is_what_runs_on_a_cpu():
   )
   assert "gbn_conv_kernel_grad_f32" in text
   assert " convolution(" not in text
+
+
+def test_a_cpu_export_needs_the_kernels_checks_and_computes_the_gradient():
+  if not convolution.native_available():
+    pytest.skip("the compiled kernel is not built")
+  checks = convolution.export_disabled_checks()
+  targets = ["kernel_grad", "forward", "input_grad"]
+  assert checks == [
+      jax.export.DisabledSafetyCheck.custom_call(f"gbn_conv_{t}_f32")
+      for t in targets
+  ]
+  x, g, strides, pads = _case((2, 5, 5, 4), (3, 3), 1, "SAME", 8)
+  fn = jax.jit(lambda x, g: conv_kernel_gradient(x, g, (3, 3)))
+  specs = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, g)]
+  with pytest.raises(ValueError, match="gbn_conv_kernel_grad_f32"):
+    jax.export.export(fn, platforms=["cpu"])(*specs)
+  exported = jax.export.export(fn, platforms=["cpu"], disabled_checks=checks)
+  exported = exported(*specs)
+  assert "gbn_conv_kernel_grad_f32" in exported.mlir_module()
+  want = reference(x, g, (3, 3), strides, pads)
+  np.testing.assert_allclose(exported.call(x, g), want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -232,7 +212,7 @@ def test_vmap_gives_each_pair_s_gradient(in_axes):
   args = [a if axis == 0 else a[0] for a, axis in zip((x, g), in_axes)]
   fn = lambda x, g: conv_kernel_gradient(x, g, (3, 3), 2, "SAME")
   got = np.asarray(jax.jit(jax.vmap(fn, in_axes=in_axes))(*args))
-  pads = _pads(x.shape[1:], (3, 3), (2, 2), "SAME")
+  pads = pads_of(x.shape[1:], (3, 3), (2, 2), "SAME")
   for i in range(3):
     pair = [a[i] if axis == 0 else a for a, axis in zip(args, in_axes)]
     want = reference(*pair, (3, 3), (2, 2), pads)

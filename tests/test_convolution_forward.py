@@ -1,17 +1,17 @@
-"""gbn_jax.convolution.conv (forward pass and gradients) against the definition.
+"""train.convolution.conv (forward pass and gradients) against the definition.
 
-The references are numpy in float64, written from the definition: the input
-zero-padded, each output the sum over the window and the input channels of
-input times kernel; the input gradient each output gradient spread back over
-its window; the kernel gradient ``test_convolution.reference``'s. Shapes
-cover the compiled kernels' vector paths (features a multiple of 16 or 8, blocks of
-12 or 6 positions and their remainder) and their plain loops, strides,
-SAME/VALID/asymmetric padding, windows larger than the image, and repeated
-values; each instruction set is run in a process of its own.
+The references are numpy in float64, written from the definition
+(``conv_helpers``): the input zero-padded, each output the sum over the
+window and the input channels of input times kernel; the input gradient
+each output gradient spread back over its window; the kernel gradient the
+windows times the output gradient. Shapes cover the compiled kernels'
+vector paths (features a multiple of 16 or 8, blocks of 12 or 6 positions
+and their remainder) and their plain loops, strides, SAME/VALID/asymmetric
+padding, windows larger than the image, and repeated values; each
+instruction set is run in a process of its own.
 """
 
 import os
-import subprocess
 
 import jax
 from jax import lax
@@ -19,64 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gbn_jax import convolution
-from gbn_jax.convolution import conv
+from train import convolution
+from train.convolution import conv
 
+from conv_helpers import CASES
+from conv_helpers import DIMENSIONS
+from conv_helpers import conv_case as _case
+from conv_helpers import forward_reference
+from conv_helpers import input_gradient_reference
+from conv_helpers import kernel_gradient_reference
+from conv_helpers import pads_of
+from process_helpers import ProcessFailed
 from process_helpers import run_python
-from test_convolution import CASES
-from test_convolution import DIMENSIONS
-from test_convolution import _pads
-from test_convolution import reference as kernel_gradient_reference
-
-
-def _windows(xp, kh, kw, sh, sw, p, q):
-  for i in range(kh):
-    for j in range(kw):
-      rows = slice(i, i + sh * (p - 1) + 1, sh)
-      cols = slice(j, j + sw * (q - 1) + 1, sw)
-      yield i, j, rows, cols
-
-
-def forward_reference(x, k, strides, pads):
-  """float64 conv(x, k), from the definition."""
-  x, k = np.asarray(x, np.float64), np.asarray(k, np.float64)
-  (top, bottom), (left, right) = pads
-  xp = np.pad(x, ((0, 0), (top, bottom), (left, right), (0, 0)))
-  kh, kw = k.shape[:2]
-  p = (xp.shape[1] - kh) // strides[0] + 1
-  q = (xp.shape[2] - kw) // strides[1] + 1
-  out = np.zeros((x.shape[0], p, q, k.shape[-1]))
-  for i, j, rows, cols in _windows(xp, kh, kw, *strides, p, q):
-    out += np.einsum("npqc,cf->npqf", xp[:, rows, cols], k[i, j])
-  return out
-
-
-def input_gradient_reference(x, k, g, strides, pads):
-  """float64 d(sum(conv(x, k) * g))/dx, from the definition."""
-  k, g = np.asarray(k, np.float64), np.asarray(g, np.float64)
-  (top, bottom), (left, right) = pads
-  h, w = x.shape[1:3]
-  dxp = np.zeros((x.shape[0], h + top + bottom, w + left + right, x.shape[3]))
-  kh, kw = k.shape[:2]
-  for i, j, rows, cols in _windows(dxp, kh, kw, *strides, *g.shape[1:3]):
-    dxp[:, rows, cols] += np.einsum("npqf,cf->npqc", g, k[i, j])
-  return dxp[:, top : top + h, left : left + w]
-
-
-def _case(shape, kernel_size, strides, padding, features, kind, seed=0):
-  strides = (strides,) * 2 if isinstance(strides, int) else strides
-  pads = _pads(shape, kernel_size, strides, padding)
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape)
-  k = rng.standard_normal((*kernel_size, shape[-1], features))
-  if kind == "repeated":  # a few values, many exact ties: exact sums
-    x, k = np.round(x * 2) / 2, np.round(k)
-  y = forward_reference(x, k, strides, pads)
-  g = rng.standard_normal(y.shape)
-  if kind == "repeated":
-    g = np.round(g)
-  cast = lambda a: a.astype(np.float32)
-  return cast(x), cast(k), cast(g), strides, pads
 
 
 def _close(got, want, scale_of):
@@ -245,7 +199,7 @@ def test_vmap_convolves_each_pair(in_axes, strides):
     return y, *vjp(g)
 
   got = jax.jit(jax.vmap(forward_and_gradients, (*in_axes, 0)))(x, k, gs)
-  pads = _pads(xs.shape[1:], (3, 3), (strides, strides), "SAME")
+  pads = pads_of(xs.shape[1:], (3, 3), (strides, strides), "SAME")
   for i in range(3):
     xi = xs[i if in_axes[0] == 0 else 0]
     ki = ks[i if in_axes[1] == 0 else 0]
@@ -265,12 +219,12 @@ _ISA_CHILD = """
 import sys
 import jax
 import numpy as np
-from gbn_jax.convolution import conv
-import test_convolution_forward as t
+from train.convolution import conv
+import conv_helpers
 
 out = {}
-for n, case in enumerate(t.CASES):
-  x, k, g, strides, pads = t._case(*case, "normal")
+for n, case in enumerate(conv_helpers.CASES):
+  x, k, g, strides, pads = conv_helpers.conv_case(*case, "normal")
   y, vjp = jax.vjp(lambda x, k: conv(x, k, strides, pads), x, k)
   for name, a in zip("y dx dk".split(), (y, *vjp(g))):
     out[f"{n}/{name}"] = np.asarray(a)
@@ -310,10 +264,10 @@ def test_an_unknown_instruction_set_is_an_error():
   _require_compiled_kernels()
   code = (
       "import jax.numpy as jnp\n"
-      "from gbn_jax.convolution import conv\n"
+      "from train.convolution import conv\n"
       "conv(jnp.ones((1, 4, 4, 8)), jnp.ones((3, 3, 8, 8))).block_until_ready()"
   )
-  with pytest.raises(subprocess.CalledProcessError) as error:
+  with pytest.raises(ProcessFailed) as error:
     run_python(code, {"GBN_CONV_MAX_ISA": "sse9"})
   assert "GBN_CONV_MAX_ISA must be scalar, avx2, avx512 or unset" in (
       error.value.stderr

@@ -1,10 +1,13 @@
 """The C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
-Builds ``gbn_jax/csrc/kth_smallest_cpu.cc`` with ``-fsanitize=address,undefined``
-(the include path and language flags of setup.py) once per run, shared by the
-xdist workers (a temporary directory keyed by the sources' hash, file-locked),
-and runs a bounded fuzz of both FFI entry points in a subprocess that loads
-it through ``GBN_KTH_LIBRARY``, with the sanitizer runtime preloaded
+Builds the library's ``gbn_jax/csrc/kth_smallest_cpu.cc`` and the training
+suite's convolution kernels (``train/csrc``, the objects of
+``train.native_build.conv_sources``) with ``-fsanitize=address,undefined``,
+once per run, shared by the xdist workers (``train.native_build.build``: a
+folder keyed by the inputs' hash, file-locked, in the system's temp dir).
+The selection's two FFI entry points get a bounded fuzz in a subprocess that
+loads the library through ``GBN_KTH_LIBRARY``, the convolution's three
+handlers random geometries, each with the sanitizer runtime preloaded
 (libstdc++ beside libasan, or ASAN aborts inside jaxlib on ``__cxa_throw``).
 Every result is compared with numpy references written from the definitions;
 any sanitizer report fails the test. Skipped without a C++ compiler or
@@ -13,15 +16,15 @@ libasan. About a minute and a half on two cores.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
 import pathlib
-import shutil
 import tempfile
 import textwrap
 
+import jax
 import pytest
+
+from train import native_build
 
 from process_helpers import ProcessError
 from process_helpers import run_program
@@ -32,10 +35,9 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "gbn_jax" / "csrc"
 SOURCE = CSRC / "kth_smallest_cpu.cc"
-CONV_SOURCE = CSRC / "conv_cpu.cc"
 INCLUDE = CSRC / "third_party"
 # The instrumented libraries, shared by the xdist workers and later runs (one
-# directory per hash of the build's inputs).
+# folder per hash of the build's inputs).
 BUILD_ROOT = pathlib.Path(tempfile.gettempdir()) / f"gbn_jax_asan_{os.getuid()}"
 # Seconds of fuzzing per run (after the fixed cases), AVX2 and portable code.
 FUZZ_SECONDS = {"avx2": 35.0, "portable": 15.0}
@@ -46,13 +48,6 @@ SANITIZER_REPORTS = (
     "UndefinedBehaviorSanitizer",
     "AddressSanitizer:DEADLYSIGNAL",
 )
-
-
-def _compiler() -> str | None:
-  for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
-  return None
 
 
 def _runtime_library(cxx: str, name: str) -> str | None:
@@ -69,30 +64,15 @@ def _runtime_library(cxx: str, name: str) -> str | None:
   )
 
 
-def _build_key(command: list[str], cxx: str) -> str:
-  """A hash of everything the instrumented library depends on: the compiler
-  (its ``--version``), the command, and every file under ``gbn_jax/csrc``."""
-  digest = hashlib.sha256()
-  version = run_program([cxx, "--version"], timeout=60).stdout
-  digest.update(version.encode())
-  digest.update("\0".join(command).encode())
-  for path in sorted(CSRC.rglob("*")):
-    if path.is_file():
-      digest.update(path.relative_to(CSRC).as_posix().encode())
-      digest.update(path.read_bytes())
-  return digest.hexdigest()[:24]
-
-
-def _sanitized(source: pathlib.Path, name: str):
-  """``(library, preload)``: ``source`` built with ASAN and UBSAN, and the
+def _sanitized(name: str, sources, include_dirs):
+  """``(library, preload)``: ``sources`` built with ASAN and UBSAN, and the
   runtime libraries to preload.
 
   The build takes about a minute, and each pytest-xdist worker would
-  otherwise repeat it: the library goes to a directory in the system's temp
-  dir keyed by the hash of its inputs, built once under an exclusive file
-  lock, which the other workers (and later runs) wait on and then reuse.
+  otherwise repeat it: ``native_build.build`` builds it once, under a file
+  lock that the other workers (and later runs) wait on, and they reuse it.
   """
-  cxx = _compiler()
+  cxx = native_build.compiler()
   if cxx is None:
     pytest.skip("no C++ compiler")
   asan = _runtime_library(cxx, "libasan.so")
@@ -111,43 +91,31 @@ def _sanitized(source: pathlib.Path, name: str):
       "-g",
       "-fno-omit-frame-pointer",
       "-fPIC",
-      "-shared",
-      "-pthread",
       "-fsanitize=address,undefined,float-cast-overflow",
       "-fno-sanitize-recover=all",
-      f"-I{INCLUDE}",
-      str(source),
   ]
-  key = _build_key([cxx, *flags], cxx)
-  directory = BUILD_ROOT / f"{source.stem}-{key}"
-  directory.mkdir(parents=True, exist_ok=True)
-  library = directory / name
-  with open(directory / "lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-    if library.exists():
-      return str(library), preload
-    # Built under another name and renamed: a library that exists is whole.
-    partial = directory / f"{name}.{os.getpid()}.partial"
-    proc = run_program([cxx, *flags, "-o", str(partial)], timeout=600)
-    if proc.returncode != 0:
-      partial.unlink(missing_ok=True)
-      if "sanitize" in proc.stderr or "asan" in proc.stderr:
-        pytest.skip(
-            f"the compiler cannot build with sanitizers: {proc.stderr[-500:]}"
-        )
-      pytest.fail(f"sanitizer build failed:\n{proc.stderr[-3000:]}")
-    os.replace(partial, library)
+  try:
+    library = native_build.build(
+        name, sources, flags, include_dirs=include_dirs, root=BUILD_ROOT
+    )
+  except native_build.BuildFailed as e:
+    output = e.output or e.log.read_text()
+    if "sanitize" in e.output or "asan" in e.output:
+      pytest.skip(f"the compiler cannot build with sanitizers: {output[-500:]}")
+    pytest.fail(f"sanitizer build failed:\n{output[-3000:]}")
   return str(library), preload
 
 
 @pytest.fixture(scope="module")
 def sanitized_build():
-  return _sanitized(SOURCE, "kth_cpu_asan.so")
+  return _sanitized("kth_cpu_asan", [native_build.Source(SOURCE)], [INCLUDE])
 
 
 @pytest.fixture(scope="module")
 def sanitized_conv_build():
-  return _sanitized(CONV_SOURCE, "conv_cpu_asan.so")
+  return _sanitized(
+      "conv_cpu_asan", native_build.conv_sources(), [jax.ffi.include_dir()]
+  )
 
 
 FUZZ_SCRIPT = textwrap.dedent(r"""

@@ -24,8 +24,8 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   subsampling by 2 with zero-padded extra channels. Option A has no
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
-  convolutions run in gbn_jax's compiled kernels (forward pass, kernel
-  gradient and input gradient, :func:`gbn_jax.convolution.conv`), every
+  convolutions run in the training suite's compiled kernels (forward pass,
+  kernel gradient and input gradient, :func:`train.convolution.conv`), every
   convolution's input is computed once (:class:`ResNetConv`), and the norm
   layers' backward pass recomputes their elementwise work
   (:func:`recompute_elementwise`): the same parameters and function, up to
@@ -48,8 +48,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from gbn_jax.convolution import conv as gbn_conv
-from gbn_jax.convolution import conv_kernel_gradient
+from train.convolution import conv as gbn_conv
+from train.convolution import conv_kernel_gradient
 from train.layers import PatchConv
 from train.layers import im2col
 from train.layers import max_pool_2x2
@@ -121,7 +121,7 @@ def conv_matmul_grads(
   """:func:`conv_same` whose kernel gradient is a compiled matrix product.
 
   The forward pass is XLA's. The kernel gradient is
-  :func:`gbn_jax.convolution.conv_kernel_gradient` (on XLA:CPU with the
+  :func:`train.convolution.conv_kernel_gradient` (on XLA:CPU with the
   compiled kernel: the sum of each patch times the output gradient, without
   XLA's batch-minor copies); the input gradient is XLA's for ``strides ==
   1`` and :func:`conv_col2im_dgrad`'s col2im otherwise. Equal to
@@ -146,7 +146,7 @@ conv_matmul_grads.defvjp(_col2im_dgrad_fwd, _matmul_grads_bwd)
 def conv_compiled(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
   """:func:`conv_same` with its forward pass and gradients compiled.
 
-  :func:`gbn_jax.convolution.conv` (on XLA:CPU with the compiled kernels:
+  :func:`train.convolution.conv` (on XLA:CPU with the compiled kernels:
   the forward pass, the kernel gradient, and the input gradient, as a
   forward convolution of the output gradient at stride 1 and as each
   window's gradient added into place when strided). Equal to
@@ -181,7 +181,7 @@ class ResNetConv(nn.Module):
   values from the same key), the same SAME padding and the same function up
   to float32 summation order: computed by :func:`conv_compiled` (the
   compiled forward pass, kernel gradient and input gradient of
-  :mod:`gbn_jax.convolution`), with the input through
+  :mod:`train.convolution`), with the input through
   :func:`computed_once`. ResNet's formulation on a CPU
   (``benchmarks/bench_resnet_step.py``).
 
@@ -370,7 +370,7 @@ class ResNet(nn.Module):
     # platform, only tuned for this process's backend. Per lowering it
     # would take lax.platform_dependent around flax modules: the remat
     # (a lifted transform of the norm, with its batch_stats) and ResNetConv
-    # (whose convolutions already choose per lowering, gbn_jax.convolution)
+    # (whose convolutions already choose per lowering, train.convolution)
     # traced once per platform inside flax's lifted control flow.
     on_cpu = jax.default_backend() == "cpu"
     norm = self.norm

@@ -77,12 +77,12 @@ import optax
 import tqdm
 
 import gbn_jax
-from gbn_jax import convolution
 from gbn_jax._selection import config as selection_config
 from gbn_jax._selection import native as selection_native
 from train import capture
 from train import checkpointing
 from train import configs
+from train import convolution
 from train import health
 from train import input_pipeline
 from train import models

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from gbn_jax import convolution
+from train import convolution
 
 import multidevice_helpers as md
 

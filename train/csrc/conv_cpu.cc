@@ -1,12 +1,14 @@
-// Two parts of a 2-D NHWC x HWIO -> NHWC float32 convolution as XLA FFI
-// handlers for the CPU, used by gbn_jax/convolution.py when they are built:
-// the forward convolution and the kernel gradient. Both are matrix products
-// whose one operand is the input's windows ("patches"); they read the windows
-// where they lie, in a zero-padded copy of one image at a time (no copy of
-// the patches, which would hold each input value KH*KW times), and multiply
-// them in register tiles (conv_tiles.h: AVX-512, or AVX2 + FMA, where the
-// CPU has them, plain loops otherwise), on a fixed split of the output
-// positions into tasks on XLA's intra-op thread pool.
+// A 2-D NHWC x HWIO -> NHWC float32 convolution and both its gradients as
+// XLA FFI handlers for the CPU, used by train/convolution.py (which has
+// train/native_build.py compile them on first use): the forward convolution,
+// the kernel gradient, and the input gradient at any stride. All three are
+// matrix products whose one operand is a window of an image ("patches");
+// they read the windows where they lie, in a zero-padded copy of one image at
+// a time (no copy of the patches, which would hold each input value KH*KW
+// times), and multiply them in register tiles (conv_tiles.h, compiled per
+// instruction set in conv_tiles_x86.cc: AVX-512, or AVX2 + FMA, where the
+// CPU has them; plain loops here otherwise), on a fixed split of the work
+// into tasks on XLA's intra-op thread pool.
 //
 // Kernel gradient: dk[i, j, c, f] = sum over (n, p, q) of
 // x[n, p*s_h + i - top, q*s_w + j - left, c] * g[n, p, q, f], positions
@@ -25,9 +27,14 @@
 // the kernel, written straight into the run's rows of y (each output is one
 // dot product, summed in (i, j, c) order).
 //
-// Inputs: x (N, H, W, C) and g (N, P, Q, F), or x and k (KH, KW, C, F);
-// attributes: strides (s_h, s_w) and the padding before the first row and
-// column (top, left) as int64. Output: dk (KH, KW, C, F), or y (N, P, Q, F).
+// Input gradient: dx[n, y, z, c] = sum over the windows that hold (y, z) of
+// g[n, p, q, f] * k[i, j, c, f], each output row's g times the kernel
+// transposed (the forward's tiles) added into a padded image (InputGradient).
+//
+// Inputs: x (N, H, W, C) and g (N, P, Q, F), x and k (KH, KW, C, F), or g
+// and k; attributes: strides (s_h, s_w) and the padding before the first row
+// and column (top, left) as int64. Output: dk (KH, KW, C, F), y (N, P, Q, F)
+// or dx (N, H, W, C).
 
 #include <algorithm>
 #include <cstdint>
@@ -37,11 +44,21 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_kernel.h"
+#include "conv_isa.h"
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
 
 namespace {
 
-using gbn_jax::ParallelFor;
+using gbn_train::ParallelFor;
+using gbn_train::Window;
+#ifdef GBN_CONV_X86
+using gbn_train::Avx2;
+using gbn_train::Avx512;
+using gbn_train::Tiles;
+#endif
 
 // Tasks the output positions are split into (a constant, for a result that
 // is the same on any number of threads), and the largest tile of the kernel
@@ -64,12 +81,6 @@ struct Geometry {
   int64_t padded_w() const { return (q - 1) * stride_w + kw; }
   // Where the window of output (row, col) starts in the padded image.
   int64_t window_at(int64_t row, int64_t col) const { return (row * stride_h * padded_w() + col * stride_w) * c; }
-};
-
-// A window in a padded image: rows of width consecutive floats (KW*C),
-// row_step floats apart.
-struct Window {
-  int64_t rows, width, row_step;
 };
 
 Window WindowOf(const Geometry& g) { return {g.kh, g.kw * g.c, g.padded_w() * g.c}; }
@@ -109,39 +120,6 @@ void AddTileScalar(const float* x, const int64_t* at, int64_t count, const Windo
   }
 }
 
-#ifdef GBN_X86
-// The tiles in AVX2 + FMA: 16 ymm registers, 6 rows x 2 vectors of
-// accumulators.
-namespace avx2 {
-#define GBN_TILE __attribute__((target("avx2,fma")))
-using Vec = __m256;
-constexpr int kLanes = 8, kMaxRows = 6;
-GBN_TILE inline Vec Zero() { return _mm256_setzero_ps(); }
-GBN_TILE inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
-GBN_TILE inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-GBN_TILE inline Vec Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-GBN_TILE inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-GBN_TILE inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-#include "conv_tiles.h"
-#undef GBN_TILE
-}  // namespace avx2
-
-// The tiles in AVX-512: 32 zmm registers, 12 rows x 2 vectors.
-namespace avx512 {
-#define GBN_TILE __attribute__((target("avx512f")))
-using Vec = __m512;
-constexpr int kLanes = 16, kMaxRows = 12;
-GBN_TILE inline Vec Zero() { return _mm512_setzero_ps(); }
-GBN_TILE inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
-GBN_TILE inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-GBN_TILE inline Vec Broadcast(const float* p) { return _mm512_set1_ps(*p); }
-GBN_TILE inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-GBN_TILE inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-#include "conv_tiles.h"
-#undef GBN_TILE
-}  // namespace avx512
-#endif
-
 // out[t, :] = the window at x + t * step, dotted with k, for t < count, in
 // plain loops.
 void ForwardTileScalar(const float* x, int64_t step, int64_t count, const Window& w, const float* k, int64_t f,
@@ -170,7 +148,7 @@ struct CpuIsa {
 
 CpuIsa DetectIsa() {
   Isa widest = Isa::kScalar;
-#ifdef GBN_X86
+#ifdef GBN_CONV_X86
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) widest = Isa::kAvx2;
   if (__builtin_cpu_supports("avx512f")) widest = Isa::kAvx512;
 #endif
@@ -221,11 +199,11 @@ void KernelGradient(ffi::ThreadPool& pool, Isa cpu, const float* x, const float*
         at[t] = g.window_at(in_image / g.q, in_image % g.q);
       }
       const float* rows_of_grad = grad + first * g.f;
-#ifdef GBN_X86
+#ifdef GBN_CONV_X86
       if (isa == Isa::kAvx512) {
-        avx512::AddTile(image.data(), at.data(), count, window, rows_of_grad, g.f, sum);
+        Tiles<Avx512>::AddTile(image.data(), at.data(), count, window, rows_of_grad, g.f, sum);
       } else if (isa == Isa::kAvx2) {
-        avx2::AddTile(image.data(), at.data(), count, window, rows_of_grad, g.f, sum);
+        Tiles<Avx2>::AddTile(image.data(), at.data(), count, window, rows_of_grad, g.f, sum);
       } else
 #endif
       {
@@ -258,11 +236,11 @@ void Forward(ffi::ThreadPool& pool, Isa cpu, const float* x, const float* k, con
       if (n != padded) PadImage(x, g, padded = n, image.data());
       const float* windows = image.data() + g.window_at(row, col);
       float* out = y + first * g.f;
-#ifdef GBN_X86
+#ifdef GBN_CONV_X86
       if (isa == Isa::kAvx512) {
-        avx512::ForwardTile(windows, step, count, window, k, g.f, out);
+        Tiles<Avx512>::ForwardTile(windows, step, count, window, k, g.f, out);
       } else if (isa == Isa::kAvx2) {
-        avx2::ForwardTile(windows, step, count, window, k, g.f, out);
+        Tiles<Avx2>::ForwardTile(windows, step, count, window, k, g.f, out);
       } else
 #endif
       {
@@ -299,11 +277,11 @@ void InputGradient(ffi::ThreadPool& pool, Isa cpu, const float* grad, const floa
       std::fill(image.begin(), image.end(), 0.0f);
       for (int64_t row = 0; row < g.p; ++row) {
         const float* g_row = grad + (n * g.p + row) * g.q * g.f;
-#ifdef GBN_X86
+#ifdef GBN_CONV_X86
         if (isa == Isa::kAvx512) {
-          avx512::ForwardTile(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
+          Tiles<Avx512>::ForwardTile(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
         } else if (isa == Isa::kAvx2) {
-          avx2::ForwardTile(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
+          Tiles<Avx2>::ForwardTile(g_row, g.f, g.q, row_of_grad, transposed.data(), rows, windows.data());
         } else
 #endif
         {
@@ -355,9 +333,9 @@ ffi::Error Guarded(Kernel&& kernel) {
     kernel();
     return ffi::Error::Success();
   } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "gbn_jax convolution: out of memory");
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "convolution kernel (train/csrc): out of memory");
   } catch (...) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "gbn_jax convolution failed");
+    return ffi::Error(ffi::ErrorCode::kInternal, "convolution kernel (train/csrc) failed");
   }
 }
 

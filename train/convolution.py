@@ -1,4 +1,4 @@
-"""A convolution and its gradients, fast on XLA:CPU.
+"""A convolution and its gradients, fast on XLA:CPU (the training suite's).
 
 GBN layers sit between convolutions, and on a CPU a convolutional network's
 train step is mostly its convolutions. XLA:CPU (jaxlib 0.10) computes a
@@ -6,22 +6,26 @@ convolution's kernel gradient as a convolution whose contracted dimension is
 the batch: it copies the input and the output gradient batch-minor first and
 runs at a fraction of the forward convolution's speed.
 :func:`conv_kernel_gradient` computes it instead as the matrix product it
-is, with a compiled kernel (``gbn_jax/csrc/conv_cpu.cc``, built by ``pip
-install`` when a C++17 compiler is present). :func:`conv` is the whole
-convolution, differentiable: its forward pass and input gradient run in
-two more compiled kernels of the same kind (the input windows, read where
-they lie in a zero-padded image, times the kernel, in AVX-512 or AVX2
-registers where the CPU has them), faster than XLA:CPU's own convolutions
-on ResNet20's shapes (``docs/performance.md``). ``GBN_CONV_MAX_ISA``
+is, with a compiled kernel. :func:`conv` is the whole convolution,
+differentiable: its forward pass, kernel gradient and input gradient (at any
+stride) run in compiled kernels of the same kind (the input windows, read
+where they lie in a zero-padded image, times the kernel, in AVX-512 or AVX2
+registers where the CPU has them), faster than XLA:CPU's own convolutions on
+ResNet20's shapes (``docs/performance.md``). ``GBN_CONV_MAX_ISA``
 (``avx512``, ``avx2`` or ``scalar``, read once per process) caps the
 instruction set: AVX-512 and AVX2 give the same bits; ``scalar``'s plain
 loops round twice per term, not once.
 
-Where the kernels are not built, and on every other backend, XLA computes
-the same things. Under ``jit`` with the batch sharded over devices, each
-device convolves its own images, and for the kernel gradient the devices'
-parts are summed (``custom_partitioning``): the results are the whole
-batch's. Under ``vmap`` the kernels run once per mapped pair.
+The kernels (``train/csrc/conv_cpu.cc``) are compiled on first use with the
+system's C++ compiler and cached per user (:mod:`train.native_build`: a few
+seconds, once). Without a compiler, with ``GBN_CONV_NATIVE=0``, and on every
+other backend, XLA computes the same things; a compiler that fails warns
+once, naming its log. Under ``jit`` with the batch sharded over devices,
+each device convolves its own images, and for the kernel gradient the
+devices' parts are summed (``custom_partitioning``): the results are the
+whole batch's. Under ``vmap`` the kernels run once per mapped pair. A CPU
+``jax.export`` of a program that uses them needs
+:func:`export_disabled_checks`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import ctypes
 import functools
-import importlib.util
+import subprocess
 import warnings
 
 import jax
@@ -38,36 +42,50 @@ from jax.experimental.custom_partitioning import custom_partitioning
 import jax.numpy as jnp
 import numpy as np
 
+from train import native_build
+
 Array = jax.Array
 Padding = str | Sequence[tuple[int, int]]
 
-_LIBRARY = "gbn_jax._conv_cpu"
 _TARGET = "gbn_conv_kernel_grad_f32"
 _FORWARD_TARGET = "gbn_conv_forward_f32"
 _INPUT_GRADIENT_TARGET = "gbn_conv_input_grad_f32"
 _DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
-
 #: The custom-call targets of the compiled kernels (XLA:CPU only).
 TARGETS = (_TARGET, _FORWARD_TARGET, _INPUT_GRADIENT_TARGET)
 
 
-def library_path() -> str | None:
-  """Where the installed ``gbn_jax._conv_cpu`` extension is; None if absent."""
-  spec = importlib.util.find_spec(_LIBRARY)
-  return spec.origin if spec is not None and spec.origin else None
+def _warn(problem: str) -> None:
+  # Everything still works, only slower: say why.
+  warnings.warn(
+      f"gbn_jax training suite: the compiled convolution kernels {problem};"
+      " XLA computes the convolutions instead.",
+      RuntimeWarning,
+      stacklevel=3,
+  )
 
 
 @functools.lru_cache(maxsize=None)
 def native_available() -> bool:
-  """Whether the compiled kernels are installed and registered with XLA:CPU.
+  """Whether the compiled kernels are built and registered with XLA:CPU.
 
-  An extension that is found but does not load warns (once: the result is
-  cached), and XLA computes the convolutions.
+  The first call builds them if need be
+  (:func:`train.native_build.conv_library`). A build that fails, or a
+  library that does not load, warns (once: the result is cached), and XLA
+  computes the convolutions.
   """
-  path = library_path()
-  if path is None:
+  try:
+    built = native_build.conv_library()
+  except native_build.BuildFailed as e:
+    _warn(f"failed to build ({e}; see {e.log})")
     return False
+  except (OSError, subprocess.SubprocessError) as e:
+    _warn(f"could not be built ({e})")
+    return False
+  if built is None:
+    return False
+  path = str(built)
   try:
     library = ctypes.CDLL(path)
     handlers = {
@@ -76,19 +94,27 @@ def native_available() -> bool:
         _INPUT_GRADIENT_TARGET: library.GbnConvInputGradF32,
     }
   except (OSError, AttributeError) as e:
-    # A broken build: say so, since everything still works, only slower.
-    warnings.warn(
-        f"gbn_jax: the compiled convolution kernels {path!r} were found but"
-        f" do not load ({e}); XLA computes the convolutions instead.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    _warn(f"{path!r} were found but do not load ({e})")
     return False
   for target, handler in handlers.items():
     jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(handler), platform="cpu"
     )
   return True
+
+
+def export_disabled_checks() -> list[jax.export.DisabledSafetyCheck]:
+  """The ``jax.export`` checks a CPU lowering that calls the kernels needs.
+
+  One ``DisabledSafetyCheck.custom_call`` per target in :data:`TARGETS`, to
+  add to ``gbn_jax.export_disabled_checks()`` for a model that convolves with
+  :func:`conv`. A process that only deserializes such an export calls
+  :func:`native_available` first, which registers the kernels.
+
+  Returns:
+    A new list of ``jax.export.DisabledSafetyCheck``.
+  """
+  return [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
 
 
 def _strides_and_pads(strides, padding, in_hw, kernel_hw):
@@ -396,12 +422,14 @@ def conv(
   The convolution is ``lax.conv_general_dilated(x, kernel, strides, padding,
   dimension_numbers=('NHWC', 'HWIO', 'NHWC'))`` (``flax.linen.Conv``'s, no
   dilation, one feature group, no bias). On XLA:CPU with the compiled
-  kernels and float32 operands its forward pass, its kernel gradient
-  (:func:`conv_kernel_gradient`) and, at stride 1, its input gradient (a
-  forward convolution of the output gradient with the flipped kernel) run
-  there: the same sums in another order. Elsewhere, and for the input
-  gradient at other strides, XLA computes them. Differentiable once (reverse
-  mode, a ``custom_vjp``).
+  kernels and float32 operands all three run there, the same sums in
+  another order: the forward pass, the kernel gradient
+  (:func:`conv_kernel_gradient`) and the input gradient, which at stride 1
+  is a forward convolution of the output gradient with the kernel turned
+  half round and otherwise (strided, or padded wider than the kernel) a
+  kernel of its own (each window's gradient, the output gradient times the
+  transposed kernel, added into place). Elsewhere (other backends and dtypes, negative padding) XLA
+  computes them. Differentiable once (reverse mode, a ``custom_vjp``).
 
   Args:
     x: ``(N, H, W, C)``.
