@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from train import convolution
+from train import models
 from train.convolution import conv
 
 from conv_helpers import CASES
@@ -94,6 +95,33 @@ def test_the_compiled_kernels_are_what_runs_on_a_cpu():
   for target in ("forward", "input_grad", "kernel_grad"):
     assert text.count(f'custom_call_target="gbn_conv_{target}_f32"') == 1
   assert " convolution(" not in text
+
+
+def test_resnet20_s_cpu_train_step_convolves_only_in_the_compiled_kernels():
+  _require_compiled_kernels()
+  model = models.ResNet20(num_classes=10, norm=models.make_norm("bn"))
+  x = jnp.zeros((4, 32, 32, 3))
+  variables = model.init(jax.random.key(0), x, train=False)
+
+  def loss(params, x):
+    stats = variables["batch_stats"]
+    y, _ = model.apply(
+        {"params": params, "batch_stats": stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+    )
+    return y.sum()
+
+  step = jax.jit(jax.grad(loss)).lower(variables["params"], x).compile()
+  text = step.as_text()
+  assert " convolution(" not in text
+  # 19 convolutions: as many forward passes and kernel gradients; input
+  # gradients for all but the stem's, 16 at stride 1 (forward passes of the
+  # output gradient) and 2 strided.
+  count = lambda t: text.count(f'custom_call_target="gbn_conv_{t}_f32"')
+  assert count("kernel_grad") == 19
+  assert (count("forward"), count("input_grad")) == (19 + 16, 2)
 
 
 def test_repeated_calls_are_bit_identical():
