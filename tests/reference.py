@@ -38,27 +38,41 @@ def superquantile_1d(x: np.ndarray, alpha: float) -> float:
   return total / (1 - alpha)
 
 
+def _sqd(x: np.ndarray, mean: float, alpha: float) -> tuple[float, float]:
+  return quantile_1d(x, alpha), superquantile_1d(x, alpha) - mean
+
+
+def _bpoe(x: np.ndarray, mean: float) -> tuple[float, float]:
+  above = x[x > mean]
+  return mean, (above - mean).mean() if above.size else 0.0
+
+
+# Each built-in measure's (S, D), from the paper's table, as
+# ``fn(x, mean, alpha)``; 'sqd' takes alpha, 'sqd1'..'sqd3' bind it.
+# tests/test_measures.py checks that the names are the registry's built-ins.
+_DEFINITIONS = {
+    "sd": lambda x, mean, _: (mean, np.sqrt(np.mean((x - mean) ** 2))),
+    "mad": lambda x, mean, _: (mean, np.mean(np.abs(x - mean))),
+    "rsd": lambda x, mean, _: (mean, np.mean(np.clip(x - mean, 0, None))),
+    "sqd": _sqd,
+    "sqd1": lambda x, mean, _: _sqd(x, mean, 0.25),
+    "sqd2": lambda x, mean, _: _sqd(x, mean, 0.5),
+    "sqd3": lambda x, mean, _: _sqd(x, mean, 0.75),
+    "rbd": lambda x, mean, _: ((x.max() + x.min()) / 2, x.max() - x.min()),
+    "wcd": lambda x, mean, _: (x.max(), x.max() - mean),
+    "bpoe": lambda x, mean, _: _bpoe(x, mean),
+}
+
+#: The measure names :func:`measure_1d` defines.
+MEASURE_NAMES: tuple[str, ...] = tuple(_DEFINITIONS)
+
+
 def measure_1d(name: str, x: np.ndarray, alpha: float | None = None):
   """(S, D) of the paper's table, from the definitions."""
+  if name not in _DEFINITIONS:
+    raise ValueError(name)
   x = np.asarray(x, np.float64)
-  mean = x.mean()
-  if name == "sd":
-    return mean, np.sqrt(np.mean((x - mean) ** 2))
-  if name == "mad":
-    return mean, np.mean(np.abs(x - mean))
-  if name == "rsd":
-    return mean, np.mean(np.clip(x - mean, 0, None))
-  if name in ("sqd", "sqd1", "sqd2", "sqd3"):
-    alpha = {"sqd1": 0.25, "sqd2": 0.5, "sqd3": 0.75}.get(name, alpha)
-    return quantile_1d(x, alpha), superquantile_1d(x, alpha) - mean
-  if name == "rbd":
-    return (x.max() + x.min()) / 2, x.max() - x.min()
-  if name == "wcd":
-    return x.max(), x.max() - mean
-  if name == "bpoe":
-    above = x[x > mean]
-    return mean, (above - mean).mean() if above.size else 0.0
-  raise ValueError(name)
+  return _DEFINITIONS[name](x, x.mean(), alpha)
 
 
 def per_feature(fn, x: np.ndarray, axes: tuple[int, ...], mask=None):

@@ -18,10 +18,10 @@ from train import input_pipeline
 from train import report
 from train import train
 
-from test_train import TINY
-from test_train import exact
-from test_train import run_quiet
-from test_train import small_dataset
+from training_helpers import TINY
+from training_helpers import exact
+from training_helpers import run_quiet
+from training_helpers import small_dataset
 
 
 def _lower_percentile(values: np.ndarray, p: float) -> float:

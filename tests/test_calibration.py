@@ -22,12 +22,12 @@ from gbn_jax import get_measure
 from gbn_jax import measures
 import gbn_jax.nnx as gnnx
 
+from measure_helpers import COMPLETE_MEASURES
 from process_helpers import forced_host_devices
 from process_helpers import run_pytest
 from process_helpers import run_python
 
 HERE = pathlib.Path(__file__).parent
-BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 ALPHAS = [0.05, 0.25, 0.5, 0.75, 0.97]
 
 
@@ -152,7 +152,7 @@ def test_constants_do_not_import_scipy():
 # --- D is sigma for Gaussian data -----------------------------------------------
 
 
-@pytest.mark.parametrize("name", BUILTIN + ["sqd:0.05", "sqd:0.97"])
+@pytest.mark.parametrize("name", [*COMPLETE_MEASURES, "sqd:0.05", "sqd:0.97"])
 def test_calibrated_deviation_is_sigma_on_normal_data(name):
   sigma = 2.5
   x = jax.random.normal(jax.random.key(0), (20_000, 64)) * sigma - 1.0
@@ -190,7 +190,7 @@ def test_masked_constant_is_that_of_each_features_count(name):
 
 
 def test_single_element_stays_zero():
-  for name in BUILTIN:
+  for name in COMPLETE_MEASURES:
     _, d = get_measure(name, calibration="normal")(jnp.ones((1, 3)), axis=0)
     np.testing.assert_array_equal(d, 0)
     _, d = get_measure(name, calibration="normal")(
@@ -203,7 +203,7 @@ def test_single_element_stays_zero():
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", COMPLETE_MEASURES)
 def test_gradient_is_the_raw_one_over_the_constant(name, masked):
   x = jax.random.normal(jax.random.key(3), (24, 5)) * 2
   w = jax.random.normal(jax.random.key(4), (5,))
@@ -325,7 +325,7 @@ def _train_step(module, variables, x, w, mask=None):
   return y, upd, grads
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", COMPLETE_MEASURES)
 def test_off_is_bit_identical_to_the_module_without_the_option(name):
   x = jax.random.normal(jax.random.key(11), (8, 3, 3, 4)) * 2
   w = jax.random.normal(jax.random.key(12), x.shape)
@@ -592,9 +592,9 @@ def test_training_with_calibration(tmp_path):
   sys.path.insert(0, str(HERE))
   from train import train  # pylint: disable=g-import-not-at-top
 
-  from test_train import TINY  # pylint: disable=g-import-not-at-top
-  from test_train import run_quiet  # pylint: disable=g-import-not-at-top
-  from test_train import small_dataset  # pylint: disable=g-import-not-at-top
+  from training_helpers import TINY  # pylint: disable=g-import-not-at-top
+  from training_helpers import run_quiet  # pylint: disable=g-import-not-at-top
+  from training_helpers import small_dataset  # pylint: disable=g-import-not-at-top
 
   config = train.resolve(
       TINY.replace(norm="rsd", calibration="normal", epochs=1)

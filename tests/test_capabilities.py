@@ -18,11 +18,8 @@ from gbn_jax import measures
 from gbn_jax._selection import reductions
 import gbn_jax.nnx as gnnx
 
+from measure_helpers import BUILTIN_MEASURES
 import reference as ref
-
-BUILTIN = ["sd", "mad", "rsd", "sqd", "sqd1", "sqd2", "sqd3", "rbd", "wcd"]
-BUILTIN += ["bpoe"]
-
 
 # Tests here register measures: the registry is restored after each.
 pytestmark = pytest.mark.usefixtures("restore_registry")
@@ -51,11 +48,11 @@ def _np_masked_spread(x, mask, axis=0):
 
 
 def test_builtins_declare_mask_and_device_support():
-  for name in BUILTIN:
+  for name in BUILTIN_MEASURES:
     spec = gbn_jax.MEASURES[name]
     assert isinstance(spec, gbn_jax.MeasureSpec), name
     assert spec.supports_mask is True and spec.pools_devices is True, name
-    m = gbn_jax.get_measure(name, **({"alpha": 0.3} if name == "sqd" else {}))
+    m = gbn_jax.get_measure(name, **dict.fromkeys(spec.required, 0.3))
     assert m.supports_mask and m.pools_devices, name
   assert gbn_jax.MEASURES["sqd2"].params == (("alpha", 0.5),)
   assert gbn_jax.MEASURES["sqd"].params == ()

@@ -118,28 +118,51 @@ def test_linen_init_is_flax(flax_models):
   assert not np.any(expected["params"]["ResNetBlock_0"]["BatchNorm_1"]["scale"])
 
 
-def test_linen_sd_is_flax_bit_for_bit(flax_models):
+def _resnet_sd_training_step(flax_models, jit: bool):
+  """flax's ResNet's training step, as flax wrote it and on GBN ``'sd'``.
+
+  Args:
+    flax_models: The fixture's module.
+    jit: Whether the step runs under one ``jax.jit`` or op by op.
+
+  Returns:
+    ``(model, variables, x, flax's (y, updates), GBN's (y, updates))``.
+  """
   model = flax_models._ResNet1(num_classes=5, num_filters=8)  # pylint: disable=protected-access
   x = _images((2, 4, 32, 32, 3))
   variables = _perturbed(
       jax.jit(lambda x: model.init(jax.random.key(1), x))(x[0])
   )
+  # A jitted function is traced on its first call: a new one in the context.
+  step = lambda: jax.jit(_train_step(model)) if jit else _train_step(model)
+  expected = step()(variables, x)
+  with gbn_jax.linen.batchnorm_as_gbn(measure="sd"):
+    got = step()(variables, x)
+  return model, variables, x, expected, got
 
-  def train(variables, x):
-    return model.apply(variables, x, train=True, mutable=["batch_stats"])
 
-  def evaluate(variables, x):
-    return model.apply(variables, x, train=False)
+def _train_step(model):
+  """``model`` in training mode on each device's images: ``(y, updates)``."""
+  return _per_device(
+      lambda variables, x: model.apply(
+          variables, x, train=True, mutable=["batch_stats"]
+      )
+  )
 
+
+def test_linen_sd_is_flax_bit_for_bit(flax_models):
   # Op by op: under one jit, XLA fuses flax's program and GBN's differently
   # (see test_linen_sd_matches_flax_under_jit).
-  y, updates = _per_device(train)(variables, x)
-  with gbn_jax.linen.batchnorm_as_gbn(measure="sd"):
-    y_gbn, updates_gbn = _per_device(train)(variables, x)
+  model, variables, x, (y, updates), (y_gbn, updates_gbn) = (
+      _resnet_sd_training_step(flax_models, jit=False)
+  )
   np.testing.assert_array_equal(y_gbn, y)
   _assert_trees_equal(updates_gbn, updates)
   # Both members hold the statistics of the whole (pooled) batch.
   jax.tree.map(lambda a: np.testing.assert_array_equal(a[0], a[1]), updates)
+
+  def evaluate(variables, x):
+    return model.apply(variables, x, train=False)
 
   trained = {
       **variables,
@@ -150,23 +173,13 @@ def test_linen_sd_is_flax_bit_for_bit(flax_models):
     got = _per_device(evaluate)(trained, x)
   np.testing.assert_array_equal(got, expected)
   # Once the context is closed the model is flax's again.
-  np.testing.assert_array_equal(_per_device(train)(variables, x)[0], y)
+  np.testing.assert_array_equal(_train_step(model)(variables, x)[0], y)
 
 
 def test_linen_sd_matches_flax_under_jit(flax_models):
-  model = flax_models._ResNet1(num_classes=5, num_filters=8)  # pylint: disable=protected-access
-  x = _images((2, 4, 32, 32, 3))
-  variables = _perturbed(
-      jax.jit(lambda x: model.init(jax.random.key(1), x))(x[0])
+  _, _, _, (y, updates), (y_gbn, updates_gbn) = _resnet_sd_training_step(
+      flax_models, jit=True
   )
-
-  def train(variables, x):
-    return model.apply(variables, x, train=True, mutable=["batch_stats"])
-
-  # A jitted function is traced on its first call: a new one in the context.
-  y, updates = jax.jit(_per_device(train))(variables, x)
-  with gbn_jax.linen.batchnorm_as_gbn(measure="sd"):
-    y_gbn, updates_gbn = jax.jit(_per_device(train))(variables, x)
   # Measured: 2.4e-6 at most (float32 rounding of differently fused code).
   np.testing.assert_allclose(y_gbn, y, rtol=1e-5, atol=1e-5)
   jax.tree.map(

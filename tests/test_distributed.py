@@ -24,9 +24,9 @@ from train import checkpointing
 
 from process_helpers import run_module
 from process_helpers import start_module
-from test_train import REPO
-from test_train import write_tiny_mnist
+from training_helpers import write_tiny_mnist
 
+REPO = Path(__file__).resolve().parents[1]
 _AUDIT_HOOK = """
 import os, sys
 _log = os.environ.get("GBN_TEST_WRITE_LOG")

@@ -16,9 +16,9 @@ from train import plot
 
 from process_helpers import run_module
 from process_helpers import run_python_result
-from test_train import TINY
-from test_train import _fake_run
-from test_train import write_tiny_mnist
+from run_folder_helpers import write_random_run
+from training_helpers import TINY
+from training_helpers import write_tiny_mnist
 
 
 def _run_cli(argv, capsys):
@@ -296,8 +296,8 @@ def _tick_labels(ax, axis):
 
 
 def test_plot_labels_tell_runs_apart(tmp_path):
-  a = _fake_run(tmp_path / "a", "bn", 0)
-  b = _fake_run(tmp_path / "b", "bn", 1)
+  a = write_random_run(tmp_path / "a", "bn", 0)
+  b = write_random_run(tmp_path / "b", "bn", 1)
   config = json.loads((b / "config.json").read_text())
   config["epochs"] = 7
   (b / "config.json").write_text(json.dumps(config))
@@ -309,7 +309,9 @@ def test_plot_labels_tell_runs_apart(tmp_path):
 
 
 def test_plot_axes_legend_ticks(tmp_path, monkeypatch):
-  runs = [_fake_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))]
+  runs = [
+      write_random_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))
+  ]
   figures = []
   original = matplotlib.figure.Figure.savefig
   monkeypatch.setattr(
@@ -335,7 +337,7 @@ def test_plot_axes_legend_ticks(tmp_path, monkeypatch):
 def test_plot_skips_run_without_epochs_and_defaults_out_beside_runs(
     tmp_path, capsys
 ):
-  good = _fake_run(tmp_path / "runs" / "bn", "bn", 0)
+  good = write_random_run(tmp_path / "runs" / "bn", "bn", 0)
   empty = tmp_path / "runs" / "empty"
   empty.mkdir()
   (empty / "config.json").write_text(json.dumps(TINY.to_json()))
@@ -350,8 +352,8 @@ def test_plot_skips_run_without_epochs_and_defaults_out_beside_runs(
 
 def test_plot_takes_a_sweep_glob_and_a_folder_above_the_runs(tmp_path, capsys):
   sweep = tmp_path / "sweeps" / "x"
-  _fake_run(sweep / "bn", "bn", 0)
-  _fake_run(sweep / "mad", "mad", 1)
+  write_random_run(sweep / "bn", "bn", 0)
+  write_random_run(sweep / "mad", "mad", 1)
   (sweep / "report").mkdir()  # what train.report writes beside the runs
   (sweep / "report" / "report.md").write_text("# report\n")
   # The shell's expansion of sweeps/x/*/: two runs and the report folder.

@@ -21,9 +21,9 @@ from train import gain
 from train import input_pipeline
 from train import train
 
-from test_train import TINY
-from test_train import run_quiet
-from test_train import write_tiny_mnist
+from training_helpers import TINY
+from training_helpers import run_quiet
+from training_helpers import write_tiny_mnist
 
 
 def _conv_outputs(config, variables, data_dir):

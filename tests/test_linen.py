@@ -11,9 +11,8 @@ import pytest
 import gbn_jax
 from gbn_jax import GBatchNorm
 
+from measure_helpers import COMPLETE_MEASURES
 import reference as ref
-
-BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 
 
 def _x(shape=(16, 5, 5, 3), seed=0, dtype=jnp.float32):
@@ -116,7 +115,7 @@ def test_mask_matches_flax_for_sd():
   )
 
 
-@pytest.mark.parametrize("name", BUILTIN + ["sqd:0.05", "sqd:0.97"])
+@pytest.mark.parametrize("name", [*COMPLETE_MEASURES, "sqd:0.05", "sqd:0.97"])
 def test_every_measure_normalizes_per_definition(name):
   measure, params = gbn_jax.parse_measure_name(name)
   alpha = params.get("alpha")
@@ -258,7 +257,7 @@ def test_bad_configuration_fails_at_construction():
     GBatchNorm(measure="mad", alpha=0.5)
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", COMPLETE_MEASURES)
 def test_constant_single_and_nan_inputs(name):
   gbn = GBatchNorm(use_running_average=False, measure=name)
   variables = _nonzero_params(gbn.init(jax.random.key(0), jnp.zeros((4, 2))))
@@ -307,7 +306,7 @@ def _autodiff_reference(name, alpha, x, scale, bias, mask=None, eps=1e-5):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
-@pytest.mark.parametrize("name", BUILTIN + ["sqd:0.05"])
+@pytest.mark.parametrize("name", [*COMPLETE_MEASURES, "sqd:0.05"])
 def test_fused_backward_equals_autodiff(name, masked):
   measure, params = gbn_jax.parse_measure_name(name)
   alpha = params.get("alpha")

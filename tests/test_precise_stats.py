@@ -27,12 +27,11 @@ from train import input_pipeline
 from train import main as train_main
 from train import train
 
+from measure_helpers import COMPLETE_MEASURES
 import reference as ref
-from test_train import TINY
-from test_train import small_dataset
-from test_train import write_tiny_mnist
-
-BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
+from training_helpers import TINY
+from training_helpers import small_dataset
+from training_helpers import write_tiny_mnist
 
 
 class Net(nn.Module):
@@ -143,7 +142,7 @@ def test_equals_numpy_average_of_batch_statistics(momentum):
   _close(stacked, got, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("measure", BUILTIN)
+@pytest.mark.parametrize("measure", COMPLETE_MEASURES)
 def test_every_measure(measure):
   model = Net(0.9, measure)
   batches = _batches(count=2, seed=3)

@@ -20,9 +20,9 @@ import pytest
 from gbn_jax import GBatchNorm
 import gbn_jax.nnx as gnnx
 
+from measure_helpers import COMPLETE_MEASURES
 import reference as ref
 
-BUILTIN = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 GRAD_MEASURES = ["sd", "mad", "sqd1", "rbd", "bpoe"]
 EPS = 1e-5
 MOMENTUM = 0.8
@@ -260,7 +260,7 @@ def _relu_x(shape=(12, 3, 3, 4), seed=0):
 
 
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-@pytest.mark.parametrize("measure", BUILTIN)
+@pytest.mark.parametrize("measure", COMPLETE_MEASURES)
 def test_rmax_1_dmax_0_is_plain_gbn(measure, api):
   x = _relu_x()
   state = _state(x.shape[-1], seed=7)
@@ -506,9 +506,9 @@ def test_training_cli_renorm_trains_and_precise_stats_are_finite(tmp_path):
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
 
-  from test_train import TINY  # pylint: disable=g-import-not-at-top
-  from test_train import run_quiet  # pylint: disable=g-import-not-at-top
-  from test_train import small_dataset  # pylint: disable=g-import-not-at-top
+  from training_helpers import TINY  # pylint: disable=g-import-not-at-top
+  from training_helpers import run_quiet  # pylint: disable=g-import-not-at-top
+  from training_helpers import small_dataset  # pylint: disable=g-import-not-at-top
 
   config = train.resolve(TINY.replace(norm="bn", renorm=True, epochs=2))
   model = train.create_model(config, 10)

@@ -11,7 +11,6 @@ import dataclasses
 import json
 
 import pytest
-from test_sweep_report import _write_run
 
 from train import capture
 from train import configs
@@ -20,6 +19,7 @@ from train import report_gain
 from train import report_runs
 
 from process_helpers import run_python
+from run_folder_helpers import write_run
 
 REPORT_MODULES = (
     "train.report",
@@ -57,7 +57,7 @@ def _gain_row(text: str, norm: str) -> list[str]:
 
 
 def test_report_imports_neither_jax_nor_flax(tmp_path):
-  run = _write_run(tmp_path / "runs" / "r", "rsd", 0, 0.01, [0.3, 0.2], [1, 1])
+  run = write_run(tmp_path / "runs" / "r", "rsd", 0, 0.01, [0.3, 0.2], [1, 1])
   (run / capture.NORM_LAYERS_FILE).write_text(
       json.dumps(
           {
@@ -115,7 +115,7 @@ def test_report_constants_equal_trainings():
 def test_report_without_a_usable_record_shows_a_dash(
     tmp_path, capsys, content, warning
 ):
-  run = _write_run(tmp_path / "runs" / "r", "rbd", 0, 0.01, [0.3], [1])
+  run = write_run(tmp_path / "runs" / "r", "rbd", 0, 0.01, [0.3], [1])
   if content is not None:
     (run / capture.NORM_LAYERS_FILE).write_text(content)
   assert report.main([str(run), "--out", str(tmp_path / "out"), "--gain"]) == 0

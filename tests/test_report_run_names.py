@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_sweep_report import _write_run
 
 from train import report
 
-from test_train import REPO
+from run_folder_helpers import write_run
 
+REPO = Path(__file__).resolve().parents[1]
 README_DIRS = (
     "results/sweeps/fashion_mnist_lenet",
     "results/sweeps/cifar10_lenet",
@@ -46,7 +46,7 @@ def two_sweeps(tmp_path, monkeypatch):
       ("results/sweeps/a/sqd1-seed0", "sqd1", 0),
       ("results/activations/bn-seed1", "bn", 1),
   ):
-    _write_run(project / folder, norm, seed, 0.01, [0.3, 0.2], [1, 1])
+    write_run(project / folder, norm, seed, 0.01, [0.3, 0.2], [1, 1])
   monkeypatch.chdir(project)
   return project
 

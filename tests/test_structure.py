@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -317,3 +318,55 @@ def test_subprocess_check_sees_every_form_of_import(tmp_path):
   )
   (tmp_path / "clean.py").write_text("import os\nfrom . import subprocess\n")
   assert _subprocess_importers(tmp_path) == {"plain.py", "sub/deferred.py"}
+
+
+# What a module of tests/ may import from tests/: the shared code, never a
+# test module (importing one runs its module code again under another name
+# and ties the importer to the other's internals).
+_SHARED_TEST_MODULE = re.compile(r"[a-z_]+_helpers|conftest|reference")
+# An import statement at the start of a line, in code or in the text of a
+# script a test runs in a subprocess.
+_IMPORT_LINE = re.compile(
+    r"^[ \t]*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+))", re.M
+)
+
+
+def _test_module_imports(root: pathlib.Path) -> list[str]:
+  """``'file:line module'`` for each import, under ``root``, of a module of
+  ``root`` that is not shared code (deferred and in script text too)."""
+  local = {path.stem for path in root.rglob("*.py")}
+  found = []
+  for path in sorted(root.rglob("*.py")):
+    text = path.read_text()
+    for match in _IMPORT_LINE.finditer(text):
+      for part in (match[1] or match[2]).split("."):  # sub.test_x too
+        if part in local and not _SHARED_TEST_MODULE.fullmatch(part):
+          line = text.count("\n", 0, match.start()) + 1
+          found.append(f"{path.relative_to(root).as_posix()}:{line} {part}")
+  return found
+
+
+def test_no_test_module_imports_another():
+  found = _test_module_imports(TESTS)
+  assert not found, found
+
+
+def test_test_import_check_sees_every_form(tmp_path):
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "test_a.py").write_text("import os\nfrom test_b import x\n")
+  (tmp_path / "sub" / "test_b.py").write_text(
+      "def f():\n  import test_a as a\n"
+  )
+  (tmp_path / "test_c.py").write_text(
+      'SCRIPT = """\nimport sys\nfrom sub.test_b import x\n"""\n'
+  )
+  (tmp_path / "test_d.py").write_text(
+      "import reference\nfrom x_helpers import y\nimport conftest\n"
+  )
+  for name in ("reference", "x_helpers", "conftest"):
+    (tmp_path / f"{name}.py").write_text("")
+  assert _test_module_imports(tmp_path) == [
+      "sub/test_b.py:2 test_a",
+      "test_a.py:2 test_b",
+      "test_c.py:3 test_b",
+  ]

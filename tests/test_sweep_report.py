@@ -30,8 +30,9 @@ from train import sweep_runs
 
 from process_helpers import run_module
 from process_helpers import start_module
-from test_train import exact
-from test_train import write_tiny_mnist
+from run_folder_helpers import write_run
+from training_helpers import exact
+from training_helpers import write_tiny_mnist
 
 # --- grid expansion -------------------------------------------------------------
 
@@ -325,49 +326,6 @@ def test_sweep_failed_run_is_recorded_and_others_go_on(tmp_path):
 # --- report ----------------------------------------------------------------------
 
 
-def _write_run(
-    folder: Path,
-    norm: str,
-    seed: int,
-    lr: float,
-    errors,
-    seconds,
-    epochs: int | None = None,
-    dataset="fashion_mnist",
-    precise_errors=None,
-):
-  folder.mkdir(parents=True)
-  config = configs.MNIST.replace(
-      dataset=dataset,
-      norm=norm,
-      seed=seed,
-      learning_rate=lr,
-      augment=False,
-      epochs=epochs or len(errors),
-  )
-  checkpointing.write_config(folder, config)
-  rows, elapsed, best = [], 0.0, None
-  for epoch, (error, sec) in enumerate(zip(errors, seconds), start=1):
-    elapsed += sec
-    best = error if best is None else min(best, error)
-    rows.append(
-        {
-            "epoch": epoch,
-            "train_loss": 2.0 / epoch + seed * 0.01,
-            "train_error": error + 0.01,
-            "test_loss": 1.0 / epoch,
-            "test_error": error,
-            "best_test_error": best,
-            "seconds": sec,
-            "elapsed_seconds": elapsed,
-        }
-    )
-    if precise_errors is not None:
-      rows[-1]["test_error_precise"] = precise_errors[epoch - 1]
-  checkpointing.write_metrics(folder, rows)
-  return folder
-
-
 @pytest.fixture()
 def fake_sweep(tmp_path):
   """3 norms x 3 seeds x 2 learning rates, random curves; plus odd runs."""
@@ -381,7 +339,7 @@ def fake_sweep(tmp_path):
           errors[2] = errors[3] - 0.02
         seconds = rng.uniform(20, 40, 4)
         name = f"{norm}-lr{lr}-seed{seed}"
-        _write_run(
+        write_run(
             tmp_path / "sweep" / name,
             norm,
             seed,
@@ -391,7 +349,7 @@ def fake_sweep(tmp_path):
         )
         data[(lr, norm, seed)] = (errors, seconds)
   # An unfinished run (2 of 4 epochs) and a failed one: shown, not averaged.
-  _write_run(
+  write_run(
       tmp_path / "sweep" / "sqd1-lr0.01-seed3",
       "sqd1",
       3,
@@ -400,7 +358,7 @@ def fake_sweep(tmp_path):
       [30, 30],
       epochs=4,
   )
-  failed = _write_run(
+  failed = write_run(
       tmp_path / "sweep" / "rsd-lr0.01-seed3",
       "rsd",
       3,
@@ -513,7 +471,7 @@ def test_report_errors(tmp_path, capsys):
 
 
 def test_report_paper_row_for_table2_setting(tmp_path):
-  folder = _write_run(
+  folder = write_run(
       tmp_path / "c" / "bn",
       "bn",
       0,
@@ -538,7 +496,7 @@ def test_report_precise_statistics_table(tmp_path):
     for seed in range(3):
       ema = rng.uniform(0.1, 0.4, 3)
       precise = ema + rng.normal(0, 0.02, 3)
-      _write_run(
+      write_run(
           tmp_path / "s" / f"{norm}{seed}",
           norm,
           seed,
@@ -549,7 +507,7 @@ def test_report_precise_statistics_table(tmp_path):
       )
       finals.setdefault(norm, []).append((100 * ema[-1], 100 * precise[-1]))
   # Without precise statistics: not part of the table.
-  _write_run(
+  write_run(
       tmp_path / "s" / "rsd0", "rsd", 0, 0.01, [0.3, 0.2, 0.1], [10, 10, 10]
   )
   report.write_report([tmp_path / "s"], tmp_path / "out")
@@ -579,7 +537,7 @@ def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):
   timing = tmp_path / "timing"
   quiet = {"bn": [20.0, 22.0, 30.0], "sqd1": [25.0], "rsd": [21.0, 23.0]}
   for norm, seconds in quiet.items():
-    _write_run(timing / norm, norm, 0, 0.01, [0.5] * len(seconds), seconds)
+    write_run(timing / norm, norm, 0, 0.01, [0.5] * len(seconds), seconds)
   report.write_report([sweep_dir], tmp_path / "out", timing=[timing])
   text = (tmp_path / "out" / "report.md").read_text()
   section = text.split("lr=0.01, batch=1000")[2].split("**dataset")[0]
@@ -610,12 +568,12 @@ def test_report_quiet_speed_from_timing_runs(fake_sweep, tmp_path):
 
 def test_report_runs_without_added_fields_share_a_setting(tmp_path):
   """A config.json written before renorm existed is the renorm=False setting."""
-  old = _write_run(tmp_path / "s" / "old", "bn", 0, 0.01, [0.3, 0.2], [1, 1])
+  old = write_run(tmp_path / "s" / "old", "bn", 0, 0.01, [0.3, 0.2], [1, 1])
   data = json.loads((old / "config.json").read_text())
   for field in configs.ADDED_FIELDS:
     data.pop(field)
   (old / "config.json").write_text(json.dumps(data))
-  _write_run(tmp_path / "s" / "new", "bn", 1, 0.01, [0.3, 0.1], [1, 1])
+  write_run(tmp_path / "s" / "new", "bn", 1, 0.01, [0.3, 0.1], [1, 1])
   report.write_report([tmp_path / "s"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()
   row = next(l for l in text.splitlines() if l.startswith("| dataset="))
@@ -722,7 +680,7 @@ def test_gaussian_gain_equals_definitions():
 
 
 def test_gaussian_layer_gains_take_n_from_the_model(tmp_path):
-  run = _write_run(tmp_path / "r", "rbd", 0, 0.01, [0.3], [1])
+  run = write_run(tmp_path / "r", "rbd", 0, 0.01, [0.3], [1])
   gain_lib.record_norm_layers(run)  # what training writes beside metrics
   # LeNet on 28x28: conv 5x5 -> 24x24 (norm1); pool -> 12; conv 5x5 -> 8x8.
   sizes = {"norm1": 1000 * 24 * 24, "norm2": 1000 * 8 * 8}
@@ -766,7 +724,7 @@ def gain_sweep(tmp_path):
         continue
       for seed in range(3):
         errors = np.sort(rng.uniform(0.1, 0.4, 3))[::-1]
-        folder = _write_run(
+        folder = write_run(
             tmp_path / "g" / f"{norm}-{calibration}-{seed}".replace(":", "_"),
             norm,
             seed,
@@ -932,7 +890,7 @@ def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
   from train import plot  # pylint: disable=g-import-not-at-top
 
   runs = [
-      _write_run(
+      write_run(
           tmp_path / f"{norm}{seed}", norm, seed, 0.01, [0.3, 0.2], [1, 1]
       )
       for norm, seed in (("bn", 0), ("bn", 1), ("rsd", 0), ("bn", 2))
@@ -958,7 +916,7 @@ def test_activations_figure_shares_y_and_tells_bands_apart(
 
   runs = []
   for norm, scale in (("bn", 1.0), ("sqd1", 5.0)):
-    folder = _write_run(tmp_path / norm, norm, 0, 0.01, [0.3], [1])
+    folder = write_run(tmp_path / norm, norm, 0, 0.01, [0.3], [1])
     rows = [
         {
             "step": step,

@@ -29,76 +29,18 @@ from train import main as train_main
 from train import plot
 from train import train
 
-import data_helpers
 from process_helpers import run_module
 from process_helpers import run_python_result
 from process_helpers import start_module
+from run_folder_helpers import write_random_run
+from training_helpers import TINY
+from training_helpers import exact
+from training_helpers import run_quiet
+from training_helpers import small_dataset
+from training_helpers import synthetic_dataset
+from training_helpers import write_tiny_mnist
 
 REPO = Path(__file__).resolve().parents[1]
-# Metrics that must match between runs; the rest are timings.
-EXACT_KEYS = (
-    "epoch",
-    "train_loss",
-    "train_error",
-    "test_loss",
-    "test_error",
-    "best_test_error",
-)
-
-
-# --- synthetic data -------------------------------------------------------------
-
-
-def synthetic_arrays(n: int, seed: int, shape=(28, 28, 1), classes: int = 10):
-  """Learnable images: class k has a bright 4x4 patch at a class position."""
-  rng = np.random.default_rng(seed)
-  labels = rng.integers(0, classes, n).astype(np.int32)
-  images = rng.integers(0, 60, (n, *shape)).astype(np.uint8)
-  for i, k in enumerate(labels):
-    row, col = 2 + 6 * (k // 4), 2 + 6 * (k % 4)
-    images[i, row : row + 4, col : col + 4, :] = 250
-  return images, labels
-
-
-def synthetic_dataset(
-    n_train: int = 64, n_test: int = 37, name: str = "mnist"
-) -> input_pipeline.Dataset:
-  shape = input_pipeline.dataset_info(name).image_shape
-  train_images, train_labels = synthetic_arrays(n_train, 0, shape)
-  test_images, test_labels = synthetic_arrays(n_test, 1, shape)
-  return input_pipeline.Dataset(
-      name=name,
-      train_images=train_images,
-      train_labels=train_labels,
-      test_images=test_images,
-      test_labels=test_labels,
-      num_classes=10,
-      source="synthetic",
-  )
-
-
-TINY = configs.MNIST.replace(
-    epochs=3, batch_size=16, learning_rate=0.05, momentum=0.9, norm="mad"
-)
-
-
-def small_dataset() -> input_pipeline.Dataset:
-  """The dataset of most runs here: equal shapes reuse compiled programs."""
-  return synthetic_dataset(52, 37)
-
-
-def write_tiny_mnist(folder: Path, n_train: int = 64, n_test: int = 37) -> Path:
-  """The synthetic dataset as canonical (gzipped IDX) MNIST files."""
-  ds = synthetic_dataset(n_train, n_test)
-  return data_helpers.write_idx_dataset(
-      folder,
-      (ds.train_images, ds.train_labels),
-      (ds.test_images, ds.test_labels),
-  )
-
-
-def exact(history):
-  return [{k: row[k] for k in EXACT_KEYS} for row in history]
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -108,12 +50,6 @@ def tree_digest(folder: Path) -> dict[str, str]:
       for p in sorted(folder.rglob("*"))
       if p.is_file()
   }
-
-
-def run_quiet(config, workdir, **kwargs):
-  return train.train_and_evaluate(
-      config, workdir, progress=False, log=lambda line: None, **kwargs
-  )
 
 
 # --- steps ----------------------------------------------------------------------
@@ -784,7 +720,7 @@ _MULTI_DEVICE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import jax
-from test_train import TINY, small_dataset, run_quiet
+from training_helpers import TINY, small_dataset, run_quiet
 from train import train
 ds = small_dataset()
 out = {{"devices": jax.device_count()}}
@@ -832,29 +768,10 @@ def test_four_devices_equal_one(tmp_path):
 # --- plots -----------------------------------------------------------------------
 
 
-def _fake_run(folder: Path, norm: str, seed: int) -> Path:
-  rng = np.random.default_rng(seed)
-  folder.mkdir(parents=True)
-  (folder / "config.json").write_text(
-      json.dumps(TINY.replace(norm=norm).to_json())
-  )
-  rows, elapsed = [], 0.0
-  for epoch in range(1, 6):
-    elapsed += rng.uniform(1, 2)
-    rows.append(
-        {
-            "epoch": epoch,
-            "train_loss": float(2 / epoch),
-            "test_error": None if epoch == 1 else float(rng.uniform()),
-            "elapsed_seconds": elapsed,
-        }
-    )
-  checkpointing.write_metrics(folder, rows)
-  return folder
-
-
 def test_plot_writes_pngs(tmp_path, capsys):
-  runs = [_fake_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))]
+  runs = [
+      write_random_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))
+  ]
   assert (
       plot.main([str(r) for r in runs] + ["--out", str(tmp_path / "out")]) == 0
   )

@@ -34,6 +34,8 @@ import gbn_jax
 from gbn_jax import GBatchNorm
 import gbn_jax.nnx
 
+from flax_compat_helpers import per_example
+
 MEASURES = sorted(gbn_jax.MEASURES)
 FEATURES = 3
 
@@ -104,14 +106,7 @@ def _pure(module, **call_kw):
 def _per_example(measure, **kw):
   """The same layer as :func:`_linen`, applied per example under ``vmap``
   with ``axis_name``: the statistics pool the vmapped axis."""
-  layer = nn.vmap(
-      GBatchNorm,
-      in_axes=0,
-      out_axes=0,
-      axis_name="batch",
-      variable_axes={"params": None, "batch_stats": None},
-      split_rngs={"params": False},
-  )(use_running_average=False, axis_name="batch", measure=measure, **kw)
+  layer = per_example(GBatchNorm, measure=measure, **kw)
   variables = _variables()
   return lambda x: layer.apply(variables, x, mutable=["batch_stats"])[0]
 

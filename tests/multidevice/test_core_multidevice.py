@@ -17,10 +17,9 @@ import pytest
 import gbn_jax
 from gbn_jax import GBatchNorm
 
+from measure_helpers import COMPLETE_MEASURES
 import multidevice_helpers as md
 from multidevice_helpers import NDEV
-
-MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
 
 md.require_devices()
 
@@ -53,7 +52,7 @@ def _init(measure, x):
   )
 
 
-@pytest.mark.parametrize("measure", MEASURES)
+@pytest.mark.parametrize("measure", COMPLETE_MEASURES)
 def test_shard_map_axis_name_equals_single_device(measure):
   x = _batch()
   w = jax.random.normal(jax.random.key(2), x.shape)
@@ -411,8 +410,8 @@ def test_train_precise_evaluation_four_devices_equal_one():
   """The training loop's --precise-stats evaluation on a 4-device Auto mesh."""
   from train import train  # pylint: disable=g-import-not-at-top
 
-  from test_train import TINY  # pylint: disable=g-import-not-at-top
-  from test_train import small_dataset  # pylint: disable=g-import-not-at-top
+  from training_helpers import TINY  # pylint: disable=g-import-not-at-top
+  from training_helpers import small_dataset  # pylint: disable=g-import-not-at-top
 
   ds = small_dataset()
   config = train.resolve(TINY.replace(norm="sqd1"))

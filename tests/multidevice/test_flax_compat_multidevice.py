@@ -21,18 +21,17 @@ import numpy as np
 import pytest
 
 from gbn_jax import GBatchNorm
-import gbn_jax.nnx
 
+from flax_compat_helpers import MOMENTUM
+from flax_compat_helpers import assert_close
+from flax_compat_helpers import assert_nnx_step_matches_references
+from flax_compat_helpers import reference_step
+from flax_compat_helpers import scale_and_bias
+from measure_helpers import COMPLETE_MEASURES
 import multidevice_helpers as md
 from multidevice_helpers import NDEV
-import reference as ref
-
-MEASURES = ["sd", "mad", "rsd", "sqd1", "sqd2", "sqd3", "rbd", "wcd", "bpoe"]
-MOMENTUM = 0.9
 
 md.require_devices()
-
-_close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-5)
 
 
 def _x(f=3, seed=0):
@@ -42,25 +41,9 @@ def _x(f=3, seed=0):
   )
 
 
-def _params(f=3):
-  k1, k2 = jax.random.split(jax.random.key(3))
-  return {
-      "scale": 1 + 0.5 * jax.random.normal(k1, (f,)),
-      "bias": jax.random.normal(k2, (f,)),
-  }
-
-
-def _reference(measure, x, params):
-  s, d = ref.per_feature(
-      lambda v: ref.measure_1d(measure, v), np.asarray(x), (0,)
-  )
-  y = ref.normalize(x, s, d, (0,), params["scale"], params["bias"])
-  return y, (1 - MOMENTUM) * s, MOMENTUM + (1 - MOMENTUM) * d**2
-
-
-@pytest.mark.parametrize("measure", MEASURES)
+@pytest.mark.parametrize("measure", COMPLETE_MEASURES)
 def test_linen_pmap_one_example_per_device(measure):
-  x, params = _x(), _params()
+  x, params = _x(), scale_and_bias(3)
   variables = {
       "params": params,
       "batch_stats": {"mean": jnp.zeros(3), "var": jnp.ones(3)},
@@ -74,20 +57,20 @@ def test_linen_pmap_one_example_per_device(measure):
 
   kw = dict(use_running_average=False, axis_name="i", momentum=MOMENTUM)
   y, upd = run(GBatchNorm(measure=measure, **kw))
-  y_ref, mean_ref, var_ref = _reference(measure, x, params)
-  _close(y, y_ref)
+  y_ref, mean_ref, var_ref = reference_step(measure, x, params)
+  assert_close(y, y_ref)
   for dev in range(NDEV):  # every device holds the pooled statistics
-    _close(upd["batch_stats"]["mean"][dev], mean_ref)
-    _close(upd["batch_stats"]["var"][dev], var_ref)
+    assert_close(upd["batch_stats"]["mean"][dev], mean_ref)
+    assert_close(upd["batch_stats"]["var"][dev], var_ref)
   if measure == "sd":
     yf, updf = run(nn.BatchNorm(**kw))
-    _close(y, yf)
-    jax.tree.map(_close, upd, updf)
+    assert_close(y, yf)
+    jax.tree.map(assert_close, upd, updf)
 
 
-@pytest.mark.parametrize("measure", MEASURES)
+@pytest.mark.parametrize("measure", COMPLETE_MEASURES)
 def test_nnx_shard_map_one_example_per_device(measure):
-  x, params = _x(), _params()
+  x, params = _x(), scale_and_bias(3)
   mesh = md.mesh()
 
   def run(layer):
@@ -109,33 +92,14 @@ def test_nnx_shard_map_one_example_per_device(measure):
     )(state, x)
     return y, stats["mean"][...], stats["var"][...]
 
-  y, mean, var = run(
-      gbn_jax.nnx.GBatchNorm(
-          3,
-          measure=measure,
-          axis_name="batch",
-          momentum=MOMENTUM,
-          rngs=nnx.Rngs(0),
-      )
-  )
-  y_ref, mean_ref, var_ref = _reference(measure, x, params)
-  _close(y, y_ref)
-  _close(mean, mean_ref)
-  _close(var, var_ref)
-  if measure == "sd":
-    yf, meanf, varf = run(
-        nnx.BatchNorm(3, axis_name="batch", momentum=MOMENTUM, rngs=nnx.Rngs(0))
-    )
-    _close(y, yf)
-    _close(mean, meanf)
-    _close(var, varf)
+  assert_nnx_step_matches_references(run, measure, x, params)
 
 
 @pytest.mark.parametrize("measure", ["sd", "sqd2", "wcd"])
 def test_pmap_one_example_gradient_equals_batched(measure):
   # pmap differentiates each device's loss; summed over devices, the input
   # gradient is that of the single-device batched call on the same loss.
-  x, params = _x(), _params()
+  x, params = _x(), scale_and_bias(3)
   w = jax.random.normal(jax.random.key(4), x.shape)
   variables = {
       "params": params,
