@@ -3,11 +3,11 @@
 ``python -m train.cifar`` (ResNet20, batch 256) compiled for 50.8 s with
 ``bn`` and 86.0 s with ``sqd2`` on an H100 before its first epoch (issue 36).
 This benchmark builds the programs exactly as the CLI does: each child
-process calls ``train.train.compile_program`` (the function
+process calls ``train.programs.compile_program`` (the function
 ``train_and_evaluate`` calls) on a synthetic dataset of the real sizes, after
 the same pre-JAX setup as ``python -m train.cifar`` / ``train.mnist``
-(``host_devices``, ``host_memory``). ``jax.jit`` as ``train.train`` sees it is
-wrapped, so each program's ``.lower()`` (tracing and lowering) and
+(``host_devices``, ``host_memory``). ``jax.jit`` as ``train.programs`` sees it
+is wrapped, so each program's ``.lower()`` (tracing and lowering) and
 ``.compile()`` (XLA) are timed on their own, and the lowered StableHLO and the
 optimized HLO are counted.
 
@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("lenet", "resnet20")
 NORMS = ("bn", "sqd2", "rsd")
-#: The programs of ``train.train.Program``, by the function each one jits.
+#: The programs of ``train.programs.Program``, by the function each one jits.
 PROGRAMS = {
     "create_train_state": "init",
     "prepare_epoch": "prepare",
@@ -328,6 +328,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
   from train import compile_cache
   from train import configs
   from train import data_info
+  from train import programs
+  from train import sharding
   from train import train as trainlib
 
   # pylint: enable=g-import-not-at-top
@@ -365,22 +367,23 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     jitted = real_jit(fn, *a, **k)
     return _TimedJit(jitted, name, records, jax.default_backend(), dump)
 
-  # Only train.train's `jax` sees the wrapper: gbn_jax's own jits are untouched.
+  # Only train.programs' `jax` sees the wrapper: gbn_jax's own jits are
+  # untouched.
   proxy = types.ModuleType("jax")
   proxy.__dict__.update(jax.__dict__)
   proxy.jit = timed_jit
-  trainlib.jax = proxy
+  programs.jax = proxy
   try:
-    mesh = trainlib.make_mesh(trainlib.data_parallel_devices(config.batch_size))
-    train_data = trainlib.place_train(dataset, mesh)
-    test_data = trainlib.place_test(dataset, mesh, config.batch_size)
+    mesh = sharding.make_mesh(sharding.data_parallel_devices(config.batch_size))
+    train_data = sharding.place_train(dataset, mesh)
+    test_data = sharding.place_test(dataset, mesh, config.batch_size)
     t0 = time.perf_counter()
-    _, cached = trainlib.compile_program(
+    _, cached = programs.compile_program(
         config, mesh, train_data, test_data, dataset.num_classes
     )
     total = time.perf_counter() - t0
   finally:
-    trainlib.jax = jax
+    programs.jax = jax
   if cached:
     raise RuntimeError("compile_program reused an in-process program")
   return {

@@ -21,11 +21,11 @@ _CHILD = r"""
 import sys, time, statistics
 import jax, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from train import models, train
+from train import models, sharding
 model_name, norm, batch, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 shape = (28, 28, 1) if model_name == "lenet" else (32, 32, 3)
 model = models.create_model(model_name, num_classes=10, norm=models.make_norm(norm))
-mesh = train.make_mesh(train.data_parallel_devices(batch))
+mesh = sharding.make_mesh(sharding.data_parallel_devices(batch))
 put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
 x = put(jax.random.normal(jax.random.key(3), (batch, *shape)))
 y = put(jax.random.randint(jax.random.key(4), (batch,), 0, 10))

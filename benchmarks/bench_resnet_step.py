@@ -1,7 +1,7 @@
 """Where the ResNet20 train step's time goes on XLA:CPU, and what makes it faster.
 
-Times the training suite's real jitted step (``train.train.train_step`` and
-the state, optimizer, mesh and shardings ``train`` builds) on random
+Times the training suite's real jitted step (``train.train_steps.train_step``
+and the state, optimizer, mesh and shardings training builds) on random
 CIFAR-10-shaped data (``train.cifar``'s defaults: batch 256, 32x32x3, plain
 SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses, whose
 host memory is set up as the CLI's (:mod:`train.host_memory`):
@@ -82,7 +82,9 @@ from benchmarks.step_report import print_ratio_line
 from benchmarks.step_setup import random_train_step
 from benchmarks.step_setup import time_variants
 from train import configs
+from train import sharding
 from train import train as trainlib
+from train import train_state
 
 DEFAULT_PEER = REPO / "peers" / "torch_resnet20.py"
 DATASET = "cifar10"
@@ -106,8 +108,8 @@ class Setup:
     self.config = trainlib.resolve(
         configs.CIFAR.replace(dataset=DATASET, norm=norm, batch_size=batch)
     )
-    self.mesh = trainlib.make_mesh(trainlib.data_parallel_devices(batch))
-    self.model = trainlib.create_model(self.config, NUM_CLASSES)
+    self.mesh = sharding.make_mesh(sharding.data_parallel_devices(batch))
+    self.model = train_state.create_model(self.config, NUM_CLASSES)
     self.state, self.images, self.labels, self.step = random_train_step(
         self.config, self.model, self.mesh, steps=steps, seed=seed
     )

@@ -1,7 +1,7 @@
 """The real LeNet train step of ``bench_lenet_step``, and its variants' checks.
 
-:class:`Setup` lays out ``train.train.train_step`` for one norm as training
-does (:func:`benchmarks.step_setup.random_train_step`) on
+:class:`Setup` lays out ``train.train_steps.train_step`` for one norm as
+training does (:func:`benchmarks.step_setup.random_train_step`) on
 Fashion-MNIST-shaped random data; a variant of :mod:`benchmarks.lenet_variants`
 swaps ``state.apply_fn``, parameters kept.
 """
@@ -26,7 +26,9 @@ from benchmarks.step_setup import random_train_step
 from benchmarks.step_setup import rel_diff
 from train import configs
 from train import input_pipeline
+from train import sharding
 from train import train as trainlib
+from train import train_steps
 
 
 class Setup:
@@ -44,10 +46,10 @@ class Setup:
     self.config = trainlib.resolve(
         configs.MNIST.replace(dataset=DATASET, norm=norm, batch_size=batch)
     )
-    chosen = trainlib.data_parallel_devices(batch)
+    chosen = sharding.data_parallel_devices(batch)
     if devices is not None:
       chosen = chosen[:devices]
-    self.mesh = trainlib.make_mesh(chosen)
+    self.mesh = sharding.make_mesh(chosen)
     self.replicated = NamedSharding(self.mesh, P())
     base = make_model("base", self.config)
     self.state, self.images, self.labels, self.step = random_train_step(
@@ -106,7 +108,7 @@ def loss_and_grads(setup: Setup, variant: str, params=None, step: int = 0):
         train=True,
         mutable=["batch_stats"],
     )
-    return jnp.mean(trainlib.cross_entropy(logits, y)), updates
+    return jnp.mean(train_steps.cross_entropy(logits, y)), updates
 
   (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       state.params if params is None else params

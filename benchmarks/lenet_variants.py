@@ -17,7 +17,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from train import models
-from train import train as trainlib
+from train import train_state
 from train.models import im2col
 
 DATASET = "fashion_mnist"
@@ -307,7 +307,7 @@ def make_model(variant: str, config) -> nn.Module:
   """The config's LeNet (``base``) or a LeNetVariant with the config's norm."""
   fields = VARIANTS[variant]
   if fields is None:
-    return trainlib.create_model(config, NUM_CLASSES)
+    return train_state.create_model(config, NUM_CLASSES)
   norm = models.make_norm(
       config.norm, momentum=config.norm_momentum, epsilon=config.norm_epsilon
   )

@@ -1,9 +1,9 @@
 """The real train step on random data, and timing its variants against it.
 
 Shared by ``bench_lenet_step`` and ``bench_resnet_step``:
-:func:`random_train_step` lays out ``train.train.train_step`` for a config as
-training does (``create_train_state``/``create_optimizer``, the mesh and
-shardings of ``compile_program``); :func:`time_variants` times a model's
+:func:`random_train_step` lays out ``train.train_steps.train_step`` for a
+config as training does (``create_train_state``/``create_optimizer``, the mesh
+and shardings of ``compile_program``); :func:`time_variants` times a model's
 variants (each a ``state.apply_fn`` with the same parameters) interleaved,
 each compared with ``base`` on the same batch.
 """
@@ -23,7 +23,9 @@ import numpy as np
 from benchmarks.bench_gbn import interleaved_samples
 from train import configs
 from train import datasets
-from train import train as trainlib
+from train import sharding
+from train import train_state
+from train import train_steps
 
 
 def random_train_step(
@@ -34,7 +36,7 @@ def random_train_step(
     steps: int,
     seed: int,
 ) -> tuple[Any, jax.Array, jax.Array, Callable[..., Any]]:
-  """``train.train_step``'s inputs on random data, laid out as training does.
+  """``train_step``'s inputs on random data, laid out as training does.
 
   ``config``'s dataset gives the image shape and classes, its batch size the
   batch, and its optimizer the state's.
@@ -42,21 +44,21 @@ def random_train_step(
   Returns:
     ``(state, images, labels, step)``: the replicated initial state, ``steps``
     batches of uint8 images and int32 labels split over ``mesh``'s data axis,
-    and the step jitted as ``train.compile_program`` builds it (no donation
-    on CPU).
+    and the step jitted as ``train.programs.compile_program`` builds it (no
+    donation on CPU).
   """
   if steps < 1:
     raise ValueError(f"steps must be at least 1, got {steps}")
   info = datasets.dataset_info(config.dataset)
   image_shape, batch = info.image_shape, config.batch_size
   replicated = NamedSharding(mesh, P())
-  batched = NamedSharding(mesh, P(None, trainlib.DATA_AXIS))
+  batched = NamedSharding(mesh, P(None, sharding.DATA_AXIS))
   init = jax.jit(
       functools.partial(
-          trainlib.create_train_state,
+          train_state.create_train_state,
           model=model,
           image_shape=image_shape,
-          tx=trainlib.create_optimizer(config),
+          tx=train_state.create_optimizer(config),
       ),
       out_shardings=replicated,
   )
@@ -71,7 +73,7 @@ def random_train_step(
       batched,
   )
   step = jax.jit(
-      functools.partial(trainlib.train_step, dataset=config.dataset),
+      functools.partial(train_steps.train_step, dataset=config.dataset),
       out_shardings=(replicated, replicated),
   )
   return state, images, labels, step

@@ -14,9 +14,12 @@ import jax
 import numpy as np
 import pytest
 
+from train import activations
 from train import input_pipeline
 from train import report
 from train import train
+from train import train_state
+from train import train_steps
 
 from training_helpers import TINY
 from training_helpers import exact
@@ -35,12 +38,14 @@ def _lower_percentile(values: np.ndarray, p: float) -> float:
 def test_recorded_percentiles_equal_numpy(tmp_path, norm):
   ds = small_dataset()
   config = train.resolve(TINY.replace(norm=norm, epochs=2))
-  record = train.ActivationRecording(every=2, layer="norm2", feature=3)
+  record = activations.ActivationRecording(every=2, layer="norm2", feature=3)
   history = run_quiet(config, tmp_path / "run", dataset=ds, record=record)
   rows = [
       json.loads(line)
       for line in (
-          (tmp_path / "run" / train.ACTIVATIONS_FILE).read_text().splitlines()
+          (tmp_path / "run" / activations.ACTIVATIONS_FILE)
+          .read_text()
+          .splitlines()
       )
   ]
   steps = len(ds.train_images) // config.batch_size
@@ -50,17 +55,17 @@ def test_recorded_percentiles_equal_numpy(tmp_path, norm):
   ]
 
   # Step 0 sees the initial state and the first batch of epoch 1.
-  model = train.create_model(config, ds.num_classes)
-  state = train.create_train_state(
-      train.init_key(config.seed),
+  model = train_state.create_model(config, ds.num_classes)
+  state = train_state.create_train_state(
+      train_steps.init_key(config.seed),
       model,
       ds.train_images.shape[1:],
-      train.create_optimizer(config),
+      train_state.create_optimizer(config),
   )
-  images, _ = train.prepare_epoch(
+  images, _ = train_steps.prepare_epoch(
       jax.numpy.asarray(ds.train_images),
       jax.numpy.asarray(ds.train_labels),
-      train.epoch_key(config.seed, 1),
+      train_steps.epoch_key(config.seed, 1),
       steps=steps,
       batch_size=config.batch_size,
       augment=False,
@@ -89,9 +94,9 @@ def test_recorded_percentiles_equal_numpy(tmp_path, norm):
 def test_resume_keeps_rows_of_saved_epochs_only(tmp_path):
   ds = small_dataset()
   config = train.resolve(TINY.replace(epochs=2))
-  record = train.ActivationRecording(every=1)
+  record = activations.ActivationRecording(every=1)
   run_quiet(config, tmp_path / "run", dataset=ds, record=record)
-  path = tmp_path / "run" / train.ACTIVATIONS_FILE
+  path = tmp_path / "run" / activations.ACTIVATIONS_FILE
   full = path.read_text()
   # Rows of an epoch whose checkpoint was lost to a kill are dropped on resume.
   stale = json.loads(full.splitlines()[-1])
@@ -113,7 +118,7 @@ def test_unknown_layer_is_a_clear_error(tmp_path):
         train.resolve(TINY),
         tmp_path / "run",
         dataset=small_dataset(),
-        record=train.ActivationRecording(every=1, layer="norm7"),
+        record=activations.ActivationRecording(every=1, layer="norm7"),
     )
 
 
@@ -124,7 +129,7 @@ def test_report_draws_activations(tmp_path):
         train.resolve(TINY.replace(norm=norm, epochs=1)),
         tmp_path / "runs" / norm,
         dataset=ds,
-        record=train.ActivationRecording(every=1),
+        record=activations.ActivationRecording(every=1),
     )
   report.write_report([tmp_path / "runs"], tmp_path / "out")
   text = (tmp_path / "out" / "report.md").read_text()

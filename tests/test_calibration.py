@@ -493,16 +493,17 @@ def test_multidevice_calibration():
 
 
 def test_cli_config_and_models():
+  from train import cli_flags  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import main as train_main  # pylint: disable=g-import-not-at-top
   from train import models  # pylint: disable=g-import-not-at-top
 
-  parser = train_main.build_parser(configs.MNIST, "x")
+  parser = cli_flags.build_parser(configs.MNIST, "x")
   args = parser.parse_args(["--norm", "rsd", "--calibration", "normal"])
-  config = configs.validate(train_main.config_from_args(args, configs.MNIST))
+  config = configs.validate(cli_flags.config_from_args(args, configs.MNIST))
   assert config.calibration == "normal"
   assert (
-      train_main.config_from_args(
+      cli_flags.config_from_args(
           parser.parse_args([]), configs.MNIST
       ).calibration
       == "none"
@@ -591,6 +592,7 @@ def test_sweep_names_and_old_run_dirs(tmp_path):
 def test_training_with_calibration(tmp_path):
   sys.path.insert(0, str(HERE))
   from train import train  # pylint: disable=g-import-not-at-top
+  from train import train_state  # pylint: disable=g-import-not-at-top
 
   from training_helpers import TINY  # pylint: disable=g-import-not-at-top
   from training_helpers import run_quiet  # pylint: disable=g-import-not-at-top
@@ -599,7 +601,7 @@ def test_training_with_calibration(tmp_path):
   config = train.resolve(
       TINY.replace(norm="rsd", calibration="normal", epochs=1)
   )
-  model = train.create_model(config, 10)
+  model = train_state.create_model(config, 10)
   norm = model.norm(use_running_average=False)
   assert isinstance(norm, GBatchNorm) and norm.calibration == "normal"
   cal = run_quiet(config, tmp_path / "cal", dataset=small_dataset())

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from train import cli_flags
 from train import configs
-from train import main as train_main
 from train import sweep_grid
 from train import train
 
@@ -62,9 +62,9 @@ def test_flag_sets_its_field_and_check_names_it(name):
   expected = configs.CIFAR.replace(**{name: good})
   configs.validate(expected)
   if spec.flag is not None:
-    parser = train_main.build_parser(configs.CIFAR, "x")
+    parser = cli_flags.build_parser(configs.CIFAR, "x")
     args = parser.parse_args(_argv(name, good))
-    assert train_main.config_from_args(args, configs.CIFAR) == expected
+    assert cli_flags.config_from_args(args, configs.CIFAR) == expected
   with pytest.raises(ValueError) as e:
     configs.validate(configs.CIFAR.replace(**{name: bad}))
   assert str(e.value).startswith(spec.flag or name), str(e.value)
@@ -72,27 +72,27 @@ def test_flag_sets_its_field_and_check_names_it(name):
 
 def test_no_flags_is_the_defaults():
   for defaults in (configs.CIFAR, configs.MNIST):
-    parser = train_main.build_parser(defaults, "x")
+    parser = cli_flags.build_parser(defaults, "x")
     assert (
-        train_main.config_from_args(parser.parse_args([]), defaults) == defaults
+        cli_flags.config_from_args(parser.parse_args([]), defaults) == defaults
     )
 
 
 def test_flag_takes_value_agrees_with_argparse():
-  parser = train_main.build_parser(configs.CIFAR, "x")
+  parser = cli_flags.build_parser(configs.CIFAR, "x")
   seen = 0
   # argparse's own record of its options, as an independent reference.
   for action in parser._actions:  # pylint: disable=protected-access
     for option in action.option_strings:
       if option in ("-h", "--help"):
         continue
-      assert train_main.flag_takes_value(option) is (
+      assert cli_flags.flag_takes_value(option) is (
           action.nargs is None
       ), option
       seen += 1
   assert seen >= 25
-  assert train_main.flag_takes_value("--no-augment") is False
-  assert train_main.flag_takes_value("--bogus") is None
+  assert cli_flags.flag_takes_value("--no-augment") is False
+  assert cli_flags.flag_takes_value("--bogus") is None
 
 
 def test_added_fields_default_in_old_config_files():

@@ -20,6 +20,8 @@ from train import checkpointing
 from train import gain
 from train import input_pipeline
 from train import train
+from train import train_state
+from train import train_steps
 
 from training_helpers import TINY
 from training_helpers import run_quiet
@@ -33,7 +35,7 @@ def _conv_outputs(config, variables, data_dir):
   x = input_pipeline.normalize_images(
       ds.train_images[: config.batch_size], config.dataset
   )
-  model = train.create_model(config, ds.num_classes)
+  model = train_state.create_model(config, ds.num_classes)
   _, state = model.apply(
       variables,
       x,
@@ -76,12 +78,12 @@ def test_gains_equal_numpy_at_init_and_after_training(trained_run):
   result = gain.run_gains(workdir, data_dir=data_dir)
   assert result["norm"] == "mad" and result["images"] == config.batch_size
 
-  model = train.create_model(train.resolve(config), 10)
-  state = train.create_train_state(
-      train.init_key(config.seed),
+  model = train_state.create_model(train.resolve(config), 10)
+  state = train_state.create_train_state(
+      train_steps.init_key(config.seed),
       model,
       (28, 28, 1),
-      train.create_optimizer(config),
+      train_state.create_optimizer(config),
   )
   state = jax.tree.map(np.asarray, state)
   init_inputs = _conv_outputs(
@@ -90,7 +92,7 @@ def test_gains_equal_numpy_at_init_and_after_training(trained_run):
       data_dir,
   )
   checkpointer = checkpointing.Checkpointer(workdir)
-  restored, _ = checkpointer.restore(1, train.state_dict(state))
+  restored, _ = checkpointer.restore(1, train_state.state_dict(state))
   checkpointer.close()
   final_state = flax.serialization.from_state_dict(state, restored)
   final_inputs = _conv_outputs(
@@ -179,7 +181,7 @@ def test_training_records_each_norm_layers_n_and_gaussian_gain(
   record = json.loads((workdir / capture.NORM_LAYERS_FILE).read_text())
   inputs = _conv_outputs(
       config,
-      train.create_model(train.resolve(config), 10).init(
+      train_state.create_model(train.resolve(config), 10).init(
           jax.random.key(0), np.zeros((1, 28, 28, 1), np.float32), train=True
       ),
       data_dir,
@@ -201,7 +203,7 @@ def test_training_records_each_norm_layers_n_and_gaussian_gain(
 
 def test_capture_calls_sees_inputs_and_outputs_in_call_order(trained_run):
   config, _, data_dir = trained_run
-  model = train.create_model(train.resolve(config), 10)
+  model = train_state.create_model(train.resolve(config), 10)
   x = np.random.default_rng(0).normal(size=(4, 28, 28, 1)).astype(np.float32)
   variables = model.init(jax.random.key(1), x, train=True)
   _, state = model.apply(

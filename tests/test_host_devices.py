@@ -5,9 +5,9 @@ import os
 import pytest
 
 from train import cifar
+from train import cli_flags
 from train import configs
 from train import host_devices
-from train import main as train_main
 from train import mnist
 
 from process_helpers import run_python
@@ -25,8 +25,8 @@ def test_choose():
 def _devices_seen(env_extra, batch):
   code = (
       "import sys; from train import host_devices; host_devices.configure();"
-      "import jax; from train import train;"
-      f"print(jax.device_count(), len(train.data_parallel_devices({batch})))"
+      "import jax; from train import sharding;"
+      f"print(jax.device_count(), len(sharding.data_parallel_devices({batch})))"
   )
   out = run_python(code, env_extra, drop=["XLA_FLAGS"])
   return tuple(int(v) for v in out.split())
@@ -60,7 +60,7 @@ def test_model_from_argv_reads_the_model_as_the_cli_parser_does():
   assert read(["--model=lenet", "--epochs", "3"], "resnet20") == "lenet"
   assert read(["--model"], "resnet20") == "resnet20"  # the CLI reports it
   for argv in (["--model", "lenet"], ["--model=resnet20"], ["--mod", "lenet"]):
-    parsed = train_main.build_parser(configs.CIFAR, "prog").parse_args(argv)
+    parsed = cli_flags.build_parser(configs.CIFAR, "prog").parse_args(argv)
     assert parsed.model == read(argv, cifar.DEFAULT_MODEL)
 
 

@@ -25,7 +25,11 @@ from train import checkpointing
 from train import configs
 from train import input_pipeline
 from train import main as train_main
+from train import programs
+from train import sharding
 from train import train
+from train import train_state
+from train import train_steps
 
 from measure_helpers import COMPLETE_MEASURES
 import reference as ref
@@ -497,15 +501,17 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
   """Program.precise after one epoch vs statistics computed in numpy."""
   ds = small_dataset()
   config = train.resolve(TINY)  # norm 'mad'
-  mesh = train.make_mesh()
-  train_data = train.place_train(ds, mesh)
-  test_data = train.place_test(ds, mesh, config.batch_size)
-  program, _ = train.compile_program(
+  mesh = sharding.make_mesh()
+  train_data = sharding.place_train(ds, mesh)
+  test_data = sharding.place_test(ds, mesh, config.batch_size)
+  program, _ = programs.compile_program(
       config, mesh, train_data, test_data, ds.num_classes, precise_stats=2
   )
   state = program.init(jax.random.key(0))
   images, labels = program.prepare(
-      train_data.images, train_data.labels, train.epoch_key(config.seed, 1)
+      train_data.images,
+      train_data.labels,
+      train_steps.epoch_key(config.seed, 1),
   )
   for step in range(program.steps):
     state, _ = program.step(state, images, labels, np.int32(step))
@@ -517,7 +523,7 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
   )
   jax.tree.map(np.testing.assert_array_equal, state.batch_stats, ema)
 
-  model = train.create_model(config, ds.num_classes)
+  model = train_state.create_model(config, ds.num_classes)
   variables = {"params": state.params, "batch_stats": state.batch_stats}
   sums = {}
   for batch in np.asarray(images)[:2]:
@@ -540,7 +546,7 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
   stats = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), sums)
   want = jax.device_get(
       jax.jit(
-          lambda s: train.eval_model(
+          lambda s: train_steps.eval_model(
               s,
               test_data.images,
               test_data.labels,

@@ -505,13 +505,14 @@ def test_training_cli_renorm_trains_and_precise_stats_are_finite(tmp_path):
   import gbn_jax  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
+  from train import train_state  # pylint: disable=g-import-not-at-top
 
   from training_helpers import TINY  # pylint: disable=g-import-not-at-top
   from training_helpers import run_quiet  # pylint: disable=g-import-not-at-top
   from training_helpers import small_dataset  # pylint: disable=g-import-not-at-top
 
   config = train.resolve(TINY.replace(norm="bn", renorm=True, epochs=2))
-  model = train.create_model(config, 10)
+  model = train_state.create_model(config, 10)
   norm = model.norm(use_running_average=False)
   assert isinstance(norm, gbn_jax.GBatchNorm) and norm.measure == "sd"
   assert norm.renorm and dict(norm.renorm_clipping) == {

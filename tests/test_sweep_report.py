@@ -65,12 +65,12 @@ def test_expand_cross_product_in_flag_order():
   assert runs[2].name == "cifar10-resnet20-sqd_0.3-b256-lr0.1-m0.9-seed0"
   assert len({r.name for r in runs}) == 8
   # A run's flags reproduce its config through the CLI's own parser.
-  from train import main as train_main  # pylint: disable=g-import-not-at-top
+  from train import cli_flags  # pylint: disable=g-import-not-at-top
 
-  parser = train_main.build_parser(configs.CIFAR, "x")
+  parser = cli_flags.build_parser(configs.CIFAR, "x")
   args = parser.parse_args(runs[5].argv)
   assert (
-      train_main.config_from_args(args, configs.CIFAR).replace(augment=True)
+      cli_flags.config_from_args(args, configs.CIFAR).replace(augment=True)
       == runs[5].config
   )
 

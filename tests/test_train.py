@@ -27,7 +27,11 @@ from train import configs
 from train import input_pipeline
 from train import main as train_main
 from train import plot
+from train import programs
+from train import sharding
 from train import train
+from train import train_state
+from train import train_steps
 
 from process_helpers import run_module
 from process_helpers import run_python_result
@@ -57,18 +61,18 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 def test_train_step_decreases_loss():
   ds = small_dataset()
-  mesh = train.make_mesh()
-  train_data = train.place_train(ds, mesh)
-  program, _ = train.compile_program(
+  mesh = sharding.make_mesh()
+  train_data = sharding.place_train(ds, mesh)
+  program, _ = programs.compile_program(
       train.resolve(TINY),
       mesh,
       train_data,
-      train.place_test(ds, mesh, TINY.batch_size),
+      sharding.place_test(ds, mesh, TINY.batch_size),
       ds.num_classes,
   )
   state = program.init(jax.random.key(0))
   batched = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(None, train.DATA_AXIS)
+      mesh, jax.sharding.PartitionSpec(None, sharding.DATA_AXIS)
   )
   images = jax.device_put(
       ds.train_images[:48].reshape(3, 16, 28, 28, 1), batched
@@ -88,23 +92,23 @@ def test_program_cache_is_keyed_by_the_selection_config_in_scope():
   # The selection method is chosen while tracing; a program compiled under
   # the default must not serve a run under selection_config(method="sort").
   ds = small_dataset()
-  mesh = train.make_mesh()
+  mesh = sharding.make_mesh()
   # sqd's superquantile needs the batch's quantile: a selection.
   config = train.resolve(TINY.replace(norm="sqd1"))
   args = (
       config,
       mesh,
-      train.place_train(ds, mesh),
-      train.place_test(ds, mesh, config.batch_size),
+      sharding.place_train(ds, mesh),
+      sharding.place_test(ds, mesh, config.batch_size),
       ds.num_classes,
   )
-  default, _ = train.compile_program(*args)
-  assert train.compile_program(*args) == (default, True)
+  default, _ = programs.compile_program(*args)
+  assert programs.compile_program(*args) == (default, True)
   with gbn_jax.selection.selection_config(method="sort"):
-    sort, cached = train.compile_program(*args)
+    sort, cached = programs.compile_program(*args)
     assert not cached and sort is not default
-    assert train.compile_program(*args) == (sort, True)
-  assert train.compile_program(*args) == (default, True)
+    assert programs.compile_program(*args) == (sort, True)
+  assert programs.compile_program(*args) == (default, True)
   default_text, sort_text = default.step.as_text(), sort.step.as_text()
   assert default_text != sort_text
   # Only the forced method sorts the median's rows; the default selects
@@ -113,8 +117,8 @@ def test_program_cache_is_keyed_by_the_selection_config_in_scope():
 
 
 def test_make_mesh_is_auto_over_all_devices():
-  mesh = train.make_mesh()
-  assert mesh.axis_names == (train.DATA_AXIS,)
+  mesh = sharding.make_mesh()
+  assert mesh.axis_names == (sharding.DATA_AXIS,)
   assert mesh.size == jax.device_count()
   assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
 
@@ -123,19 +127,22 @@ def test_eval_covers_every_test_image():
   """Padded, masked evaluation equals a direct pass over all test images."""
   ds = small_dataset()
   config = train.resolve(TINY.replace(norm="rbd"))
-  model = train.create_model(config, 10)
-  state = train.create_train_state(
-      jax.random.key(1), model, (28, 28, 1), train.create_optimizer(config)
+  model = train_state.create_model(config, 10)
+  state = train_state.create_train_state(
+      jax.random.key(1),
+      model,
+      (28, 28, 1),
+      train_state.create_optimizer(config),
   )
   # Non-trivial running statistics, so that train/eval modes differ.
   state = state.replace(
       batch_stats=jax.tree.map(lambda x: x + 0.3, state.batch_stats)
   )
-  mesh = train.make_mesh()
-  placed = train.place_test(ds, mesh, batch_size=16)
+  mesh = sharding.make_mesh()
+  placed = sharding.place_test(ds, mesh, batch_size=16)
   assert placed.images.shape[:2] == (3, 16)
   result = jax.jit(
-      lambda s: train.eval_model(
+      lambda s: train_steps.eval_model(
           s, placed.images, placed.labels, placed.mask, dataset="mnist"
       )
   )(state)
@@ -177,10 +184,10 @@ def test_prepare_epoch_shuffles_and_drops_remainder():
   images, labels = jnp.asarray(ds.train_images), jnp.asarray(ds.train_labels)
   out = []
   for epoch in (1, 2, 1):
-    x, y = train.prepare_epoch(
+    x, y = train_steps.prepare_epoch(
         images,
         labels,
-        train.epoch_key(3, epoch),
+        train_steps.epoch_key(3, epoch),
         steps=4,
         batch_size=16,
         augment=False,
@@ -199,11 +206,11 @@ def test_prepare_epoch_shuffles_and_drops_remainder():
 def test_prepare_epoch_augments_with_crops_and_flips():
   ds = synthetic_dataset(32, 5, name="cifar10")
   images, labels = jnp.asarray(ds.train_images), jnp.asarray(ds.train_labels)
-  key = train.epoch_key(0, 1)
-  plain, _ = train.prepare_epoch(
+  key = train_steps.epoch_key(0, 1)
+  plain, _ = train_steps.prepare_epoch(
       images, labels, key, steps=2, batch_size=16, augment=False
   )
-  augmented, y = train.prepare_epoch(
+  augmented, y = train_steps.prepare_epoch(
       images, labels, key, steps=2, batch_size=16, augment=True
   )
   plain = np.asarray(plain).reshape(32, 32, 32, 3)
@@ -396,14 +403,14 @@ def test_batch_larger_than_dataset(tmp_path):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   """A loss that turns NaN at step 7 (epoch 3 of 3-step epochs)."""
-  original = train.train_step
+  original = train_steps.train_step
 
   def diverging_step(state, *args, **kwargs):
     new_state, metrics = original(state, *args, **kwargs)
     loss = jnp.where(state.step >= 7, jnp.nan, metrics["loss"])
     return new_state, {**metrics, "loss": loss}
 
-  monkeypatch.setattr(train, "train_step", diverging_step)
+  monkeypatch.setattr(train_steps, "train_step", diverging_step)
   ds = small_dataset()
   with pytest.raises(
       train.NonFiniteLossError,
@@ -721,7 +728,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax
 from training_helpers import TINY, small_dataset, run_quiet
-from train import train
+from train import sharding
 ds = small_dataset()
 out = {{"devices": jax.device_count()}}
 for norm in ("sqd1", "wcd"):
@@ -729,7 +736,7 @@ for norm in ("sqd1", "wcd"):
                       {workdir!r} + norm, dataset=ds)
   out[norm] = history
 # 18 is not divisible by 4: one host then trains on the 3 devices that divide it.
-out["odd_batch_devices"] = len(train.data_parallel_devices(18))
+out["odd_batch_devices"] = len(sharding.data_parallel_devices(18))
 out["odd"] = run_quiet(TINY.replace(batch_size=18), {workdir!r} + "odd", dataset=ds)
 print(json.dumps(out))
 """

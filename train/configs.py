@@ -102,11 +102,11 @@ class Flag(enum.Enum):
 class FieldSpec:
   """Everything about one :class:`Config` field besides its type and default.
 
-  The CLI's flags (``train.main.build_parser``), the config they give
-  (``train.main.config_from_args``), :func:`validate`, the sweep's run names
-  (``train.sweep_grid.run_name``) and the loading of older ``config.json``
-  files all follow from these, so a new field is one declaration in
-  :class:`Config`.
+  The CLI's flags (``train.cli_flags.build_parser``), the config they give
+  (``train.cli_flags.config_from_args``), :func:`validate`, the sweep's run
+  names (``train.sweep_grid.run_name``) and the loading of older
+  ``config.json`` files all follow from these, so a new field is one
+  declaration in :class:`Config`.
 
   Attributes:
     check: ``check(value)`` is ``None`` for a valid value, else what is wrong

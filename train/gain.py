@@ -13,9 +13,10 @@ every run), captures every norm layer's input, and per feature takes
 exactly as the layer computes them, over the same axes).
 
 It does this twice: with the parameters the run started from (``init``: the
-run's seed, as ``train.train`` initializes) and with its last checkpoint
-(``final``; left out, with a note, when the run directory has none, as the
-committed ``results/`` runs have not). Each run directory gets ``gain.json``::
+run's seed, as ``train.train_steps.init_key`` gives) and with its last
+checkpoint (``final``; left out, with a note, when the run directory has none,
+as the committed ``results/`` runs have not). Each run directory gets
+``gain.json``::
 
   {"norm": "sqd1", "calibration": null, "images": 1000,
    "init":  {"layers": {"norm1": {"median": 2.31, "q25": 2.2, "q75": 2.4,
@@ -58,6 +59,8 @@ from train import capture
 from train import checkpointing
 from train import input_pipeline
 from train import train as train_lib
+from train import train_state
+from train import train_steps
 
 _PROG = "python -m train.gain"
 GAIN_FILE = "gain.json"
@@ -193,12 +196,12 @@ def run_gains(
   if count < 1:
     raise ValueError(f"--images must be positive, got {count}")
   x, num_classes = _first_images(config, data_dir, count)
-  model = train_lib.create_model(config, num_classes)
-  state = train_lib.create_train_state(
-      train_lib.init_key(config.seed),
+  model = train_state.create_model(config, num_classes)
+  state = train_state.create_train_state(
+      train_steps.init_key(config.seed),
       model,
       tuple(x.shape[1:]),
-      train_lib.create_optimizer(config),
+      train_state.create_optimizer(config),
   )
   state = jax.tree.map(jnp.asarray, state)  # as jitted training makes it
   result: dict[str, Any] = {
@@ -220,7 +223,7 @@ def run_gains(
     try:
       last = checkpointer.latest_epoch()
       if last is not None:
-        restored, _ = checkpointer.restore(last, train_lib.state_dict(state))
+        restored, _ = checkpointer.restore(last, train_state.state_dict(state))
         final = flax.serialization.from_state_dict(state, restored)
         result["final"] = {**stage(final), "epoch": int(last)}
         del result["note"]
@@ -241,7 +244,7 @@ def record_norm_layers(workdir: str | Path) -> Path:
   return capture.write_norm_layers(
       workdir,
       config,
-      train_lib.create_model(config, info.num_classes),
+      train_state.create_model(config, info.num_classes),
       (config.batch_size, *info.image_shape),
   )
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import subprocess
 import sys
 
-from train import main as train_main
+from train import cli_flags
 from train import sweep_grid
 from train import sweep_runs
 
@@ -96,7 +96,7 @@ def plan_slots(
 def build_parser() -> argparse.ArgumentParser:
   # The training CLI's parser: a bad flag prints one usage line, the error
   # and where the help is, not the whole usage block that buries the error.
-  parser = train_main._ArgumentParser(  # pylint: disable=protected-access
+  parser = cli_flags._ArgumentParser(  # pylint: disable=protected-access
       prog=_PROG,
       description=(
           "Run the cross product of train flags, each value possibly a "

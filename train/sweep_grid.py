@@ -14,8 +14,8 @@ import dataclasses
 import itertools
 from typing import Any
 
+from train import cli_flags
 from train import configs
-from train import main as train_main
 
 #: The CLI module of each ``--defaults`` choice.
 DEFAULTS = {
@@ -91,7 +91,7 @@ def _split_grid(argv: Sequence[str]) -> list[list[tuple[str, ...]]]:
     flag, eq, inline = token.partition("=")
     if flag in _RESERVED:
       raise ValueError(f"{flag} is set by the sweep for each run; leave it out")
-    takes_value = train_main.flag_takes_value(flag)
+    takes_value = cli_flags.flag_takes_value(flag)
     if takes_value is None:
       raise ValueError(f"unrecognized argument {token!r} (see --help)")
     if not takes_value:
@@ -130,7 +130,7 @@ def expand(argv: Sequence[str], defaults_name: str = "cifar") -> list[Run]:
       message is the CLI's own).
   """
   defaults, module = DEFAULTS[defaults_name]
-  parser = train_main.build_parser(defaults, f"python -m {module}")
+  parser = cli_flags.build_parser(defaults, f"python -m {module}")
   parser.exit_on_error = False
   axes = _split_grid(argv)
   runs, seen = [], set()
@@ -140,7 +140,7 @@ def expand(argv: Sequence[str], defaults_name: str = "cifar") -> list[Run]:
       args = parser.parse_args(flags)
     except argparse.ArgumentError as e:
       raise ValueError(str(e)) from None
-    config = configs.validate(train_main.config_from_args(args, defaults))
+    config = configs.validate(cli_flags.config_from_args(args, defaults))
     config = _resolve_augment(config)
     name = run_name(
         config, _resolve_augment(defaults.replace(dataset=config.dataset))

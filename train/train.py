@@ -51,14 +51,17 @@ norm can be recorded without changing the model. Rows go to
 Every random number is a function of ``(seed, epoch, step)``, and
 checkpoints hold the whole train state plus the metrics history, so a run
 resumed after a kill ends with the same metrics as an uninterrupted one.
+
+This module is the loop (:func:`train_and_evaluate`); its parts live in
+:mod:`train.train_state` (model, optimizer, initial state),
+:mod:`train.train_steps` (the jitted functions and the random keys),
+:mod:`train.sharding` (mesh and data placement), :mod:`train.programs`
+(compiling them, cached in-process) and :mod:`train.activations` (recording).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import dataclasses
-import functools
-import json
 import math
 from pathlib import Path
 import sys
@@ -66,77 +69,24 @@ import time
 from typing import Any
 
 import flax
-import flax.linen as nn
-from flax.training import train_state
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
-import optax
 import tqdm
 
-import gbn_jax
-from gbn_jax._selection import config as selection_config
-from gbn_jax._selection import native as selection_native
+from train import activations
 from train import capture
 from train import checkpointing
 from train import configs
-from train import convolution
 from train import health
 from train import input_pipeline
-from train import models
-
-DATA_AXIS = "data"
-# fold_in tags that keep the random streams apart.
-_INIT, _EPOCH, _PERMUTE, _AUGMENT = 0, 1, 0, 1
+from train import programs
+from train import sharding
+from train import train_state
+from train import train_steps
 
 
 class NonFiniteLossError(RuntimeError):
   """The training loss became NaN or infinite."""
-
-
-class TrainState(train_state.TrainState):
-  batch_stats: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Placed:
-  """A dataset split laid out on the mesh for training or evaluation.
-
-  Attributes:
-    images: uint8 images; ``(N, H, W, C)`` replicated (train) or
-      ``(steps, batch, H, W, C)`` sharded along ``batch`` (test).
-    labels: int32 labels shaped like ``images.shape[:-3]``.
-    mask: For the test split, which entries are real images (not padding).
-  """
-
-  images: jax.Array
-  labels: jax.Array
-  mask: jax.Array | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ActivationRecording:
-  """What to record of one norm layer's activations during training.
-
-  Attributes:
-    every: Record at global steps 0, K, 2K, ...
-    layer: The norm layer's module path, ``/``-separated (``norm2``: LeNet's
-      second; ``stage2_block1/norm1`` in ResNet20).
-    feature: Which channel (last axis) of the layer's input and output.
-    percentiles: Percentiles (0-100) taken over the batch and any spatial
-      axes; each is the ``ceil(p/100 * N)``-th smallest value
-      (:func:`gbn_jax.quantile`).
-  """
-
-  every: int
-  layer: str = "norm2"
-  feature: int = 0
-  percentiles: tuple[float, ...] = (5.0, 15.0, 50.0, 85.0, 95.0)
-
-
-ACTIVATIONS_FILE = "activations.jsonl"
 
 
 def resolve(config: configs.Config) -> configs.Config:
@@ -146,337 +96,6 @@ def resolve(config: configs.Config) -> configs.Config:
     info = input_pipeline.dataset_info(config.dataset)
     config = config.replace(augment=bool(info.augment_by_default))
   return configs.validate(config)
-
-
-def make_mesh(devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """A 1-D data-parallel mesh over ``devices`` (default: all devices)."""
-  devices = jax.devices() if devices is None else list(devices)
-  return jax.make_mesh(
-      (len(devices),),
-      (DATA_AXIS,),
-      axis_types=(jax.sharding.AxisType.Auto,),
-      devices=devices,
-  )
-
-
-def data_parallel_devices(batch_size: int) -> list[jax.Device]:
-  """All devices, or on one host the most that split the batch evenly.
-
-  ``python -m train.*`` splits the CPU into one device per core
-  (:mod:`train.host_devices`); a batch size that some of them do not divide
-  then runs on fewer rather than failing. Several hosts always use them all.
-  """
-  devices = jax.devices()
-  if jax.process_count() > 1:
-    return devices
-  count = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
-  return devices[:count]
-
-
-def init_key(seed: int) -> jax.Array:
-  """The key a run of ``seed`` initializes its parameters with."""
-  return jax.random.fold_in(jax.random.key(seed), _INIT)
-
-
-def epoch_key(seed: int, epoch: int) -> jax.Array:
-  """The key of ``epoch``: a function of ``(seed, epoch)`` only."""
-  return jax.random.fold_in(
-      jax.random.fold_in(jax.random.key(seed), _EPOCH), epoch
-  )
-
-
-def create_model(config: configs.Config, num_classes: int) -> nn.Module:
-  """The config's model with the config's norm (the one norm factory)."""
-  clipping = (
-      {"rmax": config.renorm_rmax, "dmax": config.renorm_dmax}
-      if config.renorm
-      else None
-  )
-  norm = models.make_norm(
-      config.norm,
-      momentum=config.norm_momentum,
-      epsilon=config.norm_epsilon,
-      renorm_clipping=clipping,
-      calibration=config.calibration,
-  )
-  return models.create_model(config.model, num_classes=num_classes, norm=norm)
-
-
-def create_optimizer(config: configs.Config) -> optax.GradientTransformation:
-  """SGD (momentum optional) at a constant rate, with coupled L2 decay."""
-  return optax.chain(
-      optax.add_decayed_weights(config.weight_decay),
-      optax.sgd(config.learning_rate, momentum=config.momentum or None),
-  )
-
-
-def create_train_state(
-    rng: jax.Array,
-    model: nn.Module,
-    image_shape: tuple[int, ...],
-    tx: optax.GradientTransformation,
-) -> TrainState:
-  """Initializes parameters, norm statistics and optimizer state."""
-  variables = model.init(
-      rng, jnp.zeros((1, *image_shape), jnp.float32), train=False
-  )
-  return TrainState.create(
-      apply_fn=model.apply,
-      params=variables["params"],
-      batch_stats=variables["batch_stats"],
-      tx=tx,
-  )
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Per-example softmax cross-entropy with integer labels."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def _percentiles(values: jax.Array, percentiles: Sequence[float]) -> jax.Array:
-  flat = jax.lax.stop_gradient(values).reshape(-1)
-  return jnp.stack(
-      [gbn_jax.quantile(flat, p / 100, axis=0) for p in percentiles]
-  )
-
-
-def train_step(
-    state: TrainState,
-    images: jax.Array,
-    labels: jax.Array,
-    step: jax.Array,
-    *,
-    dataset: str,
-    record: ActivationRecording | None = None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One SGD step on batch ``step`` of the epoch's batches.
-
-  Args:
-    state: The train state.
-    images: The epoch's uint8 batches, ``(steps, batch, H, W, C)``.
-    labels: The epoch's labels, ``(steps, batch)``.
-    step: Which batch.
-    dataset: Dataset name, for its normalization constants.
-    record: Also return percentiles of one norm layer's input and output.
-
-  Returns:
-    The new state and the batch's mean ``loss`` and ``errors`` count (and,
-    with ``record``, ``before``/``after`` percentiles).
-
-  Raises:
-    ValueError: If ``record.layer`` is not a module of the model.
-  """
-  x = input_pipeline.normalize_images(images[step], dataset)
-  y = labels[step]
-
-  def loss_fn(params):
-    captured = {}
-    apply = functools.partial(
-        state.apply_fn,
-        {"params": params, "batch_stats": state.batch_stats},
-        x,
-        train=True,
-        mutable=["batch_stats"],
-    )
-    if record is None:
-      logits, updates = apply()
-    else:
-      with capture.capture_calls(
-          lambda module: capture.module_path(module) == record.layer
-      ) as calls:
-        logits, updates = apply()
-      for call in calls.values():
-        captured["before"] = _percentiles(
-            call.input[..., record.feature], record.percentiles
-        )
-        captured["after"] = _percentiles(
-            call.output[..., record.feature], record.percentiles
-        )
-      if not captured:
-        raise ValueError(
-            f"--record-layer {record.layer!r} is not a layer of the model; "
-            "norm layers: "
-            + ", ".join(
-                "/".join(str(k.key) for k in path[:-1])
-                for path, _ in jax.tree_util.tree_flatten_with_path(
-                    state.batch_stats
-                )[0]
-                if str(path[-1].key) == "mean"
-            )
-        )
-    return jnp.mean(cross_entropy(logits, y)), (logits, updates, captured)
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, (logits, updates, captured)), grads = grad_fn(state.params)
-  state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
-  errors = jnp.sum(jnp.argmax(logits, -1) != y)
-  return state, {"loss": loss, "errors": errors, **captured}
-
-
-def eval_model(
-    state: TrainState,
-    images: jax.Array,
-    labels: jax.Array,
-    mask: jax.Array,
-    *,
-    dataset: str,
-) -> dict[str, jax.Array]:
-  """Summed test loss and errors over all masked-in images.
-
-  Uses the norms' running averages, so padding can't affect the result.
-  """
-
-  def body(carry, batch):
-    x, y, m = batch
-    logits = state.apply_fn(
-        {"params": state.params, "batch_stats": state.batch_stats},
-        input_pipeline.normalize_images(x, dataset),
-        train=False,
-    )
-    loss = jnp.sum(jnp.where(m, cross_entropy(logits, y), 0.0))
-    errors = jnp.sum(m & (jnp.argmax(logits, -1) != y))
-    return (carry[0] + loss, carry[1] + errors), None
-
-  zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-  (loss, errors), _ = jax.lax.scan(body, zero, (images, labels, mask))
-  return {"loss_sum": loss, "errors": errors, "count": jnp.sum(mask)}
-
-
-def precise_eval_model(
-    state: TrainState,
-    images: jax.Array,
-    test_images: jax.Array,
-    test_labels: jax.Array,
-    test_mask: jax.Array,
-    *,
-    dataset: str,
-    batches: int,
-    apply_fn: Callable[..., Any] | None = None,
-) -> dict[str, jax.Array]:
-  """:func:`eval_model` with statistics recomputed over training batches.
-
-  Args:
-    state: The train state; its ``batch_stats`` are not changed.
-    images: The epoch's uint8 batches, ``(steps, batch, H, W, C)``; the
-      first ``batches`` of them are used.
-    test_images: As for :func:`eval_model`.
-    test_labels: As for :func:`eval_model`.
-    test_mask: As for :func:`eval_model`.
-    dataset: Dataset name, for its normalization constants.
-    batches: How many batches to average the statistics over.
-    apply_fn: The model to recompute the statistics with (default: the
-      state's). A batch-renormalized model passes its plain twin: a renorm
-      layer's training output reads the running averages, so each layer's
-      batch statistics are those of the layers normalizing by the batch's.
-
-  Returns:
-    :func:`eval_model`'s sums, with :func:`gbn_jax.precise_batch_stats`
-    in place of the running averages.
-  """
-
-  def model_apply(variables, x):
-    return (apply_fn or state.apply_fn)(
-        variables,
-        input_pipeline.normalize_images(x, dataset),
-        train=True,
-        mutable=["batch_stats"],
-    )
-
-  stats = gbn_jax.precise_batch_stats(
-      model_apply,
-      {"params": state.params, "batch_stats": state.batch_stats},
-      images[:batches],
-      stacked=True,
-  )
-  return eval_model(
-      state.replace(batch_stats=stats),
-      test_images,
-      test_labels,
-      test_mask,
-      dataset=dataset,
-  )
-
-
-def prepare_epoch(
-    images: jax.Array,
-    labels: jax.Array,
-    key: jax.Array,
-    *,
-    steps: int,
-    batch_size: int,
-    augment: bool,
-) -> tuple[jax.Array, jax.Array]:
-  """Shuffles, batches (dropping the remainder) and augments one epoch.
-
-  Args:
-    images: The whole uint8 training set, ``(N, H, W, C)``.
-    labels: Its labels, ``(N,)``.
-    key: :func:`epoch_key` of this epoch.
-    steps: Batches per epoch (``N // batch_size``).
-    batch_size: Global batch size.
-    augment: Whether to apply ``input_pipeline.augment``.
-
-  Returns:
-    Images ``(steps, batch_size, H, W, C)`` and labels ``(steps,
-    batch_size)``.
-  """
-  n = images.shape[0]
-  order = jax.random.permutation(jax.random.fold_in(key, _PERMUTE), n)
-  order = order[: steps * batch_size].reshape(steps, batch_size)
-  x, y = images[order], labels[order]
-  if augment:
-    aug_key = jax.random.fold_in(key, _AUGMENT)
-    step_keys = jax.vmap(functools.partial(jax.random.fold_in, aug_key))(
-        jnp.arange(steps)
-    )
-    x = jax.vmap(input_pipeline.augment)(step_keys, x)
-  return x, y
-
-
-def _place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """Builds a global array; each process supplies only its devices' parts."""
-  return jax.make_array_from_callback(
-      array.shape, sharding, lambda index: array[index]
-  )
-
-
-def place_train(
-    dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh
-) -> Placed:
-  """Replicates the uint8 training set on every device."""
-  replicated = NamedSharding(mesh, P())
-  return Placed(
-      images=_place(np.asarray(dataset.train_images, np.uint8), replicated),
-      labels=_place(np.asarray(dataset.train_labels, np.int32), replicated),
-  )
-
-
-def place_test(
-    dataset: input_pipeline.Dataset, mesh: jax.sharding.Mesh, batch_size: int
-) -> Placed:
-  """Pads the test set to whole batches and shards each batch."""
-  images = np.asarray(dataset.test_images, np.uint8)
-  labels = np.asarray(dataset.test_labels, np.int32)
-  n = images.shape[0]
-  steps = max(1, math.ceil(n / batch_size))
-  pad = steps * batch_size - n
-  mask = np.concatenate([np.ones(n, bool), np.zeros(pad, bool)])
-  images = np.concatenate(
-      [images, np.zeros((pad, *images.shape[1:]), np.uint8)]
-  )
-  labels = np.concatenate([labels, np.zeros(pad, np.int32)])
-  batched = NamedSharding(mesh, P(None, DATA_AXIS))
-  reshape = lambda a: a.reshape(steps, batch_size, *a.shape[1:])
-  return Placed(
-      images=_place(reshape(images), batched),
-      labels=_place(reshape(labels), batched),
-      mask=_place(reshape(mask), batched),
-  )
-
-
-def state_dict(state: TrainState) -> dict[str, Any]:
-  """The pytree a checkpoint holds: ``Checkpointer.restore``'s target."""
-  return flax.serialization.to_state_dict(state)
 
 
 def _raise_nonfinite(
@@ -553,191 +172,6 @@ def _summary_line(row: dict[str, Any], epochs: int) -> str:
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-  """The compiled functions of one run (reused by runs of the same shapes).
-
-  Attributes:
-    init: ``init(key) -> TrainState``, replicated.
-    prepare: ``prepare(images, labels, key) -> (images, labels)``: one
-      epoch's shuffled, augmented batches (see :func:`prepare_epoch`).
-    step: ``step(state, images, labels, index) -> (state, metrics)``.
-    evaluate: ``evaluate(state, images, labels, mask) -> sums``.
-    steps: Batches per epoch.
-    precise: With ``--precise-stats``, ``precise(state, epoch_images,
-      images, labels, mask) -> sums`` (see :func:`precise_eval_model`).
-  """
-
-  init: Callable[..., Any]
-  prepare: Callable[..., Any]
-  step: Callable[..., Any]
-  evaluate: Callable[..., Any]
-  steps: int
-  precise: Callable[..., Any] | None = None
-
-
-# Compiling takes seconds; runs in one process (tests, sweeps in a notebook,
-# a resumed run after a short one) often repeat the same program.
-_PROGRAM_CACHE: dict[Any, Program] = {}
-_PROGRAM_CACHE_SIZE = 4
-
-
-def _program_context() -> tuple[Any, ...]:
-  """What, beyond the run's shapes and config, decides the compiled program.
-
-  JAX keys its own jit caches on its trace context: its config flags
-  (``jax_enable_x64``, the default matmul precision, ...) and user contexts
-  such as :func:`gbn_jax.selection.selection_config`, which picks the selection method
-  at trace time. A program compiled under one of them must not serve a run
-  under another, so the key holds the same context; the selection setting is
-  also named on its own in case a JAX release moves the private accessor.
-  The backend and whether the compiled CPU kernels load decide which
-  implementations are traced (tests patch the latter).
-  """
-  try:
-    # pylint: disable-next=g-import-not-at-top
-    from jax._src import config as jax_config
-
-    trace_context = jax_config.trace_context()
-  except (ImportError, AttributeError):
-    trace_context = (
-        jax.config.jax_enable_x64,
-        jax.config.jax_default_matmul_precision,
-    )
-  return (
-      trace_context,
-      selection_config.current(),
-      jax.default_backend(),
-      convolution.native_available(),
-      selection_native.available(),
-  )
-
-
-def compile_program(
-    config: configs.Config,
-    mesh: jax.sharding.Mesh,
-    train_data: Placed,
-    test_data: Placed,
-    num_classes: int,
-    record: ActivationRecording | None = None,
-    precise_stats: int = 0,
-) -> tuple[Program, bool]:
-  """Compiles (or fetches from the in-process cache) a run's functions.
-
-  Compiling ahead of time also keeps compilation out of the epoch times.
-  ``precise_stats > 0`` also compiles ``Program.precise`` over that many
-  batches.
-
-  Returns:
-    The program, and whether it came from the cache.
-  """
-  n_train, *image_shape = train_data.images.shape
-  steps = n_train // config.batch_size  # the last partial batch is dropped
-  donate = jax.default_backend() != "cpu"  # the CPU backend can't donate
-  key = (
-      config.replace(seed=0, epochs=1, eval_every=1),
-      n_train,
-      tuple(image_shape),
-      test_data.images.shape,
-      num_classes,
-      tuple(d.id for d in mesh.devices.flat),
-      donate,
-      record,
-      precise_stats,
-      _program_context(),
-      # The functions themselves, so that a patched one is recompiled.
-      create_train_state,
-      prepare_epoch,
-      train_step,
-      eval_model,
-      precise_eval_model,
-  )
-  if key in _PROGRAM_CACHE:
-    return _PROGRAM_CACHE[key], True
-
-  replicated = NamedSharding(mesh, P())
-  batched = NamedSharding(mesh, P(None, DATA_AXIS))
-  model = create_model(config, num_classes)
-  init = jax.jit(
-      functools.partial(
-          create_train_state,
-          model=model,
-          image_shape=tuple(image_shape),
-          tx=create_optimizer(config),
-      ),
-      out_shardings=replicated,
-  )
-  sample_key = jax.random.key(0)
-  state = jax.eval_shape(init, sample_key)
-  init = init.lower(sample_key).compile()
-  state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-      state,
-  )
-  prepare = jax.jit(
-      functools.partial(
-          prepare_epoch,
-          steps=steps,
-          batch_size=config.batch_size,
-          augment=config.augment,
-      ),
-      out_shardings=(batched, batched),
-  )
-  prepare = prepare.lower(
-      train_data.images, train_data.labels, sample_key
-  ).compile()
-  batches = (
-      jax.ShapeDtypeStruct(
-          (steps, config.batch_size, *image_shape), jnp.uint8, sharding=batched
-      ),
-      jax.ShapeDtypeStruct(
-          (steps, config.batch_size), jnp.int32, sharding=batched
-      ),
-  )
-  step = jax.jit(
-      functools.partial(train_step, dataset=config.dataset, record=record),
-      out_shardings=(replicated, replicated),
-      donate_argnums=(0,) if donate else (),
-  )
-  step = step.lower(
-      state, *batches, jax.ShapeDtypeStruct((), jnp.int32)
-  ).compile()
-  evaluate = jax.jit(
-      functools.partial(eval_model, dataset=config.dataset),
-      out_shardings=replicated,
-  )
-  evaluate = evaluate.lower(
-      state, test_data.images, test_data.labels, test_data.mask
-  ).compile()
-  precise = None
-  if precise_stats:
-    plain = create_model(config.replace(renorm=False), num_classes)
-    precise = jax.jit(
-        functools.partial(
-            precise_eval_model,
-            dataset=config.dataset,
-            batches=precise_stats,
-            apply_fn=plain.apply,
-        ),
-        out_shardings=replicated,
-    )
-    precise = precise.lower(
-        state, batches[0], test_data.images, test_data.labels, test_data.mask
-    ).compile()
-  program = Program(
-      init=init,
-      prepare=prepare,
-      step=step,
-      evaluate=evaluate,
-      steps=steps,
-      precise=precise,
-  )
-  while len(_PROGRAM_CACHE) >= _PROGRAM_CACHE_SIZE:
-    del _PROGRAM_CACHE[next(iter(_PROGRAM_CACHE))]
-  _PROGRAM_CACHE[key] = program
-  return program, False
-
-
 def train_and_evaluate(
     config: configs.Config,
     workdir: str | Path,
@@ -747,7 +181,7 @@ def train_and_evaluate(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
-    record: ActivationRecording | None = None,
+    record: activations.ActivationRecording | None = None,
     on_first_epoch: Callable[..., Sequence[str]] | None = None,
     precise_stats: int = 0,
     checkpoint_every: int = 1,
@@ -814,15 +248,15 @@ def train_and_evaluate(
     dataset = input_pipeline.load_dataset(
         config.dataset, data_dir=data_dir, fetch=True
     )
-  mesh = make_mesh(data_parallel_devices(config.batch_size))
+  mesh = sharding.make_mesh(sharding.data_parallel_devices(config.batch_size))
   _validate_sizes(config, dataset, mesh.size)
   _validate_precise_stats(
       precise_stats, len(dataset.train_images) // config.batch_size
   )
-  train_data = place_train(dataset, mesh)
-  test_data = place_test(dataset, mesh, config.batch_size)
+  train_data = sharding.place_train(dataset, mesh)
+  test_data = sharding.place_test(dataset, mesh, config.batch_size)
   t0 = time.perf_counter()
-  program, cached = compile_program(
+  program, cached = programs.compile_program(
       config,
       mesh,
       train_data,
@@ -847,14 +281,16 @@ def train_and_evaluate(
       )
   )
   log(f"data: {dataset.source}")
-  state = program.init(init_key(config.seed))
+  state = program.init(train_steps.init_key(config.seed))
 
   checkpointer = checkpointing.Checkpointer(workdir)
   try:
     last = checkpointer.latest_epoch()
     history: list[dict[str, Any]] = []
     if last is not None:
-      restored, history = checkpointer.restore(last, state_dict(state))
+      restored, history = checkpointer.restore(
+          last, train_state.state_dict(state)
+      )
       state = flax.serialization.from_state_dict(state, restored)
     if primary:
       checkpointing.write_config(workdir, config)
@@ -863,13 +299,13 @@ def train_and_evaluate(
       capture.write_norm_layers(
           workdir,
           config,
-          create_model(config, dataset.num_classes),
+          train_state.create_model(config, dataset.num_classes),
           (config.batch_size, *dataset.train_images.shape[1:]),
       )
     if last is not None:
       log(f"resumed from {checkpointer.directory / str(last)}")
     if primary and record is not None:
-      _keep_activations(workdir, last or 0)
+      activations.keep_activations(workdir, last or 0)
     if primary and (last or 0) < config.epochs:
       checkpointing.append_data_source(workdir, (last or 0) + 1, dataset.source)
     _train_epochs(
@@ -895,50 +331,13 @@ def train_and_evaluate(
   return history
 
 
-def _keep_activations(workdir: Path, last_epoch: int) -> None:
-  """Drops recorded rows of epochs after the checkpoint resumed from."""
-  path = workdir / ACTIVATIONS_FILE
-  if path.exists():
-    rows = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["epoch"] <= last_epoch
-    ]
-    path.write_text("".join(line + "\n" for line in rows))
-
-
-def _append_activations(
-    workdir: Path,
-    record: ActivationRecording,
-    epoch: int,
-    recorded: Sequence[tuple[int, jax.Array, jax.Array]],
-) -> None:
-  values = jax.device_get([(before, after) for _, before, after in recorded])
-  with open(workdir / ACTIVATIONS_FILE, "a") as f:
-    for (step, _, _), (before, after) in zip(recorded, values):
-      f.write(
-          json.dumps(
-              {
-                  "step": step,
-                  "epoch": epoch,
-                  "layer": record.layer,
-                  "feature": record.feature,
-                  "percentiles": list(record.percentiles),
-                  "before": [float(v) for v in before],
-                  "after": [float(v) for v in after],
-              }
-          )
-          + "\n"
-      )
-
-
 def _train_epochs(
     config: configs.Config,
     workdir: Path,
-    program: Program,
-    train_data: Placed,
-    test_data: Placed,
-    state: TrainState,
+    program: programs.Program,
+    train_data: sharding.Placed,
+    test_data: sharding.Placed,
+    state: train_state.TrainState,
     history: list[dict[str, Any]],
     checkpointer: checkpointing.Checkpointer,
     *,
@@ -946,7 +345,7 @@ def _train_epochs(
     progress: bool,
     log: Callable[[str], None],
     primary: bool,
-    record: ActivationRecording | None = None,
+    record: activations.ActivationRecording | None = None,
     on_first_epoch: Callable[..., Sequence[str]] | None = None,
     devices: Sequence[jax.Device] = (),
     checkpoint_every: int = 1,
@@ -960,7 +359,9 @@ def _train_epochs(
   for epoch in range(start, config.epochs + 1):
     t_start = time.perf_counter()
     images, labels = program.prepare(
-        train_data.images, train_data.labels, epoch_key(config.seed, epoch)
+        train_data.images,
+        train_data.labels,
+        train_steps.epoch_key(config.seed, epoch),
     )
     jax.block_until_ready((images, labels))
     data_seconds = time.perf_counter() - t_start
@@ -1048,10 +449,11 @@ def _train_epochs(
         **precise,
     }
     history.append(row)
-    if primary and record is not None:  # before the save: see _keep_activations
-      _append_activations(workdir, record, epoch, recorded)
+    # Before the save: see activations.keep_activations.
+    if primary and record is not None:
+      activations.append_activations(workdir, record, epoch, recorded)
     if epoch % checkpoint_every == 0 or epoch == config.epochs:
-      checkpointer.save(epoch, state_dict(state), history)
+      checkpointer.save(epoch, train_state.state_dict(state), history)
       last_good = epoch
     if primary:
       checkpointing.write_metrics(workdir, history)

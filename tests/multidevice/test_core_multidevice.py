@@ -408,7 +408,10 @@ class _PreciseNetAxis(nn.Module):
 
 def test_train_precise_evaluation_four_devices_equal_one():
   """The training loop's --precise-stats evaluation on a 4-device Auto mesh."""
+  from train import programs  # pylint: disable=g-import-not-at-top
+  from train import sharding  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
+  from train import train_steps  # pylint: disable=g-import-not-at-top
 
   from training_helpers import TINY  # pylint: disable=g-import-not-at-top
   from training_helpers import small_dataset  # pylint: disable=g-import-not-at-top
@@ -417,15 +420,17 @@ def test_train_precise_evaluation_four_devices_equal_one():
   config = train.resolve(TINY.replace(norm="sqd1"))
   results = []
   for count in (1, NDEV):
-    mesh = train.make_mesh(jax.devices()[:count])
-    train_data = train.place_train(ds, mesh)
-    test_data = train.place_test(ds, mesh, config.batch_size)
-    program, _ = train.compile_program(
+    mesh = sharding.make_mesh(jax.devices()[:count])
+    train_data = sharding.place_train(ds, mesh)
+    test_data = sharding.place_test(ds, mesh, config.batch_size)
+    program, _ = programs.compile_program(
         config, mesh, train_data, test_data, ds.num_classes, precise_stats=2
     )
     state = program.init(jax.random.key(0))
     images, labels = program.prepare(
-        train_data.images, train_data.labels, train.epoch_key(config.seed, 1)
+        train_data.images,
+        train_data.labels,
+        train_steps.epoch_key(config.seed, 1),
     )
     state, _ = program.step(state, images, labels, np.int32(0))
     results.append(
