@@ -14,6 +14,21 @@
 #            selection method; picks the fastest exact one (methods.json)
 #   steps    LeNet b1000 and ResNet20 b256 sqd2 train steps against BatchNorm,
 #            with the picked method (steps.json)
+#   compile  the CLI's compile time as a user meets it (issue 36;
+#            benchmarks/device_check_compile.py): for bn, then sqd2,
+#            `python -m train.cifar --norm N --epochs 2 --data-dir` (the env
+#            step's CIFAR-10) in a fresh process over an empty compile cache;
+#            then both again over their caches. Per run: the "compiled in"
+#            seconds the CLI logs, launch to that line and to epoch 1's end,
+#            the epochs' seconds, which programs the cache gave back
+#            (cache_hit) (compile.json; output in compile/). Then
+#            benchmarks.bench_compile --cached per norm: tracing+lowering
+#            and XLA seconds, fresh and cached (compile/bench_compile_N.json,
+#            summed up in compile.json). Cost on an H100: four CLI runs of
+#            about 10 s to start and train, plus the compiles (51 s bn and
+#            86 s sqd2 as issue 36 measured them; seconds from the cache),
+#            then four bench_compile children: 60-180 s; the cap (180 s)
+#            cuts bench_compile first. `env compile` alone fits any session.
 #   full     the whole layer table with the picked method (layers.json);
 #            with steps.json it becomes bench_<card>.json
 #   torch    the PyTorch peer (peers/torch_sqd.py, part of the working tree)
@@ -57,7 +72,7 @@
 #
 # DRY_RUN=1 runs every step on whatever backend there is (the CPU here) with
 # tiny shapes, tiny batches, 2 epochs of synthetic CIFAR-10-format data and a
-# few seconds per step, writing the same files (about 5 minutes on two idle
+# few seconds per step, writing the same files (about 6 minutes on two idle
 # cores; caps and budget leave twice that); tests/test_device_check.py runs
 # it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
 # converter (../shared/tools/cifar10_binary.py) travel to the device as
@@ -70,7 +85,7 @@ WORK=${WORK:-/tmp/gbn_device}
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
 MARGIN=${MARGIN:-8}
-if [ "$DRY_RUN" = 1 ]; then BUDGET=${BUDGET:-840}; else BUDGET=${BUDGET:-575}; fi
+if [ "$DRY_RUN" = 1 ]; then BUDGET=${BUDGET:-960}; else BUDGET=${BUDGET:-575}; fi
 deadline=$((SECONDS + BUDGET))
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -89,7 +104,7 @@ left() { echo $((deadline - SECONDS - MARGIN)); }
 cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 pack() {
   tar -czf "$OUT/device_results.tgz.tmp" -C "$WORK" --exclude=checkpoints --exclude=jax_cache \
-    --exclude=cifar10 --exclude='*.lock' . 2>/dev/null && mv "$OUT/device_results.tgz.tmp" "$OUT/device_results.tgz"
+    --exclude=cifar10 --exclude='*.lock' --exclude='xdg_cache_*' . 2>/dev/null && mv "$OUT/device_results.tgz.tmp" "$OUT/device_results.tgz"
   cp "$LOG" "$OUT/log.txt" 2>/dev/null
   pack_resume
 }
@@ -146,7 +161,10 @@ if [ "$DRY_RUN" = 1 ]; then
   # other pytest worker, ran out at the former caps and budget of 420 s).
   # The tests step is cut off at 20 s, as a device's may be: the suite runs
   # those tests itself, the rehearsal only checks that the step runs and logs.
-  CAPS=(tests=20 radix=80 methods=200 steps=120 full=120 torch=40)
+  # The compile step's CLI runs: LeNet on the synthetic CIFAR-10 (about 45 s
+  # with bench_compile on two idle cores).
+  COMPILE_ARGS=(--model lenet --batch-size 256 --bench-images 512)
+  CAPS=(tests=20 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
@@ -155,7 +173,8 @@ else
   # A ResNet20 epoch takes about 4 s with four runs sharing an H200: an orbax
   # save every 10 epochs costs little, and a later session resumes from it.
   RESNET_CKPT_EVERY=10; TEST_WORKERS=8
-  CAPS=(tests=60 radix=50 methods=90 steps=70 full=90 torch=30)
+  COMPILE_ARGS=(--model resnet20)
+  CAPS=(tests=60 radix=50 methods=90 steps=70 compile=180 full=90 torch=30)
 fi
 cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
 
@@ -234,6 +253,22 @@ step_steps() {
     --train-steps lenet resnet20 "${STEP_BATCH[@]}" "${RUNS[@]}" $(method_flag) --out "$WORK/steps.json"
 }
 
+# Waits while the env step's CIFAR-10 conversion runs (or the budget ends).
+wait_for_data() {
+  local p; p=$(cat "$WORK/convert.pid" 2>/dev/null)
+  [ -n "$p" ] && while kill -0 "$p" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 1; done
+}
+
+step_compile() {
+  wait_for_data
+  if [ ! -d "$DATA/cifar-10-batches-bin" ]; then
+    log "compile: skipped, no $DATA/cifar-10-batches-bin (the env step converts it)"; return 1
+  fi
+  run_capped compile "$(cap "$(cap_of compile)")" "$PYTHON" -m benchmarks.device_check_compile \
+    --norms bn,sqd2 --epochs 2 --data-dir "$DATA" "${COMPILE_ARGS[@]}" --work "$WORK/compile" \
+    --out "$WORK/compile.json"
+}
+
 step_full() {
   # shellcheck disable=SC2046
   run_capped full "$(cap "$(cap_of full)")" "$PYTHON" -m benchmarks.bench_gbn --train-steps \
@@ -301,8 +336,7 @@ sweep_alive() { local p; p=$(sweep_pid); [ -n "$p" ] && kill -0 "$p" 2>/dev/null
 
 step_table2() {
   if sweep_alive; then log "table2: already running (pid $(sweep_pid))"; else
-    local p; p=$(cat "$WORK/convert.pid" 2>/dev/null)
-    [ -n "$p" ] && while kill -0 "$p" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 1; done
+    wait_for_data
     mkdir -p "$SWEEP" "$RESNET_SWEEP" "$RESNET_AUG_SWEEP"
     local dir
     if [ "$DRY_RUN" != 1 ]; then
@@ -380,11 +414,11 @@ step_prepare() {
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env tests radix methods steps full torch table2)
+[ ${#steps[@]} -eq 0 ] && steps=(env tests radix methods steps compile full torch table2)
 log "steps: ${steps[*]} (budget ${BUDGET}s, WORK=$WORK, OUT=$OUT)"
 for step in "${steps[@]}"; do
   case "$step" in
-    prepare|env|tests|radix|methods|steps|full|torch|table2|collect) "step_$step" ;;
+    prepare|env|tests|radix|methods|steps|compile|full|torch|table2|collect) "step_$step" ;;
     *) log "unknown step '$step'"; exit 2 ;;
   esac
 done

@@ -24,15 +24,21 @@ import tarfile
 
 import pytest
 
+from benchmarks import device_check_compile
+
 from process_helpers import run_shell_script
 
-STEPS = ("tests", "radix", "methods", "steps", "full")
+STEPS = ("tests", "radix", "methods", "steps", "compile", "full")
 # timeout's exit status when it stopped a step: TERM, or KILL 5 s later.
 CUT = (124, 137)
 LENET_RUNS = [
     f"cifar10-lenet-{n}-b256-lr0.1-noaug-seed{s}"
     for n in ("bn", "sqd2")
     for s in (0, 1)
+]
+# The compile step's CLI runs, in the order it runs them.
+COMPILE_RUNS = [
+    (norm, run) for run in ("first", "cached") for norm in ("bn", "sqd2")
 ]
 RESNET_RUNS = {
     "cifar10_resnet20_gain_gpu": "cifar10-resnet20-bn-b256-lr0.1-noaug-seed0",
@@ -85,13 +91,78 @@ def _check_sweep_run(run: Path, finished: bool, augment: bool) -> None:
   assert not (run / "checkpoints").exists()  # left out of the archive
 
 
+def _check_compile(compile_: dict, work: Path) -> None:
+  """The CLI runs over an empty, then a filled cache, and bench_compile's."""
+  runs = [(r["norm"], r["run"]) for r in compile_["runs"]]
+  assert runs == COMPILE_RUNS[: len(runs)]
+  for run in compile_["runs"]:
+    if run.get("returncode") != 0:  # cut: recorded as far as it got
+      assert run["cut"] and "returncode" not in run, run
+      continue
+    assert (work / run["log"]).exists()
+    # The CLI logs its compile seconds rounded to 0.1 s.
+    assert 0 < run["compile_s"] <= run["to_compiled_s"] + 0.05, run
+    assert run["to_compiled_s"] < run["to_first_epoch_s"] < run["wall_s"]
+    assert len(run["epoch_s"]) == 2 and min(run["epoch_s"]) > 0, run
+    # The first run compiles and writes its programs; the rerun reads every
+    # one of them back.
+    first = run["run"] == "first"
+    assert run["cache_hit"] is not first, run
+    listed = run["cache_written"] if first else run["cache_hits"]
+    assert {"jit_train_step", "jit_eval_model"} <= set(listed), run
+    assert run["cache_entries"] >= 2
+  if compile_["complete"]:
+    assert len(runs) == len(COMPILE_RUNS)
+    assert [b["norm"] for b in compile_["bench_compile"]] == ["bn", "sqd2"]
+    for bench in compile_["bench_compile"]:
+      assert "error" not in bench, bench
+      for name in ("step", "evaluate"):
+        seconds = bench["programs"][name]
+        assert seconds["lower_s"] > 0 and seconds["compile_s"] > 0
+        assert seconds["cached_compile_s"] > 0
+
+
+def test_compile_cache_hit_counts_the_clis_programs_only():
+  # JAX's compiler debug lines, as jax 0.10 writes them.
+  hit = "DEBUG:jax._src.compiler:Persistent compilation cache hit for '{}'"
+  miss = "DEBUG:jax._src.compiler:PERSISTENT COMPILATION CACHE MISS for '{}'"
+  small = (
+      "DEBUG:jax._src.compiler:Not writing persistent cache entry for '{}'"
+      " because it took < 0.10 seconds to compile (0.01s)"
+  )
+  cached = [hit.format("jit_train_step"), hit.format("jit_eval_model")]
+  # A small eager program over the threshold this time is written, and
+  # says nothing about whether the CLI's programs came from the cache.
+  cached += [miss.format("jit_slice"), miss.format("jit_fold_in")]
+  cached.append(small.format("jit_slice"))
+  summary = device_check_compile.cache_summary(cached)
+  assert summary == {
+      "cache_hits": ["jit_eval_model", "jit_train_step"],
+      "cache_written": ["jit_fold_in"],
+      "cache_hit": True,
+  }
+  first = [miss.format("jit_train_step"), miss.format("jit_eval_model")]
+  assert not device_check_compile.cache_summary(first)["cache_hit"]
+  assert device_check_compile.cache_summary(first)["cache_written"] == [
+      "jit_eval_model",
+      "jit_train_step",
+  ]
+  # One of the CLI's programs compiled afresh: not a hit.
+  partly = cached + [miss.format("jit_prepare_epoch")]
+  assert not device_check_compile.cache_summary(partly)["cache_hit"]
+  # Nothing of the CLI's compiled at all (a cut run): not a hit either.
+  assert not device_check_compile.cache_summary([hit.format("jit_slice")])[
+      "cache_hit"
+  ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "budget",
     [
         # Twice what the steps need on two idle cores: on a loaded machine
         # some are cut all the same.
-        pytest.param("840", id="full_budget"),
+        pytest.param("960", id="full_budget"),
         # Less than the first steps need: cut and skipped steps, a stopped
         # sweep, on any machine.
         pytest.param("40", id="tiny_budget"),
@@ -106,7 +177,7 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path, budget):
       PYTHON=sys.executable,
       BUDGET=budget,
   )
-  proc = run_shell_script("benchmarks/device_check.sh", env=env, timeout=1000)
+  proc = run_shell_script("benchmarks/device_check.sh", env=env, timeout=1120)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # What comes back from a device, whatever cut the run short: the log, the
   # results, and the ResNet20 runs to resume from.
@@ -165,6 +236,10 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path, budget):
         r["bn_ms"] > 0 and r["gbn_ms"] > 0
         for r in bench["layers"] + bench["train_steps"]
     )
+
+  compile_ = _result(unpacked / "compile.json", ending["compile"])
+  if compile_ is not None:
+    _check_compile(compile_, unpacked / "compile")
 
   # No torch here: the step says so in its file; with torch, it ran capped.
   torch = json.loads((unpacked / "torch_sqd.json").read_text())
