@@ -53,7 +53,7 @@ def run_program(
     *,
     env: Mapping[str, str] | None = None,
     drop: Iterable[str] = (),
-    timeout: float = 600,
+    timeout: float | None = 600,
 ) -> Finished[str]:
   """``argv`` (any program) run to its end, its output captured."""
   return subprocess.run(
@@ -75,14 +75,14 @@ def run_python(
     args: Sequence[str] = (),
 ) -> str:
   """``python -c code args`` on the CPU; its stdout, or ``ProcessFailed``."""
-  return subprocess.run(
+  finished = run_program(
       [sys.executable, "-c", code, *args],
-      env=_environment({**(env or {}), **_ON_CPU}, drop),
-      capture_output=True,
-      text=True,
-      check=True,
-      cwd=REPO,
-  ).stdout
+      env={**(env or {}), **_ON_CPU},
+      drop=drop,
+      timeout=None,
+  )
+  finished.check_returncode()
+  return finished.stdout
 
 
 def run_python_result(
