@@ -48,13 +48,19 @@ def enabled_by_env(env: Mapping[str, str] | None = None) -> bool:
   )
 
 
-def default_dir(env: Mapping[str, str] | None = None) -> Path:
-  """``$XDG_CACHE_HOME/gbn_jax/jax_cache``, else ``~/.cache/gbn_jax/jax_cache``."""
+def user_cache_root(env: Mapping[str, str] | None = None) -> Path:
+  """``$XDG_CACHE_HOME/gbn_jax``, else ``~/.cache/gbn_jax``: the training
+  suite's per-user caches (compiled programs, compiled C++ kernels) below it."""
   env = os.environ if env is None else env
   base = env.get("XDG_CACHE_HOME") or os.path.join(
       os.path.expanduser("~"), ".cache"
   )
-  return Path(base) / "gbn_jax" / "jax_cache"
+  return Path(base) / "gbn_jax"
+
+
+def default_dir(env: Mapping[str, str] | None = None) -> Path:
+  """``$XDG_CACHE_HOME/gbn_jax/jax_cache``, else ``~/.cache/gbn_jax/jax_cache``."""
+  return user_cache_root(env) / "jax_cache"
 
 
 def choose_dir(

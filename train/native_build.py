@@ -36,6 +36,8 @@ import tempfile
 
 import jax
 
+from train import compile_cache
+
 #: The training suite's C++ sources.
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: Set to 0 (or false, no, off) for XLA's convolutions: nothing is built.
@@ -89,11 +91,7 @@ def compiler(env: Mapping[str, str] | None = None) -> str | None:
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
   """``$XDG_CACHE_HOME/gbn_jax/native``, else ``~/.cache/gbn_jax/native``."""
-  env = os.environ if env is None else env
-  base = env.get("XDG_CACHE_HOME") or os.path.join(
-      os.path.expanduser("~"), ".cache"
-  )
-  return Path(base) / "gbn_jax" / "native"
+  return compile_cache.user_cache_root(env) / "native"
 
 
 def _run(command: Sequence[str]) -> subprocess.CompletedProcess:
