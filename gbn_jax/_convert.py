@@ -58,6 +58,7 @@ def _gbn_fields(
   )
 
 
+# Alike gbn_jax/nnx.py::GBatchNorm.__init__: the GBN keywords it passes on.
 def convert_batchnorm(
     model: Node,
     measure: str | MeasureFn = "sd",
@@ -235,6 +236,7 @@ def _map_graph(f, node: Any) -> Any:
   return visit((), node)
 
 
+# Alike gbn_jax/_convert.py::convert_batchnorm: the GBN arguments, per API.
 def batchnorm_as_gbn(
     measure: str | MeasureFn = "sd",
     *,

@@ -232,6 +232,7 @@ class Measure:
       )
     return s, d
 
+  # Alike gbn_jax/deviations.py::sd: a Measure is called as its function is.
   def __call__(
       self,
       x: Array,
@@ -265,6 +266,7 @@ class Measure:
       return s, d
     return s, _divide(d, self._constant(x, axis, keywords))
 
+  # Alike gbn_jax/bound_measure.py::Measure.__call__: the same call, for D^2.
   def squared_deviation(
       self,
       x: Array,

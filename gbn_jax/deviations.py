@@ -142,6 +142,7 @@ def sd(
   return mean, (var if squared else jnp.sqrt(var))
 
 
+# Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.
 def mad(
     x: Array,
     axis: Axis,
@@ -177,6 +178,7 @@ def mad(
   return mean, dev
 
 
+# Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.
 def rsd(
     x: Array,
     axis: Axis,
@@ -211,6 +213,7 @@ def rsd(
   return mean, _keep_nan(mean, dev)
 
 
+# Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.
 def sqd(
     x: Array,
     axis: Axis,
@@ -246,6 +249,7 @@ def sqd(
   return q, qbar - mean
 
 
+# Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.
 def rbd(
     x: Array,
     axis: Axis,
@@ -276,6 +280,7 @@ def rbd(
   return (hi + lo) / 2, hi - lo
 
 
+# Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.
 def wcd(
     x: Array,
     axis: Axis,
@@ -309,6 +314,7 @@ def wcd(
   return hi, hi - global_mean(x, axes, where, axis_name, axis_index_groups)
 
 
+# Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.
 def bpoe(
     x: Array,
     axis: Axis,

@@ -132,6 +132,7 @@ _REGISTRY: dict[str, MeasureSpec] = {}
 MEASURES: Mapping[str, MeasureSpec] = types.MappingProxyType(_REGISTRY)
 
 
+# Alike gbn_jax/quantiles.py::quantile: a signature alike in shape only.
 def register_measure(
     name: str,
     fn: MeasureFn,

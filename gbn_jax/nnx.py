@@ -155,6 +155,7 @@ class GBatchNorm(nnx.BatchNorm):
     self.renorm = renorm
     self.renorm_clipping = renorm_clipping
 
+  # Alike gbn_jax/linen.py::GBatchNorm.__call__: each API's layer, in full.
   def __call__(
       self,
       x,

@@ -31,6 +31,8 @@ from gbn_jax.quantiles import quantile
 from gbn_jax.quantiles import quantile_rank
 from gbn_jax.quantiles import superquantile
 
+# Alike gbn_jax/quantiles.py::__all__ (and measures.py's, in shape): these
+# names re-exported for custom measures; quantiles' list may grow apart.
 __all__ = [
     "extreme",
     "mean",

@@ -288,6 +288,7 @@ def bracket_kth_smallest(
   )
 
 
+# Alike gbn_jax/_selection/dispatch.py::kth_smallest: the methods' one contract.
 def kth_smallest_bracket(
     x: Array,
     k: int | Array,

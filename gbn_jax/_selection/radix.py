@@ -432,6 +432,7 @@ def sums_outputs(
   return prepared.outputs(*out)
 
 
+# Alike gbn_jax/_selection/dispatch.py::kth_smallest: the methods' one contract.
 def kth_smallest_accelerator(
     x: Array,
     k: int | Array,

@@ -17,6 +17,7 @@ from gbn_jax._selection.common import AxisIndexGroups
 Array = jax.Array
 
 
+# Alike gbn_jax/_selection/dispatch.py::kth_smallest: the methods' one contract.
 def kth_smallest_reference(
     x: Array,
     k: int | Array,
