@@ -86,6 +86,8 @@ def main() -> None:
       "--data", default="normal", choices=["normal", "relu", "rounded"]
   )
   parser.add_argument("--reps", type=int, default=11)
+  # Alike benchmarks/bench_lenet_step.py::parse_args: argparse calls, each
+  # benchmark's own flags.
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument(
       "--sort-reps",

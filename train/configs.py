@@ -359,6 +359,8 @@ class Config:
           help="with --renorm: r is clipped to [1/rmax, rmax]",
       ),
   )
+  # Alike train/configs.py::Config.renorm_rmax: one flag's declaration each,
+  # alike in the table's form only.
   renorm_dmax: float = _field(
       5.0,
       FieldSpec(

@@ -331,25 +331,29 @@ def _per_image_result_sharding(
   return jax.sharding.NamedSharding(mesh, jax.P(axes))
 
 
+def _partitioned_per_image(call, sharding_rule):
+  """``call(images, kernel, hw, strides, tops)``, partitioned per image."""
+  return _partitioned(
+      call,
+      _per_image_partition(call),
+      _per_image_result_sharding,
+      sharding_rule,
+  )
+
+
 @functools.lru_cache(maxsize=None)
 def _native_forward():
   """The native forward pass, partitioned per device."""
-  return _partitioned(
-      _native_forward_call,
-      _per_image_partition(_native_forward_call),
-      _per_image_result_sharding,
-      "n h w c, i j c f -> n p q f",
+  return _partitioned_per_image(
+      _native_forward_call, "n h w c, i j c f -> n p q f"
   )
 
 
 @functools.lru_cache(maxsize=None)
 def _native_input_gradient():
   """The native input gradient at any stride, partitioned per device."""
-  return _partitioned(
-      _native_input_gradient_call,
-      _per_image_partition(_native_input_gradient_call),
-      _per_image_result_sharding,
-      "n p q f, i j c f -> n h w c",
+  return _partitioned_per_image(
+      _native_input_gradient_call, "n p q f, i j c f -> n h w c"
   )
 
 

@@ -60,6 +60,7 @@ import time
 
 import numpy as np
 
+from train import data_formats
 from train import data_locate
 from train import data_tfds
 
@@ -134,16 +135,7 @@ def load_dataset(
       raise DataNotFoundError(
           data_locate.not_found_message(name, data_dir, notes)
       ) from e
-  train_images, train_labels, test_images, test_labels = arrays
-  return Dataset(
-      name=name,
-      train_images=train_images,
-      train_labels=train_labels,
-      test_images=test_images,
-      test_labels=test_labels,
-      num_classes=info.num_classes,
-      source=source,
-  )
+  return _as_dataset(info, arrays, source)
 
 
 def _load_from_data_dir(
@@ -223,9 +215,27 @@ def _load_from_data_dir(
             ]
         )
     )
+  return _as_dataset(info, arrays, source)
+
+
+def _as_dataset(
+    info: DatasetInfo,
+    arrays: data_formats.Arrays,
+    source: str,
+) -> Dataset:
+  """Wraps the arrays that a reader returned for ``info``'s dataset.
+
+  Args:
+    info: The dataset's facts.
+    arrays: Train images, train labels, test images, test labels.
+    source: Where they were read from.
+
+  Returns:
+    The `Dataset`.
+  """
   train_images, train_labels, test_images, test_labels = arrays
   return Dataset(
-      name=name,
+      name=info.name,
       train_images=train_images,
       train_labels=train_labels,
       test_images=test_images,

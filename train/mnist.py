@@ -13,6 +13,8 @@ import sys
 from train import host_devices
 from train import host_memory
 
+# Alike train/cifar.py (the whole module): each dataset's own entry point,
+# whose pre-JAX setup must run in it before its imports.
 # configs.MNIST.model (a test checks), known before JAX starts.
 DEFAULT_MODEL = "lenet"
 

@@ -220,14 +220,17 @@ def _gain_section(groups: Groups) -> list[str]:
   ]
 
 
-def _calibration_section(runs: Sequence[Run]) -> list[str]:
-  """Raw against calibrated measures; empty without calibrated runs."""
-  table = calibration_table(runs)
+def _table_section(title: str, about: str, table: list[str]) -> list[str]:
+  """Section ``title``: ``about`` then ``table``; none without a table."""
   if not table:
     return []
-  return [
-      "## Calibrated against raw measures and BatchNorm",
-      "",
+  return [f"## {title}", "", about, "", *table]
+
+
+def _calibration_section(runs: Sequence[Run]) -> list[str]:
+  """Raw against calibrated measures; empty without calibrated runs."""
+  return _table_section(
+      "Calibrated against raw measures and BatchNorm",
       "Best test error (%), mean ± std over seeds (n). Calibrated: "
       "`calibration='normal'`, each D divided by its value for a "
       "standard normal feature, so that every measure has "
@@ -237,38 +240,27 @@ def _calibration_section(runs: Sequence[Run]) -> list[str]:
       "the difference, sqrt(s_a²/n_a + s_b²/n_b) with the sample "
       "variances (ddof=1) of the two cells, shown where both have at "
       "least 2 runs.",
-      "",
-      *table,
-  ]
+      calibration_table(runs),
+  )
 
 
 def _learning_rate_section(runs: Sequence[Run]) -> list[str]:
-  table = best_lr_table(runs)
-  if not table:
-    return []
-  return [
-      "## Best learning rate",
-      "",
+  return _table_section(
+      "Best learning rate",
       "Per norm, the learning rate with the lowest mean best test error.",
-      "",
-      *table,
-  ]
+      best_lr_table(runs),
+  )
 
 
 def _precise_section(groups: Groups) -> list[str]:
-  table = precise_table(groups)
-  if not table:
-    return []
-  return [
-      "## Precise statistics",
-      "",
+  return _table_section(
+      "Precise statistics",
       "Runs trained with `--precise-stats N`: before each evaluation "
       "the norms' statistics were also recomputed as equal-weight "
       "averages over N training batches (PreciseBN) and the test set "
       "evaluated with them; the model trained the same either way.",
-      "",
-      *table,
-  ]
+      precise_table(groups),
+  )
 
 
 def _curves_section(

@@ -23,6 +23,31 @@
 
 namespace gbn_train::tiles {
 
+// acc = 0, the R x V accumulators of a block.
+template <class Isa, int R, int V>
+__attribute__((always_inline)) inline void ZeroBlock(typename Isa::Vec (&acc)[R][V]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[r][v] = Isa::Zero();
+}
+
+// acc[r, :] += a[r * a_step + a_offset] * b[:] for r < R: one term of every
+// output of a block, the V vectors of b loaded once and each a broadcast once.
+template <class Isa, int R, int V>
+__attribute__((always_inline)) inline void MulAddBlock(const float* a, int64_t a_step, int64_t a_offset,
+                                                       const float* b, typename Isa::Vec (&acc)[R][V]) {
+  typename Isa::Vec row[V];
+#pragma GCC unroll 2
+  for (int v = 0; v < V; ++v) row[v] = Isa::Load(b + Isa::kLanes * v);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const typename Isa::Vec broadcast = Isa::Broadcast(a + r * a_step + a_offset);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[r][v] = Isa::MulAdd(broadcast, row[v], acc[r][v]);
+  }
+}
+
 // sum[r, :] += sum over t < count of x[at[t] + r] * grad[t, :], for R rows
 // of the kernel gradient (consecutive floats of one window row) and V
 // vectors of outputs.
@@ -30,22 +55,8 @@ template <class Isa, int R, int V>
 __attribute__((always_inline)) inline void AddBlock(const float* x, const int64_t* at, int64_t count, const float* grad,
                                                     int64_t f, float* sum) {
   typename Isa::Vec acc[R][V];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[r][v] = Isa::Zero();
-  for (int64_t t = 0; t < count; ++t, grad += f) {
-    const float* window = x + at[t];
-    typename Isa::Vec b[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) b[v] = Isa::Load(grad + Isa::kLanes * v);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const typename Isa::Vec a = Isa::Broadcast(window + r);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[r][v] = Isa::MulAdd(a, b[v], acc[r][v]);
-    }
-  }
+  ZeroBlock<Isa, R, V>(acc);
+  for (int64_t t = 0; t < count; ++t, grad += f) MulAddBlock<Isa, R, V>(x + at[t], 1, 0, grad, acc);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
@@ -62,22 +73,9 @@ template <class Isa, int R, int V>
 __attribute__((always_inline)) inline void ForwardBlock(const float* x, int64_t step, const Window& w, const float* k,
                                                         int64_t f, float* out) {
   typename Isa::Vec acc[R][V];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[r][v] = Isa::Zero();
+  ZeroBlock<Isa, R, V>(acc);
   for (int64_t i = 0; i < w.rows; ++i, x += w.row_step) {
-    for (int64_t e = 0; e < w.width; ++e, k += f) {
-      typename Isa::Vec b[V];
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) b[v] = Isa::Load(k + Isa::kLanes * v);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const typename Isa::Vec a = Isa::Broadcast(x + r * step + e);
-#pragma GCC unroll 2
-        for (int v = 0; v < V; ++v) acc[r][v] = Isa::MulAdd(a, b[v], acc[r][v]);
-      }
-    }
+    for (int64_t e = 0; e < w.width; ++e, k += f) MulAddBlock<Isa, R, V>(x, step, e, k, acc);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)

@@ -34,6 +34,8 @@ struct Isa {
   static Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
+// Alike train/csrc/conv_tiles_x86.cc::Isa (AVX-512): the same traits, each
+// set's own intrinsics and widths.
 using ThisSet = Avx2;
 struct Isa {
   using Vec = __m256;
