@@ -52,6 +52,7 @@ from benchmarks.bench_gbn import command_line
 from benchmarks.bench_gbn import write_json
 from benchmarks.machine import machine_info
 from train import native_build
+from train import run_files
 
 # What JAX's compiler logs (jax._src.compiler, at debug level).
 _HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
@@ -182,10 +183,10 @@ def run_cli(
 
 def _epoch_seconds(workdir: Path) -> list[float]:
   try:
-    rows = (workdir / "metrics.jsonl").read_text().splitlines()
+    rows = run_files.read_metrics(workdir)
   except OSError:
     return []
-  return [round(json.loads(row)["seconds"], 3) for row in rows if row.strip()]
+  return [round(row["seconds"], 3) for row in rows]
 
 
 def _cache_entries(cache_home: Path) -> int:

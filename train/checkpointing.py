@@ -35,8 +35,11 @@ import orbax.checkpoint as ocp
 
 from train import configs
 
+# Re-exported: the reader of metrics.jsonl is jax-free, for the report.
+from train.run_files import METRICS_FILE as METRICS_FILE
+from train.run_files import read_metrics as read_metrics
+
 CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
 # One line per command that trained in the run: the first epoch it trained
 # and where its data came from. Not a Config field: configs name runs, and
 # the same run may be resumed from another copy of the same data.
@@ -91,14 +94,6 @@ def read_config(workdir: str | os.PathLike[str]) -> configs.Config:
         f"{path} is not a valid gbn-jax training config ({e}); choose a "
         "new --workdir, or pass --overwrite to delete this run"
     ) from None
-
-
-def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-  """Reads ``metrics.jsonl`` (an empty list if there is none)."""
-  path = Path(workdir) / METRICS_FILE
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def write_metrics(

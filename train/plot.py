@@ -34,6 +34,8 @@ matplotlib.use("Agg")
 from matplotlib import ticker
 import matplotlib.pyplot as plt
 
+from train import run_files
+
 #: (metric, y label, x key, x label) of the four curves.
 CURVES = (
     ("train_loss", "training loss", "epoch", "epoch"),
@@ -65,12 +67,13 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict]]:
   run_dir = Path(run_dir)
   try:
     config = json.loads((run_dir / "config.json").read_text())
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines if line.strip()]
+    rows = run_files.read_metrics(run_dir, missing_ok=False)
   except (OSError, ValueError) as e:
     raise PlotError(f"{run_dir} is not a readable run directory: {e}") from e
   if not rows:
-    raise PlotError(f"{run_dir}/metrics.jsonl has no finished epoch yet")
+    raise PlotError(
+        f"{run_dir}/{run_files.METRICS_FILE} has no finished epoch yet"
+    )
   return config, rows
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from train import plot
+from train import run_files
 
 PROG = "python -m train.report"
 #: Fields that tell settings (table rows) apart, always shown.
@@ -119,12 +120,7 @@ def find_runs(dirs: Iterable[str | Path]) -> list[Run]:
         continue
       try:
         config = json.loads(config_path.read_text())
-        lines = (
-            (run_dir / "metrics.jsonl").read_text().splitlines()
-            if (run_dir / "metrics.jsonl").exists()
-            else []
-        )
-        rows = [json.loads(line) for line in lines if line.strip()]
+        rows = run_files.read_metrics(run_dir)
       except (OSError, ValueError) as e:
         warn(f"skipped {run_dir}: {e}")
         continue

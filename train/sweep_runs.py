@@ -24,6 +24,7 @@ from typing import TextIO
 
 from train import checkpointing
 from train import configs
+from train import run_files
 from train.sweep_grid import Run
 from train.sweep_progress import Progress
 
@@ -36,7 +37,7 @@ _LOCK_FILE = ".sweep.lock"
 def epochs_done(run_dir: Path) -> int:
   """Epochs recorded in a run directory's ``metrics.jsonl`` (0 if none)."""
   try:
-    rows = checkpointing.read_metrics(run_dir)
+    rows = run_files.read_metrics(run_dir)
   except (OSError, ValueError):
     return 0
   return max((row.get("epoch", 0) for row in rows), default=0)
