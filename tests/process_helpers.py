@@ -75,12 +75,7 @@ def run_python(
     args: Sequence[str] = (),
 ) -> str:
   """``python -c code args`` on the CPU; its stdout, or ``ProcessFailed``."""
-  finished = run_program(
-      [sys.executable, "-c", code, *args],
-      env={**(env or {}), **_ON_CPU},
-      drop=drop,
-      timeout=None,
-  )
+  finished = run_python_result(code, *args, env=env, drop=drop, timeout=None)
   finished.check_returncode()
   return finished.stdout
 
@@ -90,9 +85,10 @@ def run_python_result(
     *args: str,
     env: Mapping[str, str] | None = None,
     drop: Iterable[str] = (),
-    timeout: float = 600,
+    timeout: float | None = 600,
 ) -> Finished[str]:
-  """``python -c code args`` on the CPU, run to its end."""
+  """``python -c code args`` on the CPU, run to its end (``timeout`` None:
+  however long it takes)."""
   return run_program(
       [sys.executable, "-c", code, *args],
       env={**(env or {}), **_ON_CPU},
@@ -101,6 +97,8 @@ def run_python_result(
   )
 
 
+# Alike tests/process_helpers.py::run_python: one signature per kind of
+# process, each a contract its callers use (a -m run picks its backend).
 def run_module(
     module: str,
     *args: str,

@@ -94,3 +94,18 @@ def write_random_run(folder: Path, norm: str, seed: int) -> Path:
     )
   checkpointing.write_metrics(folder, rows)
   return folder
+
+
+def saved_figures(monkeypatch) -> list:
+  """The figures matplotlib saves from now on, in order (they are still
+  written)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  figures = []
+  original = matplotlib.figure.Figure.savefig
+  monkeypatch.setattr(
+      matplotlib.figure.Figure,
+      "savefig",
+      lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)),
+  )
+  return figures

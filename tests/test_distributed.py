@@ -24,6 +24,7 @@ from train import checkpointing
 
 from process_helpers import run_module
 from process_helpers import start_module
+from training_helpers import tiny_cli_args
 from training_helpers import write_tiny_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,21 +59,8 @@ def setup(tmp_path_factory):
 
 def _args(data: Path, workdir: Path, epochs: int) -> list[str]:
   """``train.mnist``'s arguments."""
-  return [
-      "--data-dir",
-      str(data),
-      "--workdir",
-      str(workdir),
-      "--batch-size",
-      "16",
-      "--epochs",
-      str(epochs),
-      "--norm",
-      "sqd2",
-      "--lr",
-      "0.05",
-      "--no-progress",
-  ]
+  more = ("--epochs", str(epochs), "--norm", "sqd2", "--lr", "0.05")
+  return tiny_cli_args(data, workdir, *more)
 
 
 def _launch_pair(setup, workdir: Path, epochs: int, port: int):

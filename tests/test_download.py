@@ -19,12 +19,12 @@ import threading
 import numpy as np
 import pytest
 
-from train import data_locate
 from train import data_tfds
 from train import datasets
 from train import download
 
 import data_helpers as dh
+from training_helpers import empty_data_places
 
 # Seconds: every test's transfers are local, so anything slower is a hang.
 _TIMEOUT = 10
@@ -230,14 +230,8 @@ def test_remote_rejects_bad_entries():
 
 @pytest.fixture
 def places(tmp_path, monkeypatch):
-  """Every search location an empty temporary folder (as test_input_pipeline)."""
-  paths = {k: tmp_path / k for k in ("env", "user", "system", "tfds")}
-  for path in paths.values():
-    path.mkdir()
-  monkeypatch.setenv(datasets.ENV_DATA_DIR, str(paths["env"]))
-  monkeypatch.setattr(data_locate, "USER_DATA_DIR", str(paths["user"]))
-  monkeypatch.setattr(data_locate, "SYSTEM_DATA_DIRS", (str(paths["system"]),))
-  monkeypatch.setenv("TFDS_DATA_DIR", str(paths["tfds"]))
+  """Every search location an empty temporary folder, downloads allowed."""
+  paths = empty_data_places(tmp_path, monkeypatch)
   monkeypatch.delenv(download.ENV_NO_DOWNLOAD, raising=False)
   return paths
 

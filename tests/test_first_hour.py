@@ -6,7 +6,6 @@ import json
 import os
 import stat
 
-import matplotlib
 import pytest
 
 from train import checkpointing
@@ -16,8 +15,10 @@ from train import plot
 
 from process_helpers import run_module
 from process_helpers import run_python_result
+from run_folder_helpers import saved_figures
 from run_folder_helpers import write_random_run
 from training_helpers import TINY
+from training_helpers import tiny_cli_args
 from training_helpers import write_tiny_mnist
 
 
@@ -74,18 +75,7 @@ def test_run_that_failed_before_its_first_epoch_does_not_block(
   assert code == 1 and "could not find the svhn dataset" in err
   data = write_tiny_mnist(tmp_path / "data")
   code, out, err = _run_cli(
-      [
-          "--workdir",
-          str(workdir),
-          "--data-dir",
-          str(data),
-          "--batch-size",
-          "16",
-          "--epochs",
-          "1",
-          "--no-progress",
-      ],
-      capsys,
+      tiny_cli_args(data, workdir, "--epochs", "1"), capsys
   )
   assert code == 0, err
   assert "1 epoch," in out and "1 epochs" not in out
@@ -98,20 +88,7 @@ def test_run_that_failed_before_its_first_epoch_does_not_block(
     assert mode == 0o666 & ~umask, (name, oct(mode))
   # A run that did finish an epoch still refuses a different config.
   code, _, err = _run_cli(
-      [
-          "--workdir",
-          str(workdir),
-          "--data-dir",
-          str(data),
-          "--batch-size",
-          "16",
-          "--epochs",
-          "1",
-          "--norm",
-          "mad",
-          "--no-progress",
-      ],
-      capsys,
+      tiny_cli_args(data, workdir, "--epochs", "1", "--norm", "mad"), capsys
   )
   assert code == 1 and "different config" in err
 
@@ -157,15 +134,7 @@ def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
     tmp_path, capsys
 ):
   data = write_tiny_mnist(tmp_path / "data")  # 64 images: 4 batches of 16
-  run = [
-      "--workdir",
-      str(tmp_path / "run"),
-      "--data-dir",
-      str(data),
-      "--batch-size",
-      "16",
-      "--no-progress",
-  ]
+  run = tiny_cli_args(data, tmp_path / "run")
   code, _, err = _run_cli([*run, "--epochs", "1"], capsys)
   assert code == 0, err
   assert "(4 batches of 16), " in err and "dropped" not in err
@@ -201,18 +170,7 @@ def test_data_dir_without_the_data_is_an_error_not_another_copy(
   empty.mkdir()
   for data_dir in (empty, tmp_path / "typo"):
     code, _, err = _run_cli(
-        [
-            "--workdir",
-            str(tmp_path / "run"),
-            "--data-dir",
-            str(data_dir),
-            "--batch-size",
-            "16",
-            "--epochs",
-            "1",
-            "--no-progress",
-        ],
-        capsys,
+        tiny_cli_args(data_dir, tmp_path / "run", "--epochs", "1"), capsys
     )
     assert code == 1
     first = err.splitlines()[0]
@@ -224,8 +182,7 @@ def test_data_dir_without_the_data_is_an_error_not_another_copy(
 @pytest.mark.slow
 def test_cli_prints_estimate_after_first_epoch(tmp_path):
   data = write_tiny_mnist(tmp_path / "data")
-  args = ["--data-dir", str(data), "--workdir", str(tmp_path / "run")]
-  args += ["--batch-size", "16", "--epochs", "3", "--no-progress"]
+  args = tiny_cli_args(data, tmp_path / "run", "--epochs", "3")
   result = run_module("train.mnist", *args, timeout=300)
   assert result.returncode == 0, result.stderr
   lines = result.stderr.splitlines()
@@ -312,13 +269,7 @@ def test_plot_axes_legend_ticks(tmp_path, monkeypatch):
   runs = [
       write_random_run(tmp_path / n, n, i) for i, n in enumerate(("bn", "mad"))
   ]
-  figures = []
-  original = matplotlib.figure.Figure.savefig
-  monkeypatch.setattr(
-      matplotlib.figure.Figure,
-      "savefig",
-      lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)),
-  )
+  figures = saved_figures(monkeypatch)
   plot.plot_runs(runs, tmp_path / "out")
   assert len(figures) == 4
   for fig, (metric, _, xkey, _) in zip(figures, plot.CURVES):

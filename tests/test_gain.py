@@ -28,6 +28,19 @@ from training_helpers import run_quiet
 from training_helpers import write_tiny_mnist
 
 
+def _training_intermediates(model, variables, x) -> dict:
+  """Every layer's outputs in a training-mode pass, as flax's
+  ``capture_intermediates`` records them."""
+  _, state = model.apply(
+      variables,
+      x,
+      train=True,
+      mutable=["batch_stats", "intermediates"],
+      capture_intermediates=True,
+  )
+  return state["intermediates"]
+
+
 def _conv_outputs(config, variables, data_dir):
   """norm{i}'s input is conv{i}'s output in LeNet, in training mode."""
   config = train.resolve(config)
@@ -36,14 +49,7 @@ def _conv_outputs(config, variables, data_dir):
       ds.train_images[: config.batch_size], config.dataset
   )
   model = train_state.create_model(config, ds.num_classes)
-  _, state = model.apply(
-      variables,
-      x,
-      train=True,
-      mutable=["batch_stats", "intermediates"],
-      capture_intermediates=True,
-  )
-  inter = state["intermediates"]
+  inter = _training_intermediates(model, variables, x)
   return {
       f"norm{i}": np.asarray(inter[f"conv{i}"]["__call__"][0], np.float64)
       for i in (1, 2)
@@ -206,14 +212,7 @@ def test_capture_calls_sees_inputs_and_outputs_in_call_order(trained_run):
   model = train_state.create_model(train.resolve(config), 10)
   x = np.random.default_rng(0).normal(size=(4, 28, 28, 1)).astype(np.float32)
   variables = model.init(jax.random.key(1), x, train=True)
-  _, state = model.apply(
-      variables,
-      x,
-      train=True,
-      mutable=["batch_stats", "intermediates"],
-      capture_intermediates=True,
-  )
-  inter = state["intermediates"]
+  inter = _training_intermediates(model, variables, x)
   with capture.capture_calls() as calls:
     model.apply(variables, x, train=True, mutable=["batch_stats"])
   assert list(calls) == ["norm1", "norm2"]

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import data_locate
 from train import datasets
 from train import input_pipeline as ip
 
 import data_helpers as dh
+from training_helpers import empty_data_places
 
 IDX_SHAPE = (28, 28, 1)
 # One compilation per shape instead of one per operation.
@@ -34,15 +34,9 @@ RGB_SHAPE = (32, 32, 3)
 
 @pytest.fixture
 def places(tmp_path, monkeypatch):
-  """Points every search location at an empty temporary folder."""
-  paths = {k: tmp_path / k for k in ("data", "env", "user", "system", "tfds")}
-  for path in paths.values():
-    path.mkdir()
-  monkeypatch.setenv(datasets.ENV_DATA_DIR, str(paths["env"]))
-  monkeypatch.setattr(data_locate, "USER_DATA_DIR", str(paths["user"]))
-  monkeypatch.setattr(data_locate, "SYSTEM_DATA_DIRS", (str(paths["system"]),))
-  monkeypatch.setenv("TFDS_DATA_DIR", str(paths["tfds"]))
-  return paths
+  """Points every search location at an empty temporary folder (and makes
+  one more, "data")."""
+  return empty_data_places(tmp_path, monkeypatch, "data")
 
 
 def _idx_splits(seed, num_train=7, num_test=3):
@@ -685,25 +679,22 @@ def _load_installed(name):
     pytest.skip(f"{name} is not installed (see datasets.load_dataset)")
 
 
-def test_real_fashion_mnist():
-  ds = _load_installed("fashion_mnist")
+@pytest.mark.parametrize(
+    "name,train_per_class,atol",
+    [
+        ("fashion_mnist", 6000, 1e-3),
+        # Loose enough for the JPEG-compressed copy of CIFAR-10 (std ~0.002
+        # lower).
+        ("cifar10", 5000, 3e-3),
+    ],
+)
+def test_real_dataset(name, train_per_class, atol):
+  ds = _load_installed(name)
   info = ds.info
-  assert ds.train_images.shape == (60000, *info.image_shape)
+  assert ds.train_images.shape == (10 * train_per_class, *info.image_shape)
   assert ds.test_images.shape == (10000, *info.image_shape)
-  assert set(np.bincount(ds.train_labels)) == {6000}
+  assert set(np.bincount(ds.train_labels)) == {train_per_class}
   assert set(np.bincount(ds.test_labels)) == {1000}
   mean, std = _channel_stats(ds.train_images)
-  np.testing.assert_allclose(mean, info.mean, atol=1e-3)
-  np.testing.assert_allclose(std, info.std, atol=1e-3)
-
-
-def test_real_cifar10():
-  ds = _load_installed("cifar10")
-  info = ds.info
-  assert ds.train_images.shape == (50000, *info.image_shape)
-  assert ds.test_images.shape == (10000, *info.image_shape)
-  assert set(np.bincount(ds.train_labels)) == {5000}
-  # Loose enough for the JPEG-compressed copy of CIFAR-10 (std ~0.002 lower).
-  mean, std = _channel_stats(ds.train_images)
-  np.testing.assert_allclose(mean, info.mean, atol=3e-3)
-  np.testing.assert_allclose(std, info.std, atol=3e-3)
+  np.testing.assert_allclose(mean, info.mean, atol=atol)
+  np.testing.assert_allclose(std, info.std, atol=atol)

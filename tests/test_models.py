@@ -18,18 +18,9 @@ import gbn_jax
 from train import models
 from train import norms
 
-GBN_NORMS = (
-    "sd",
-    "mad",
-    "rsd",
-    "sqd1",
-    "sqd2",
-    "sqd3",
-    "rbd",
-    "wcd",
-    "bpoe",
-    "sqd:0.9",
-)
+from measure_helpers import COMPLETE_MEASURES
+
+GBN_NORMS = (*COMPLETE_MEASURES, "sqd:0.9")
 ALL_NORMS = ("bn",) + GBN_NORMS
 
 
@@ -325,6 +316,8 @@ def test_parse_norm(spec, expected):
   assert models.parse_norm(spec) == expected
 
 
+# Alike tests/test_capabilities.py::test_parse_measure_name_errors: the
+# training suite's parser, with its own spellings ('bn') and messages.
 @pytest.mark.parametrize(
     "spec,message",
     [
@@ -427,6 +420,22 @@ def test_patch_conv_equals_flax_conv(shape, features):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _assert_default_follows_backend(
+    default: nn.Module,
+    on_cpu: nn.Module,
+    elsewhere: nn.Module,
+    variables,
+    x: jax.Array,
+):
+  """``default`` (built without the backend-dependent options) computes
+  exactly as ``on_cpu`` on the CPU and as ``elsewhere`` on other backends."""
+  want = on_cpu if jax.default_backend() == "cpu" else elsewhere
+  np.testing.assert_array_equal(
+      default.apply(variables, x, train=False),
+      want.apply(variables, x, train=False),
+  )
+
+
 @pytest.mark.parametrize("norm", ["bn", "sqd2"])
 def test_lenet_conv_as_matmul_is_the_same_model(norm):
   x = jax.random.normal(jax.random.key(0), (16, 28, 28, 1))
@@ -446,12 +455,8 @@ def test_lenet_conv_as_matmul_is_the_same_model(norm):
   np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
   # The default follows the backend: matmuls on the CPU.
   assert models.LeNet(**kwargs).conv_as_matmul is None
-  default = models.LeNet(**kwargs).apply(variables, x, train=False)
-  np.testing.assert_array_equal(
-      default,
-      (matmul if jax.default_backend() == "cpu" else flax_ops).apply(
-          variables, x, train=False
-      ),
+  _assert_default_follows_backend(
+      models.LeNet(**kwargs), matmul, flax_ops, variables, x
   )
 
 
@@ -629,12 +634,8 @@ def test_resnet20_cpu_convs_are_the_same_model(norm):
   # CPU.
   assert models.ResNet20(**kwargs).conv is None
   assert models.ResNet20(**kwargs).recompute_norm is None
-  default = models.ResNet20(**kwargs).apply(variables, x, train=False)
-  np.testing.assert_array_equal(
-      default,
-      (cpu_ops if jax.default_backend() == "cpu" else flax_ops).apply(
-          variables, x, train=False
-      ),
+  _assert_default_follows_backend(
+      models.ResNet20(**kwargs), cpu_ops, flax_ops, variables, x
   )
 
 

@@ -12,7 +12,6 @@ import math
 import os
 from pathlib import Path
 import re
-import signal
 import sys
 import time
 
@@ -30,8 +29,10 @@ from train import sweep_runs
 
 from process_helpers import run_module
 from process_helpers import start_module
+from run_folder_helpers import saved_figures
 from run_folder_helpers import write_run
 from training_helpers import exact
+from training_helpers import kill_after_epochs
 from training_helpers import write_tiny_mnist
 
 # --- grid expansion -------------------------------------------------------------
@@ -235,14 +236,7 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
       "train.sweep", *_sweep_args(sweep_dir, data, *grid), env=env
   )
   first = sweep_dir / "mnist-lenet-mad-b16-lr0.05-seed0"
-  deadline = time.monotonic() + 240
-  while time.monotonic() < deadline and process.poll() is None:
-    if len(checkpointing.read_metrics(first)) >= 3:
-      break
-    time.sleep(0.02)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  done = len(checkpointing.read_metrics(first))
+  done = kill_after_epochs(process, first, 3)
   assert 3 <= done < 25
   # The run died with the sweep (no orphan keeps writing the folder).
   deadline = time.monotonic() + 30
@@ -871,19 +865,6 @@ def test_report_without_gain_or_calibrated_runs(fake_sweep, tmp_path):
 # --- figures: readable colours and scales ----------------------------------
 
 
-def _saved_figures(monkeypatch) -> list:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-
-  figures = []
-  original = matplotlib.figure.Figure.savefig
-  monkeypatch.setattr(
-      matplotlib.figure.Figure,
-      "savefig",
-      lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)),
-  )
-  return figures
-
-
 def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
   from matplotlib import colors  # pylint: disable=g-import-not-at-top
 
@@ -895,7 +876,7 @@ def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
       )
       for norm, seed in (("bn", 0), ("bn", 1), ("rsd", 0), ("bn", 2))
   ]
-  figures = _saved_figures(monkeypatch)
+  figures = saved_figures(monkeypatch)
   plot.plot_runs(runs, tmp_path / "out")
   assert len(figures) == 4
   for fig in figures:
@@ -933,7 +914,7 @@ def test_activations_figure_shares_y_and_tells_bands_apart(
         "\n".join(json.dumps(r) for r in rows)
     )
     runs.append(report.find_runs([folder])[0])
-  figures = _saved_figures(monkeypatch)
+  figures = saved_figures(monkeypatch)
   assert report.activations_figure(runs, tmp_path / "a.png")
   axes = figures[0].axes
   for row in (axes[0:2], axes[2:4]):

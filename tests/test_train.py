@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 import shutil
 import signal
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +38,11 @@ from process_helpers import start_module
 from run_folder_helpers import write_random_run
 from training_helpers import TINY
 from training_helpers import exact
+from training_helpers import kill_after_epochs
 from training_helpers import run_quiet
 from training_helpers import small_dataset
 from training_helpers import synthetic_dataset
+from training_helpers import tiny_cli_args
 from training_helpers import write_tiny_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -422,6 +423,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   assert [r["epoch"] for r in checkpointing.read_metrics(tmp_path)] == [1, 2]
 
 
+# Alike tests/test_bench_compile.py::test_bad_flags_name_the_flag: another
+# CLI, with its own flags and messages.
 @pytest.mark.parametrize(
     "flags,message",
     [
@@ -490,17 +493,7 @@ def cache_env(tmp_path_factory):
 def test_cli_end_to_end(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
   workdir = tmp_path / "run"
-  common = [
-      "--data-dir",
-      str(data),
-      "--workdir",
-      str(workdir),
-      "--batch-size",
-      "16",
-      "--lr",
-      "0.05",
-      "--no-progress",
-  ]
+  common = tiny_cli_args(data, workdir, "--lr", "0.05")
   result = run_module(
       "train.mnist", *common, "--epochs", "2", "--norm", "mad", env=cache_env
   )
@@ -550,21 +543,8 @@ def test_cli_end_to_end(tmp_path, cache_env):
 @pytest.mark.slow
 def test_cli_real_nan(tmp_path, cache_env):
   data = write_tiny_mnist(tmp_path / "data")
-  result = run_module(
-      "train.mnist",
-      "--data-dir",
-      str(data),
-      "--workdir",
-      str(tmp_path / "run"),
-      "--batch-size",
-      "16",
-      "--epochs",
-      "2",
-      "--lr",
-      "1e30",
-      "--no-progress",
-      env=cache_env,
-  )
+  args = tiny_cli_args(data, tmp_path / "run", "--epochs", "2", "--lr", "1e30")
+  result = run_module("train.mnist", *args, env=cache_env)
   assert result.returncode == 1, result.stderr
   assert "training loss became nan" in result.stderr
   assert "smaller --lr" in result.stderr
@@ -681,31 +661,14 @@ def test_cli_keeps_compiled_programs_in_the_user_cache(tmp_path):
 def test_cli_killed_mid_run_resumes_exactly(tmp_path, cache_env):
   """SIGKILL a real run after its 2nd checkpoint; rerunning finishes it."""
   data = write_tiny_mnist(tmp_path / "data", n_train=96)
-  args = [
-      "--data-dir",
-      str(data),
-      "--batch-size",
-      "16",
-      "--epochs",
-      "12",
-      "--lr",
-      "0.05",
-      "--norm",
-      "sqd1",
-      "--no-progress",
-  ]
+  args = tiny_cli_args(
+      data, None, "--epochs", "12", "--lr", "0.05", "--norm", "sqd1"
+  )
   killed_dir, full_dir = tmp_path / "killed", tmp_path / "full"
   process = start_module(
       "train.mnist", *args, "--workdir", str(killed_dir), env=cache_env
   )
-  deadline = time.monotonic() + 240
-  while time.monotonic() < deadline and process.poll() is None:
-    if len(checkpointing.read_metrics(killed_dir)) >= 2:
-      break
-    time.sleep(0.02)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  done = len(checkpointing.read_metrics(killed_dir))
+  done = kill_after_epochs(process, killed_dir, 2)
   assert process.returncode == -signal.SIGKILL and 2 <= done < 12
   result = run_module(
       "train.mnist", *args, "--workdir", str(killed_dir), env=cache_env

@@ -1,4 +1,6 @@
-"""Tiny synthetic data and quiet runs of the training loop, for train/ tests.
+"""Tiny synthetic data and quiet runs of the training loop, for train/ tests:
+also the CLI's arguments for a tiny run, a run killed mid-way and data
+search places that hold nothing.
 
 Shared by the tests of the training suite (tests/test_train.py and the
 tests of activations, gain, precise statistics, distributed runs, the first
@@ -9,10 +11,17 @@ hour). Equal shapes reuse compiled programs, so most runs here train on
 from __future__ import annotations
 
 from pathlib import Path
+import signal
+import time
+from typing import Any
 
 import numpy as np
+import pytest
 
+from train import checkpointing
 from train import configs
+from train import data_locate
+from train import datasets
 from train import input_pipeline
 from train import train
 
@@ -86,3 +95,49 @@ def run_quiet(config, workdir, **kwargs):
   return train.train_and_evaluate(
       config, workdir, progress=False, log=lambda line: None, **kwargs
   )
+
+
+def tiny_cli_args(data: Path, workdir: Path | None, *more: str) -> list[str]:
+  """``train.mnist``'s arguments for a run on :func:`write_tiny_mnist`'s
+  files in ``data``: batches of 16, no progress bar, then ``more``."""
+  where = [] if workdir is None else ["--workdir", str(workdir)]
+  return [
+      "--data-dir",
+      str(data),
+      *where,
+      "--batch-size",
+      "16",
+      "--no-progress",
+      *more,
+  ]
+
+
+def kill_after_epochs(
+    process: Any, workdir: Path, epochs: int, timeout: float = 240
+) -> int:
+  """SIGKILLs ``process`` (started by ``process_helpers.start_module``) once
+  ``workdir`` records ``epochs`` epochs, it exits or ``timeout`` seconds
+  pass; the epochs ``workdir`` records then."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and process.poll() is None:
+    if len(checkpointing.read_metrics(workdir)) >= epochs:
+      break
+    time.sleep(0.02)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  return len(checkpointing.read_metrics(workdir))
+
+
+def empty_data_places(
+    root: Path, monkeypatch: pytest.MonkeyPatch, *more: str
+) -> dict[str, Path]:
+  """Points every place the loaders search for data at an empty folder
+  under ``root``; the folders by name (also one for each of ``more``)."""
+  paths = {k: root / k for k in ("env", "user", "system", "tfds", *more)}
+  for path in paths.values():
+    path.mkdir()
+  monkeypatch.setenv(datasets.ENV_DATA_DIR, str(paths["env"]))
+  monkeypatch.setattr(data_locate, "USER_DATA_DIR", str(paths["user"]))
+  monkeypatch.setattr(data_locate, "SYSTEM_DATA_DIRS", (str(paths["system"]),))
+  monkeypatch.setenv("TFDS_DATA_DIR", str(paths["tfds"]))
+  return paths
