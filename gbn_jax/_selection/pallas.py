@@ -3,10 +3,10 @@
 The ``radix`` backend's passes are XLA ops: a scatter-add histogram (atomics
 into ``256 x F`` global counters, 0.64-2.4 ms a pass on an H100) or a
 compare-and-sum whose ``N x 16 x F`` temporary XLA must fuse. Here each pass
-is one ``pallas_call`` (Triton lowering on GPUs) in which every program owns a
-block of feature columns, walks their rows in chunks and keeps the block's
-histogram in registers: one read of the column per pass, no atomics, no
-temporary in memory.
+is one call of a ``pallas_call`` (Triton lowering on GPUs) in which every
+program owns a block of feature columns, walks their rows in chunks and keeps
+the block's histogram in registers: one read of the column per pass, no
+atomics, no temporary in memory.
 
 * Keys as in ``radix``: ``common.merged_keys`` (``-0.0`` merged into
   ``+0.0``), sign bit flipped so that their unsigned order is the key order;
@@ -14,11 +14,17 @@ temporary in memory.
 * ``32 / digit_bits`` passes (default 8 of 4 bits: 16 bins, each counted by a
   compare per element, which a GPU does in registers). Pass ``p`` counts, per
   column, digit ``p`` of the masked-in elements whose higher digits equal the
-  prefix chosen so far. The kernel does one pass per call and a Python loop of
-  fixed passes (no ``while``) chooses the bins in JAX between calls, where the
+  prefix chosen so far. The kernel does one pass per call; between calls JAX
+  chooses the bins (``radix.first_descent``/``next_descent``), where the
   per-device histograms are ``psum``-ed over ``axis_name`` (exact: integer
-  counts). After the last pass the prefix is the answer's key; the histograms
-  give the tie and "above" counts as in ``radix``.
+  counts). As in ``radix`` (issue 36), the first pass is traced on its own and
+  the passes after it as one ``lax.fori_loop`` body of static trip count (no
+  data-dependent ``while``), calling one kernel whose digit's shift is a
+  traced operand; with ``sums`` the last pass, which also sums, is a third
+  kernel. A program holds 2 or 3 kernels per selection, not one per pass
+  (each one compiled by Triton). After the last pass the prefix is the
+  answer's key; the histograms give the tie and "above" counts as in
+  ``radix``.
 * With ``sums=True`` the last pass's reads also give ``sum(x)`` and, for each
   of the ``2**digit_bits`` candidates ``q_b`` the last digit can still choose,
   ``sum((x - q_b)`` over ``x`` not ``<= q_b``): the chosen bin's is the
@@ -125,15 +131,15 @@ def _flipped_keys(x: Array) -> Array:
 def _pass_kernel(*refs, masked: bool, **options):
   """One radix pass over a block of columns: histogram (and sums) in registers."""
   if masked:
-    rows_ref, mask_ref, prefix_ref, *out_refs = refs
+    rows_ref, mask_ref, prefix_ref, shift_ref, *out_refs = refs
   else:
-    rows_ref, prefix_ref, *out_refs = refs
+    rows_ref, prefix_ref, shift_ref, *out_refs = refs
     mask_ref = None
   rows = lambda start, size: rows_ref[pl.ds(start, size), :]
   mask = None
   if mask_ref is not None:
     mask = lambda start, size: mask_ref[pl.ds(start, size), :]
-  result = _pass_body(rows, mask, prefix_ref[...], **options)
+  result = _pass_body(rows, mask, prefix_ref[...], shift_ref[...], **options)
   for ref, value in zip(out_refs, result):
     ref[...] = value
 
@@ -142,8 +148,9 @@ def _pass_body(
     load_rows: Callable[[Array, int], Array],
     load_mask: Callable[[Array, int], Array] | None,
     prefix: Array,
+    shift: Array,
     *,
-    shift: int,
+    first: bool,
     digit_bits: int,
     n_rows: int,
     block_rows: int,
@@ -152,9 +159,12 @@ def _pass_body(
 ) -> tuple[Array, ...]:
   """The kernel's loop over row chunks, on whatever ``load_*`` read from.
 
-  ``prefix``: ``[1, BF]``, the digits chosen so far. Returns the histogram
-  ``[n_bins, BF]`` and, with ``sums``, ``sum(x)`` ``[1, BF]`` and the
-  excess over each bin's candidate answer ``[n_bins, BF]``.
+  ``prefix``: ``[1, BF]``, the digits chosen so far; ``shift``: int32
+  ``[1, 1]``, the lowest bit of this pass's digit (traced: one kernel serves
+  the middle passes); ``first``: the first pass, which has no prefix to match.
+  Returns the histogram ``[n_bins, BF]`` and, with ``sums``, ``sum(x)``
+  ``[1, BF]`` and the excess over each bin's candidate answer
+  ``[n_bins, BF]``.
   """
   n_bins = 1 << digit_bits
   block_cols = prefix.shape[1]
@@ -169,16 +179,19 @@ def _pass_body(
     start = pl.multiple_of(i * block_rows, block_rows)
     x = load_rows(start, block_rows)
     u = _flipped_keys(x)
+    low = jnp.broadcast_to(shift, x.shape)
     row = start + lax.broadcasted_iota(_I32, x.shape, 0)
     valid = row < n_rows  # the padding to whole chunks is never counted
     if load_mask is not None:
       valid = valid & (load_mask(start, block_rows) != 0)
     match = valid
-    if shift + digit_bits < 32:  # the first pass has no prefix yet
+    # The first pass has no prefix yet; matching one would shift by 32,
+    # which Triton (as LLVM) leaves undefined.
+    if not first:
       match = match & (
-          lax.shift_right_logical(u, _I32(shift + digit_bits)) == prefix
+          lax.shift_right_logical(u, low + _I32(digit_bits)) == prefix
       )
-    digit = lax.shift_right_logical(u, _I32(shift)) & _I32(n_bins - 1)
+    digit = lax.shift_right_logical(u, low) & _I32(n_bins - 1)
     hit = (digit[:, None, :] == bins) & match[:, None, :]
     out = (carry[0] + jnp.sum(hit.astype(_I32), axis=0),)
     if sums:
@@ -244,9 +257,14 @@ def _out_struct(shape: tuple[int, ...], dtype: Any, like: Array) -> Any:
 
 
 def _run_pass(
-    rows, mask, prefix, *, shift, digit_bits, blocks, sums, interpret
+    rows, mask, prefix, shift, *, first, digit_bits, blocks, sums, interpret
 ):
-  """One ``pallas_call``: per-column histogram ``[n_bins, F]`` (and sums)."""
+  """One ``pallas_call``: per-column histogram ``[n_bins, F]`` (and sums).
+
+  ``shift`` (int32 scalar, may be traced): the lowest bit of the pass's digit,
+  an operand of the kernel, so that every pass but the first and a last one
+  with ``sums`` calls the same kernel.
+  """
   n_rows, n_cols = rows.shape
   block_rows, block_cols = blocks
   padded_rows = pl.cdiv(n_rows, block_rows) * block_rows
@@ -260,6 +278,8 @@ def _run_pass(
     in_specs.append(column_block)
   operands.append(_pad_to(prefix[None], 1, padded_cols, 0))
   in_specs.append(pl.BlockSpec((1, block_cols), lambda j: (0, j)))
+  operands.append(jnp.reshape(shift, (1, 1)).astype(_I32))
+  in_specs.append(pl.BlockSpec((1, 1), lambda j: (0, 0)))
   out_shape = [_out_struct((n_bins, padded_cols), _I32, operands[0])]
   out_specs = [pl.BlockSpec((n_bins, block_cols), lambda j: (0, j))]
   if sums:
@@ -272,7 +292,7 @@ def _run_pass(
         pl.BlockSpec((n_bins, block_cols), lambda j: (0, j)),
     ]
   options = dict(
-      shift=shift,
+      first=first,
       digit_bits=digit_bits,
       n_rows=n_rows,
       block_rows=block_rows,
@@ -290,7 +310,7 @@ def _run_pass(
       # Triton explicitly: jax's GPU default may be the Mosaic GPU lowering,
       # which this kernel (register histograms, no async copies) is not for.
       compiler_params=None if interpret else TritonParams(num_warps=4),
-      name=f"gbn_radix_pass_{shift}",
+      name="gbn_radix_" + ("first" if first else "last" if sums else "pass"),
   )
   if interpret and common.varying_axes(operands[0]):
     # Pallas's interpreter types the kernel's buffers device-invariant and
@@ -300,8 +320,10 @@ def _run_pass(
         a, start, size
     )
     mask_load = load(operands[1]) if mask is not None else None
-    prefix = common.varying_like(operands[-1], operands[0])
-    out = _pass_body(load(operands[0]), mask_load, prefix, **options)
+    prefix = common.varying_like(operands[-2], operands[0])
+    out = _pass_body(
+        load(operands[0]), mask_load, prefix, operands[-1], **options
+    )
   else:
     out = call(out_shape=out_shape)(*operands)
   return [o[:, :n_cols] for o in out]
@@ -319,7 +341,13 @@ def pallas_kth_smallest(
     interpret: bool | None = None,
     sums: bool = False,
 ) -> PallasSelection:
-  """Exact k-th smallest key per column of ``rows``, one kernel per radix pass.
+  """Exact k-th smallest key per column of ``rows``: radix passes, 2-3 kernels.
+
+  The first pass is one kernel; the passes after it are one ``lax.fori_loop``
+  body of static trip count calling a second kernel whose digit's shift is a
+  traced operand; with ``sums`` the last pass, which also sums, is a third
+  kernel. A program thus holds 2 kernels (3 with ``sums``) whatever
+  ``digit_bits``, not one per pass.
 
   Args:
     rows: float32 ``[N, F]`` (``common.to_rows``); ``mask`` decides which
@@ -353,25 +381,30 @@ def pallas_kth_smallest(
   blocks = _block_sizes(*rows.shape, block_rows, block_cols)
   n_passes = 32 // digit_bits
   rows = rows.astype(_F32)
-  state = None
-  for p in range(n_passes):
-    # A Python loop: each pass is its own kernel (its shift is static in it).
-    out = _run_pass(
-        rows,
-        mask,
-        jnp.zeros(rows.shape[1:], _I32) if state is None else state.prefix,
-        shift=32 - digit_bits * (p + 1),
-        digit_bits=digit_bits,
-        blocks=blocks,
-        sums=sums and p == n_passes - 1,
-        interpret=interpret,
-    )
-    if state is None:
-      state = radix.first_descent(out[0], k, comm)
-    else:
-      state = radix.next_descent(state, out[0], comm)
+  run = functools.partial(
+      _run_pass,
+      rows,
+      mask,
+      digit_bits=digit_bits,
+      blocks=blocks,
+      interpret=interpret,
+  )
+  zero = jnp.zeros(rows.shape[1:], _I32)
+  out = run(zero, _I32(32 - digit_bits), first=True, sums=False)
+  state = radix.first_descent(out[0], k, comm)
+
+  def next_pass(p: Array, state: radix.Descent) -> radix.Descent:
+    # Pass p reads digit p, the bits from 32 - (p + 1) * digit_bits up.
+    shift = _I32(32) - (p + 1) * _I32(digit_bits)
+    out = run(state.prefix, shift, first=False, sums=False)
+    return radix.next_descent(state, out[0], comm)
+
+  # One traced body for the middle passes: a static trip count, as radix's.
+  state = lax.fori_loop(1, n_passes - 1 if sums else n_passes, next_pass, state)
   total = excess = None
   if sums:
+    out = run(state.prefix, _I32(0), first=False, sums=True)
+    state = radix.next_descent(state, out[0], comm)
     chosen = state.prefix & _I32((1 << digit_bits) - 1)  # the last digit
     total, excess = comm.psum((out[1][0], common.take_rows(out[2], chosen)))
   return PallasSelection(*state.selection(), total=total, excess=excess)
@@ -434,6 +467,7 @@ def kth_smallest_pallas(
   )
 
 
+# Alike gbn_jax/_selection/pallas.py::kth_smallest_pallas: public entry points spell out their own keyword contracts.
 def kth_smallest_with_sums_pallas(
     x: Array,
     k: int | Array | Callable[[Array], Array],
