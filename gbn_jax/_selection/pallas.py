@@ -426,6 +426,7 @@ def _per_platform_select(interpret, **options):
   return select_rows
 
 
+# Alike gbn_jax/_selection/dispatch.py::kth_smallest: the methods' one contract.
 def kth_smallest_pallas(
     x: Array,
     k: int | Array,
@@ -467,7 +468,8 @@ def kth_smallest_pallas(
   )
 
 
-# Alike gbn_jax/_selection/pallas.py::kth_smallest_pallas: public entry points spell out their own keyword contracts.
+# Alike gbn_jax/_selection/pallas.py::kth_smallest_pallas: each entry point
+# spells out its own keyword contract.
 def kth_smallest_with_sums_pallas(
     x: Array,
     k: int | Array | Callable[[Array], Array],
