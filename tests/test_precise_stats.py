@@ -25,13 +25,14 @@ from train import checkpointing
 from train import configs
 from train import input_pipeline
 from train import main as train_main
-from train import programs
 from train import sharding
 from train import train
 from train import train_state
 from train import train_steps
 
 from measure_helpers import COMPLETE_MEASURES
+from precise_program_helpers import compile_precise_run
+from precise_program_helpers import precise_evaluation
 import reference as ref
 from training_helpers import TINY
 from training_helpers import small_dataset
@@ -501,26 +502,13 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
   """Program.precise after one epoch vs statistics computed in numpy."""
   ds = small_dataset()
   config = train.resolve(TINY)  # norm 'mad'
-  mesh = sharding.make_mesh()
-  train_data = sharding.place_train(ds, mesh)
-  test_data = sharding.place_test(ds, mesh, config.batch_size)
-  program, _ = programs.compile_program(
-      config, mesh, train_data, test_data, ds.num_classes, precise_stats=2
-  )
-  state = program.init(jax.random.key(0))
-  images, labels = program.prepare(
-      train_data.images,
-      train_data.labels,
-      train_steps.epoch_key(config.seed, 1),
-  )
+  run = compile_precise_run(config, ds, sharding.make_mesh())
+  program, images, test_data = run.program, run.images, run.test_data
   for step in range(program.steps):
-    state, _ = program.step(state, images, labels, np.int32(step))
+    run.step(step)
+  state = run.state
   ema = jax.tree.map(np.array, state.batch_stats)
-  got = jax.device_get(
-      program.precise(
-          state, images, test_data.images, test_data.labels, test_data.mask
-      )
-  )
+  got = precise_evaluation(run)
   jax.tree.map(np.testing.assert_array_equal, state.batch_stats, ema)
 
   model = train_state.create_model(config, ds.num_classes)
@@ -572,6 +560,8 @@ def test_train_loop_precise_evaluation_equals_numpy_statistics():
 @pytest.mark.slow
 def test_cli_flag_end_to_end(tmp_path, capsys):
   data = write_tiny_mnist(tmp_path / "data")
+  # Alike tests/test_sweep_report.py::_sweep_args: the same tiny-MNIST flags,
+  # here for train.mnist (with --epochs, --norm), there for train.sweep.
   common = [
       "--data-dir",
       str(data),

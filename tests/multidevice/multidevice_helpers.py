@@ -1,4 +1,4 @@
-"""What the multidevice tests share: their devices, a mesh, a batch with ties.
+"""What the multidevice tests share: devices, a mesh, a batch, a training step.
 
 Every file here runs in a process with XLA_FLAGS=
 --xla_force_host_platform_device_count=4 (tests/test_multidevice.py starts
@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -45,3 +46,47 @@ def assert_trees_close(a, b, rtol: float = 2e-4, atol: float = 1e-3) -> None:
   jax.tree.map(
       functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol), a, b
   )
+
+
+def training_step(module, variables, x, w, mask=None):
+  """Output, running statistics and gradients (params, input) of one step.
+
+  The loss ``sum(sin(y) * w)`` weighs every output differently, so that a
+  gradient summed or scaled in the wrong place shows.
+  """
+
+  def loss(params, inp):
+    y, upd = module.apply(
+        {**variables, "params": params},
+        inp,
+        False,
+        mask=mask,
+        mutable=["batch_stats"],
+    )
+    return jnp.sum(jnp.sin(y) * w), (y, upd)
+
+  (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      variables["params"], x
+  )
+  return y, upd, grads
+
+
+def sharded_training_step(module, variables, x, w, mask=None):
+  """:func:`training_step` under ``shard_map``, the batch split along 'batch'.
+
+  Replicated params: shard_map's transpose already sums their cotangents, so
+  the result compares with the single-device step's as it is.
+  """
+  masks = () if mask is None else (mask,)
+  fn = jax.jit(
+      jax.shard_map(
+          lambda p, s, v, wl, *m: training_step(
+              module, {"params": p, "batch_stats": s}, v, wl, *(m or (None,))
+          ),
+          mesh=mesh(),
+          in_specs=(P(), P(), P("batch"), P("batch"))
+          + (P("batch"),) * len(masks),
+          out_specs=(P("batch"), P(), (P(), P("batch"))),
+      )
+  )
+  return fn(variables["params"], variables["batch_stats"], x, w, *masks)

@@ -7,8 +7,6 @@ runs this file in a subprocess, and tests/test_multidevice.py the whole folder).
 import functools
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -25,42 +23,8 @@ def _x(shape=(16, 3, 3, 5), seed=0):
 
 
 _close = functools.partial(md.assert_trees_close, atol=1e-4)
-
-
-def _step(module, variables, x, w, mask):
-  """Output, running statistics and gradients of one training step."""
-
-  def loss(params, inp):
-    y, upd = module.apply(
-        {**variables, "params": params},
-        inp,
-        False,
-        mask=mask,
-        mutable=["batch_stats"],
-    )
-    return jnp.sum(jnp.sin(y) * w), (y, upd)
-
-  (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      variables["params"], x
-  )
-  return y, upd, grads
-
-
-def _sharded_step(module, variables, x, w, mask=None):
-  mesh = md.mesh()
-  masks = () if mask is None else (mask,)
-  fn = jax.jit(
-      jax.shard_map(
-          lambda p, s, v, wl, *m: _step(
-              module, {"params": p, "batch_stats": s}, v, wl, *(m or (None,))
-          ),
-          mesh=mesh,
-          in_specs=(P(), P(), P("batch"), P("batch"))
-          + (P("batch"),) * len(masks),
-          out_specs=(P("batch"), P(), (P(), P("batch"))),
-      )
-  )
-  return fn(variables["params"], variables["batch_stats"], x, w, *masks)
+_step = md.training_step
+_sharded_step = md.sharded_training_step
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])

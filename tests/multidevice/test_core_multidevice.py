@@ -28,20 +28,26 @@ _auto_mesh = md.mesh
 _close = md.assert_trees_close
 
 
-def _reference_step(measure, variables, x, w):
+def _reference_step(measure, variables, x, w, **options):
   """Single device, whole batch: output, new stats, and gradients."""
-  module = GBatchNorm(measure=measure)
-
-  def loss(params, inp):
-    y, upd = module.apply(
-        {**variables, "params": params}, inp, False, mutable=["batch_stats"]
-    )
-    return jnp.sum(jnp.sin(y) * w), (y, upd)
-
-  (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      variables["params"], x
+  return md.training_step(
+      GBatchNorm(measure=measure, **options), variables, x, w
   )
-  return y, upd, grads
+
+
+def _pmap_step(module, variables, x, w):
+  """Output, new stats and input gradient, the batch split over ``NDEV``
+  pmapped devices; the stats as device 0 has them."""
+  split = lambda a: a.reshape((NDEV, -1) + a.shape[1:])
+  y, upd, (_, gx) = jax.pmap(
+      lambda inp, wl: md.training_step(module, variables, inp, wl),
+      axis_name="i",
+  )(split(x), split(w))
+  return (
+      y.reshape(x.shape),
+      jax.tree.map(lambda a: a[0], upd),
+      gx.reshape(x.shape),
+  )
 
 
 def _init(measure, x):
@@ -57,36 +63,9 @@ def test_shard_map_axis_name_equals_single_device(measure):
   x = _batch()
   w = jax.random.normal(jax.random.key(2), x.shape)
   variables = _init(measure, x)
-  y_ref, upd_ref, g_ref = _reference_step(measure, variables, x, w)
-
+  want = _reference_step(measure, variables, x, w)
   module = GBatchNorm(measure=measure, axis_name="batch")
-
-  def local(params, stats, inp, wl):
-    def loss(p, v):
-      y, upd = module.apply(
-          {"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"]
-      )
-      return jnp.sum(jnp.sin(y) * wl), (y, upd)
-
-    (_, (y, upd)), (gp, gx) = jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True
-    )(params, inp)
-    # Replicated params: shard_map's transpose already sums their cotangents.
-    return y, upd, gp, gx
-
-  fn = jax.jit(
-      jax.shard_map(
-          local,
-          mesh=_auto_mesh(),
-          in_specs=(P(), P(), P("batch"), P("batch")),
-          out_specs=(P("batch"), P(), P(), P("batch")),
-      )
-  )
-  y, upd, gp, gx = fn(variables["params"], variables["batch_stats"], x, w)
-  _close(y, y_ref)
-  _close(upd, upd_ref)
-  _close(gp, g_ref[0])
-  _close(gx, g_ref[1])
+  _close(md.sharded_training_step(module, variables, x, w), want)
 
 
 @pytest.mark.parametrize("measure", ["sd", "sqd1", "rbd", "bpoe"])
@@ -96,22 +75,9 @@ def test_pmap_axis_name_equals_single_device(measure):
   variables = _init(measure, x)
   y_ref, upd_ref, g_ref = _reference_step(measure, variables, x, w)
   module = GBatchNorm(measure=measure, axis_name="i")
-
-  def local(inp, wl):
-    def loss(v):
-      y, upd = module.apply(variables, v, False, mutable=["batch_stats"])
-      return jnp.sum(jnp.sin(y) * wl), (y, upd)
-
-    (_, (y, upd)), gx = jax.value_and_grad(loss, has_aux=True)(inp)
-    return y, upd, gx
-
-  split = lambda a: a.reshape((NDEV, -1) + a.shape[1:])
-  y, upd, gx = jax.pmap(local, axis_name="i")(split(x), split(w))
-  _close(y.reshape(x.shape), y_ref)
-  _close(jax.tree.map(lambda a: a[0], upd), upd_ref)
   # pmap differentiates each device's loss with psum transposes, i.e. the sum
   # of the NDEV per-device losses, each of which is the reference loss share.
-  _close(gx.reshape(x.shape), g_ref[1])
+  _close(_pmap_step(module, variables, x, w), (y_ref, upd_ref, g_ref[1]))
 
 
 def test_pmap_axis_index_groups():
@@ -242,19 +208,7 @@ def _renorm_init(measure, x):
   }
 
 
-def _renorm_reference(measure, variables, x, w):
-  module = GBatchNorm(measure=measure, **RENORM)
-
-  def loss(params, inp):
-    y, upd = module.apply(
-        {**variables, "params": params}, inp, False, mutable=["batch_stats"]
-    )
-    return jnp.sum(jnp.sin(y) * w), (y, upd)
-
-  (_, (y, upd)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      variables["params"], x
-  )
-  return y, upd, grads
+_renorm_reference = functools.partial(_reference_step, **RENORM)
 
 
 @pytest.mark.parametrize("measure", ["sd", "mad", "sqd1", "rbd", "bpoe"])
@@ -262,37 +216,12 @@ def test_renorm_shard_map_axis_name_equals_single_device(measure):
   x = _batch(seed=13)
   w = jax.random.normal(jax.random.key(14), x.shape)
   variables = _renorm_init(measure, x)
-  y_ref, upd_ref, g_ref = _renorm_reference(measure, variables, x, w)
+  want = _renorm_reference(measure, variables, x, w)
   module = GBatchNorm(measure=measure, axis_name="batch", **RENORM)
-
-  def local(params, stats, inp, wl):
-    def loss(p, v):
-      y, upd = module.apply(
-          {"params": p, "batch_stats": stats}, v, False, mutable=["batch_stats"]
-      )
-      return jnp.sum(jnp.sin(y) * wl), (y, upd)
-
-    (_, (y, upd)), (gp, gx) = jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True
-    )(params, inp)
-    return y, upd, gp, gx
-
-  fn = jax.jit(
-      jax.shard_map(
-          local,
-          mesh=_auto_mesh(),
-          in_specs=(P(), P(), P("batch"), P("batch")),
-          out_specs=(P("batch"), P(), P(), P("batch")),
-      )
-  )
-  y, upd, gp, gx = fn(variables["params"], variables["batch_stats"], x, w)
-  _close(y, y_ref)
-  _close(upd, upd_ref)
-  _close(gp, g_ref[0])
-  _close(gx, g_ref[1])
+  _close(md.sharded_training_step(module, variables, x, w), want)
   # and the renormalized layer is not the plain one here
   y_plain, _, _ = _reference_step(measure, variables, x, w)
-  assert not np.allclose(y_ref, y_plain, atol=1e-3)
+  assert not np.allclose(want[0], y_plain, atol=1e-3)
 
 
 @pytest.mark.parametrize("measure", ["sd", "sqd2"])
@@ -314,36 +243,29 @@ def test_renorm_pmap_equals_single_device():
   variables = _renorm_init("sqd1", x)
   y_ref, upd_ref, g_ref = _renorm_reference("sqd1", variables, x, w)
   module = GBatchNorm(measure="sqd1", axis_name="i", **RENORM)
-
-  def local(inp, wl):
-    def loss(v):
-      y, upd = module.apply(variables, v, False, mutable=["batch_stats"])
-      return jnp.sum(jnp.sin(y) * wl), (y, upd)
-
-    (_, (y, upd)), gx = jax.value_and_grad(loss, has_aux=True)(inp)
-    return y, upd, gx
-
-  split = lambda a: a.reshape((NDEV, -1) + a.shape[1:])
-  y, upd, gx = jax.pmap(local, axis_name="i")(split(x), split(w))
-  _close(y.reshape(x.shape), y_ref)
-  _close(jax.tree.map(lambda a: a[0], upd), upd_ref)
-  _close(gx.reshape(x.shape), g_ref[1])
+  _close(_pmap_step(module, variables, x, w), (y_ref, upd_ref, g_ref[1]))
 
 
 class _PreciseNet(nn.Module):
+  """Conv, GBatchNorm, conv, BatchNorm; ``axis_name`` in both norms."""
+
   measure: str
+  axis_name: str | None = None
 
   @nn.compact
   def __call__(self, x):
     x = nn.Conv(4, (2, 2))(x)
     x = nn.relu(
         GBatchNorm(
-            use_running_average=False, measure=self.measure, momentum=0.99
+            use_running_average=False,
+            measure=self.measure,
+            momentum=0.99,
+            axis_name=self.axis_name,
         )(x)
     )
-    x = nn.BatchNorm(use_running_average=False, momentum=0.9)(
-        nn.Conv(3, (2, 2))(x)
-    )
+    x = nn.BatchNorm(
+        use_running_average=False, momentum=0.9, axis_name=self.axis_name
+    )(nn.Conv(3, (2, 2))(x))
     return x.mean((1, 2))
 
 
@@ -365,7 +287,7 @@ def test_precise_batch_stats_over_sharded_batches_equal_one_device(measure):
   # shard_map with axis_name: each device holds a quarter of every batch.
   def local(v, b):
     return gbn_jax.precise_batch_stats(
-        lambda vv, bb: _PreciseNetAxis(measure).apply(
+        lambda vv, bb: _PreciseNet(measure, "batch").apply(
             vv, bb, mutable=["batch_stats"]
         ),
         v,
@@ -384,35 +306,13 @@ def test_precise_batch_stats_over_sharded_batches_equal_one_device(measure):
   _close(got, want)
 
 
-class _PreciseNetAxis(nn.Module):
-  """_PreciseNet with axis_name='batch' in every norm."""
-
-  measure: str
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Conv(4, (2, 2))(x)
-    x = nn.relu(
-        GBatchNorm(
-            use_running_average=False,
-            measure=self.measure,
-            momentum=0.99,
-            axis_name="batch",
-        )(x)
-    )
-    x = nn.BatchNorm(
-        use_running_average=False, momentum=0.9, axis_name="batch"
-    )(nn.Conv(3, (2, 2))(x))
-    return x.mean((1, 2))
-
-
 def test_train_precise_evaluation_four_devices_equal_one():
   """The training loop's --precise-stats evaluation on a 4-device Auto mesh."""
-  from train import programs  # pylint: disable=g-import-not-at-top
   from train import sharding  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
-  from train import train_steps  # pylint: disable=g-import-not-at-top
 
+  from precise_program_helpers import compile_precise_run  # pylint: disable=g-import-not-at-top
+  from precise_program_helpers import precise_evaluation  # pylint: disable=g-import-not-at-top
   from training_helpers import TINY  # pylint: disable=g-import-not-at-top
   from training_helpers import small_dataset  # pylint: disable=g-import-not-at-top
 
@@ -420,30 +320,11 @@ def test_train_precise_evaluation_four_devices_equal_one():
   config = train.resolve(TINY.replace(norm="sqd1"))
   results = []
   for count in (1, NDEV):
-    mesh = sharding.make_mesh(jax.devices()[:count])
-    train_data = sharding.place_train(ds, mesh)
-    test_data = sharding.place_test(ds, mesh, config.batch_size)
-    program, _ = programs.compile_program(
-        config, mesh, train_data, test_data, ds.num_classes, precise_stats=2
+    run = compile_precise_run(
+        config, ds, sharding.make_mesh(jax.devices()[:count])
     )
-    state = program.init(jax.random.key(0))
-    images, labels = program.prepare(
-        train_data.images,
-        train_data.labels,
-        train_steps.epoch_key(config.seed, 1),
-    )
-    state, _ = program.step(state, images, labels, np.int32(0))
-    results.append(
-        jax.device_get(
-            program.precise(
-                state,
-                images,
-                test_data.images,
-                test_data.labels,
-                test_data.mask,
-            )
-        )
-    )
+    run.step(0)
+    results.append(precise_evaluation(run))
   one, four = results
   np.testing.assert_allclose(four["loss_sum"], one["loss_sum"], rtol=1e-4)
   assert abs(int(four["errors"]) - int(one["errors"])) <= 1
