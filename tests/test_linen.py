@@ -11,6 +11,8 @@ import pytest
 import gbn_jax
 from gbn_jax import GBatchNorm
 
+from gradient_helpers import assert_bfloat16_input_gradient_is_finite
+from gradient_helpers import assert_matches_central_differences
 from measure_helpers import COMPLETE_MEASURES
 import reference as ref
 
@@ -317,6 +319,8 @@ def test_fused_backward_equals_autodiff(name, masked):
   gbn = GBatchNorm(measure=measure, alpha=alpha)
   variables = _nonzero_params(gbn.init(jax.random.key(0), x, False))
 
+  # Alike multidevice_helpers.py::training_step: a masked loss of the same
+  # shape, here set against reference_loss's unfused layer.
   def layer_loss(params, inp):
     y, _ = gbn.apply(
         {**variables, "params": params},
@@ -356,14 +360,7 @@ def test_layer_gradient_matches_finite_differences():
         gbn.apply(variables, v, False, mutable=["batch_stats"])[0], w
     )
     g = np.asarray(jax.grad(f)(jnp.asarray(x)), np.float64)
-    for _ in range(2):
-      d = rng.standard_normal(x.shape)
-      eps = 1e-3
-      fd = (
-          float(f(jnp.asarray(x + eps * d, jnp.float32)))
-          - float(f(jnp.asarray(x - eps * d, jnp.float32)))
-      ) / (2 * eps)
-      np.testing.assert_allclose(np.sum(g * d), fd, rtol=5e-3, atol=5e-3)
+    assert_matches_central_differences(f, g, x, rng, directions=2)
 
 
 def test_fused_backward_half_precision_and_no_params():
@@ -371,14 +368,7 @@ def test_fused_backward_half_precision_and_no_params():
   for kwargs in ({"use_scale": False, "use_bias": False}, {}):
     gbn = GBatchNorm(measure="rsd", **kwargs)
     variables = gbn.init(jax.random.key(0), x, False)
-    g = jax.grad(
-        lambda v: gbn.apply(variables, v, False, mutable=["batch_stats"])[0]
-        .astype(jnp.float32)
-        .sum()
-    )(x)
-    assert (
-        g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
-    )
+    assert_bfloat16_input_gradient_is_finite(gbn, variables, x)
 
 
 def test_public_names():

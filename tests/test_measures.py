@@ -12,6 +12,7 @@ import pytest
 import gbn_jax
 from gbn_jax import measures
 
+from gradient_helpers import assert_matches_central_differences
 from measure_helpers import BUILTIN_MEASURES
 from measure_helpers import COMPLETE_MEASURES
 import reference as ref
@@ -33,6 +34,17 @@ def test_reference_defines_exactly_the_builtin_measures():
   assert set(ref.MEASURE_NAMES) == set(BUILTIN_MEASURES)
 
 
+def _assert_matches_definition(got, name, x, axis, alpha=None, mask=None):
+  """``got = (S, D)`` of measure ``name`` over ``axis`` against the numpy
+  definitions, per feature (masked-out elements left out)."""
+  want_s, want_d = ref.per_feature(
+      lambda r: ref.measure_1d(name, r, alpha), x, axis, mask=mask
+  )
+  # Also checks the shapes (numpy's assert_allclose would broadcast).
+  chex.assert_trees_all_close(got[0], want_s, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(got[1], want_d, rtol=1e-4, atol=1e-5)
+
+
 class MeasureVariantsTest(chex.TestCase):
   """Each measure jitted and not, against the definitions in numpy."""
 
@@ -45,13 +57,8 @@ class MeasureVariantsTest(chex.TestCase):
     name, params = gbn_jax.parse_measure_name(name)
     x = _data(kind)
     measure = gbn_jax.get_measure(name, **params)
-    s, d = self.variant(lambda v: measure(v, 0))(x)
-    want_s, want_d = ref.per_feature(
-        lambda r: ref.measure_1d(name, r, params.get("alpha")), x, (0,)
-    )
-    # Also checks the shapes (numpy's assert_allclose would broadcast).
-    chex.assert_trees_all_close(s, want_s, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(d, want_d, rtol=1e-4, atol=1e-5)
+    got = self.variant(lambda v: measure(v, 0))(x)
+    _assert_matches_definition(got, name, x, (0,), alpha=params.get("alpha"))
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(*COMPLETE_MEASURES)
@@ -60,12 +67,8 @@ class MeasureVariantsTest(chex.TestCase):
     x = _data("relu", (7, 5, 3, 4), seed=3)
     mask = rng.random(x.shape) < 0.7
     measure = gbn_jax.get_measure(name)
-    s, d = self.variant(lambda v, m: measure(v, (0, 1, 2), where=m))(x, mask)
-    want_s, want_d = ref.per_feature(
-        lambda r: ref.measure_1d(name, r), x, (0, 1, 2), mask=mask
-    )
-    chex.assert_trees_all_close(s, want_s, rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(d, want_d, rtol=1e-4, atol=1e-5)
+    got = self.variant(lambda v, m: measure(v, (0, 1, 2), where=m))(x, mask)
+    _assert_matches_definition(got, name, x, (0, 1, 2), mask=mask)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(*COMPLETE_MEASURES)
@@ -78,14 +81,7 @@ class MeasureVariantsTest(chex.TestCase):
     w = rng.standard_normal(2 * 3)
     f = lambda v: jnp.concatenate(m(v, 0)) @ w
     g = np.asarray(self.variant(jax.grad(f))(jnp.asarray(x)), np.float64)
-    for _ in range(3):
-      d = rng.standard_normal(x.shape)
-      eps = 1e-3
-      fd = (
-          float(f(jnp.asarray(x + eps * d, jnp.float32)))
-          - float(f(jnp.asarray(x - eps * d, jnp.float32)))
-      ) / (2 * eps)
-      np.testing.assert_allclose(np.sum(g * d), fd, rtol=5e-3, atol=5e-3)
+    assert_matches_central_differences(f, g, x, rng, directions=3)
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu"])

@@ -369,6 +369,8 @@ CONV_SCRIPT = textwrap.dedent(r"""
 @pytest.mark.parametrize("isa", ["", "avx2", "scalar"])
 def test_conv_kernel_under_sanitizers(sanitized_conv_build, isa):
   library, preload = sanitized_conv_build
+  # Alike test_native_sanitizers.py::test_kernel_fuzz_under_sanitizers: each
+  # kernel's own library switch, instruction-set switch and ASan options.
   env = dict(
       os.environ,
       GBN_CONV_MAX_ISA=isa,

@@ -20,6 +20,7 @@ import pytest
 from gbn_jax import GBatchNorm
 import gbn_jax.nnx as gnnx
 
+from gradient_helpers import assert_bfloat16_input_gradient_is_finite
 from measure_helpers import COMPLETE_MEASURES
 import reference as ref
 
@@ -142,6 +143,7 @@ def _linen_step(measure, clipping, state, x, w, renorm=True):
   return y, stats, grads
 
 
+# Alike notebooks/execute.py::execute: only the shape of a call with keywords.
 def _nnx_layer(measure, clipping, state, features, renorm=True):
   layer = gnnx.GBatchNorm(
       features,
@@ -392,14 +394,7 @@ def test_half_precision_and_no_params():
     plain = GBatchNorm(measure=measure, **kwargs)
     y0, _ = plain.apply(variables, x, False, mutable=["batch_stats"])
     assert y.dtype == y0.dtype
-    g = jax.grad(
-        lambda v: layer.apply(variables, v, False, mutable=["batch_stats"])[0]
-        .astype(jnp.float32)
-        .sum()
-    )(x)
-    assert (
-        g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
-    )
+    assert_bfloat16_input_gradient_is_finite(layer, variables, x)
 
 
 # --- construction ----------------------------------------------------------------
