@@ -1,4 +1,4 @@
-"""Shared numpy oracle, data and exactness suite of the selection backends' tests.
+"""Shared numpy oracle, data and tests of the selection backends' tests.
 
 The oracle is written from the definition: per feature, ``np.sort`` of the
 masked-in elements, index ``k - 1``; tie and "above" counts are numpy's IEEE
@@ -7,19 +7,26 @@ give. Values must match bit for bit (``-0.0`` is expected back as ``+0.0``).
 
 :class:`ExactnessSuite` holds the tests every drop-in backend (radix, bracket)
 must pass; a test module subclasses it with its backend's ``check`` and
-``value``.
+``value``. The ``assert_*`` functions below it are checks that more than one
+backend's module runs on its own entry point.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import re
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gbn_jax._selection import common
+from gbn_jax._selection import dispatch
 from gbn_jax._selection import sort
+
+from process_helpers import run_pytest
 
 TINY = np.finfo(np.float32).tiny
 
@@ -188,6 +195,21 @@ KINDS = [
 ]
 
 
+def masked_halves(features: int) -> tuple[np.ndarray, np.ndarray]:
+  """``"halves"`` data of shape ``(40, 50, features)`` and a mask on it.
+
+  Feature 0 keeps about 60% of its elements, feature 1 a single one, feature
+  2 about 2% (sparse); features from 3 on about 60%.
+  """
+  rng = np.random.default_rng(3)
+  x = data("halves", (40, 50, features), seed=3)
+  where = rng.random(x.shape) < 0.6
+  where[:, :, 1] = False
+  where[7, 3, 1] = True  # a feature with a single masked-in element
+  where[:, :, 2] = rng.random((40, 50)) < 0.02  # a sparse feature
+  return x, where
+
+
 class ExactnessSuite:
   """Exactness tests shared by the drop-in backends (collected via subclasses).
 
@@ -242,12 +264,7 @@ class ExactnessSuite:
       self.check(x, k, axis)
 
   def test_masks_per_feature_k_and_empty_features(self):
-    rng = np.random.default_rng(3)
-    x = data("halves", (40, 50, 5), seed=3)
-    where = rng.random(x.shape) < 0.6
-    where[:, :, 1] = False
-    where[7, 3, 1] = True  # a feature with a single masked-in element
-    where[:, :, 2] = rng.random((40, 50)) < 0.02  # a sparse feature
+    x, where = masked_halves(5)
     where[:, :, 4] = False  # all masked out: NaN
     x[~where] = -np.inf  # masked-out values must not matter (smaller than all)
     n = where.sum(axis=(0, 1))
@@ -273,3 +290,112 @@ class ExactnessSuite:
     row_mask = np.arange(50)[:, None] < 20  # broadcast mask: n = 20
     value = self.value(x, jnp.full((4,), 21, jnp.int32), (0,), row_mask)
     assert np.isnan(np.asarray(value)).all()
+
+
+def assert_local_ties(select_local_ties, x, ks) -> None:
+  """``select_local_ties(x, k, (0,))`` -> ``(value, ties)`` without an
+  ``axis_name``: the k-th smallest and this device's float32 count of it,
+  for each rank in ``ks`` (the same for every feature of ``x``)."""
+  for k in ks:
+    value, ties = select_local_ties(
+        x, jnp.full(x.shape[1:], k, jnp.int32), (0,)
+    )
+    want_value, want_ties, _ = numpy_kth(x, k, (0,))
+    assert_bitwise(value, want_value)
+    assert ties.dtype == jnp.float32
+    np.testing.assert_array_equal(ties, want_ties)
+
+
+def assert_vmap_and_axis_name_pooling(kth_smallest, rows, k, pooled_k):
+  """A backend's ``kth_smallest(x, k, axis, where=, axis_name=, return_ties=)``
+  under ``vmap``: per member without ``axis_name``, pooled over the members
+  with it (as devices along ``axis_name`` pool theirs).
+
+  Args:
+    kth_smallest: The backend's entry point.
+    rows: Rows per member (4 members, 3 features of ``"relu"`` data).
+    k: The rank per member, unpooled.
+    pooled_k: Three ranks, one per feature, among the pooled masked-in rows
+      (about ``0.7 * 4 * rows`` of them).
+  """
+  x = data("relu", (4, rows, 3), seed=6)
+  got = jax.jit(jax.vmap(lambda v: kth_smallest(v, k, (0,))))(x)
+  assert_bitwise(got, np.stack([numpy_kth(v, k, (0,))[0] for v in x]))
+  where = np.random.default_rng(6).random(x.shape) < 0.7
+  pooled_k = jnp.asarray(pooled_k, jnp.int32)
+  pooled = jax.jit(
+      jax.vmap(
+          lambda v, m: kth_smallest(
+              v, pooled_k, (0,), where=m, axis_name="b", return_ties=True
+          ),
+          axis_name="b",
+      )
+  )(x, where)
+  want_value, want_ties, _ = numpy_kth(
+      x.reshape(-1, 3), pooled_k, (0,), where.reshape(-1, 3)
+  )
+  for d in range(4):
+    assert_bitwise(pooled[0][d], want_value)
+  local_ties = np.asarray(pooled[1])  # each member's own rows
+  np.testing.assert_array_equal(local_ties.sum(axis=0), want_ties)
+  for d in range(4):
+    np.testing.assert_array_equal(
+        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0)
+    )
+
+
+def assert_half_precision_and_zero_gradient(kth_smallest):
+  """bfloat16 input selects as its float32 values do; the k-th smallest of
+  float32 input has a zero gradient (it is piecewise constant)."""
+  x16 = jnp.asarray(data("normal", (4, 8, 8, 5), seed=9), jnp.bfloat16)
+  want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))[0]
+  got = jax.jit(lambda v: kth_smallest(v, 100, (0, 1, 2)))(x16)
+  assert_bitwise(got, want)
+  x = jnp.asarray(data("normal", (300, 2), seed=7))
+  g = jax.jit(jax.grad(lambda v: jnp.sum(kth_smallest(v, 70, (0,)))))(x)
+  assert g.shape == x.shape and not np.any(np.asarray(g))
+
+
+def assert_dispatch_with_ties(method, monkeypatch, gpu_compares):
+  """``dispatch.kth_smallest(..., method=method, return_ties=True)`` under
+  jit equals numpy's sort, its ties counted as :func:`assert_backend_ties`
+  says, with the compares of a GPU (``gpu_compares``) or of a CPU."""
+  # Both answers on any backend: the GPU's compares keep denormals.
+  monkeypatch.setattr(common, "compares_keep_denormals", lambda: gpu_compares)
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((3000, 5)).astype(np.float32)
+  x[::3, 1] = 0.0  # ties at the target
+  got, ties = jax.jit(
+      lambda v: dispatch.kth_smallest(
+          v, 900, (0,), method=method, return_ties=True
+      )
+  )(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(got), np.sort(x, axis=0)[899])
+  assert_backend_ties(ties, x, got, gpu_compares)
+
+
+def count_calls(monkeypatch, owner: ModuleType, name: str) -> list[int]:
+  """Wraps ``owner.name`` to append 1 to the returned list on every call
+  (at trace time, for a traced function), then call through."""
+  calls = []
+  original: Callable = getattr(owner, name)
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(owner, name, counted)
+  return calls
+
+
+def assert_passes_on_portable_kernel(test_file: str, keyword: str) -> None:
+  """Runs ``test_file``'s tests selected by ``-k keyword`` in a fresh process
+  with ``GBN_KTH_SCALAR=1`` (the native kernel's portable, non-AVX2 code,
+  read once per process); some must run and all must pass."""
+  proc = run_pytest(
+      test_file, "-k", keyword, env={"GBN_KTH_SCALAR": "1"}, timeout=900
+  )
+  assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[
+      -2000:
+  ]

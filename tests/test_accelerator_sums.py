@@ -27,6 +27,7 @@ from gbn_jax._selection import radix
 
 from process_helpers import forced_host_devices
 from process_helpers import run_python_result
+from selection_helpers import count_calls
 
 ALPHAS = [1e-6, 0.25, 0.5, 0.75, 0.99, 0.999999]
 N_FEATURES = 8
@@ -35,17 +36,11 @@ N_FEATURES = 8
 @pytest.fixture
 def fused(monkeypatch):
   """Forces the radix select and counts the fused calls; the unfused path raises."""
-  calls = []
-  original = radix.kth_smallest_with_sums_accelerator
-
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return original(*args, **kwargs)
+  calls = count_calls(monkeypatch, radix, "kth_smallest_with_sums_accelerator")
 
   def unfused(*args, **kwargs):
     raise AssertionError("sqd fell back to the unfused selection and means")
 
-  monkeypatch.setattr(radix, "kth_smallest_with_sums_accelerator", counted)
   monkeypatch.setattr(quantiles, "_quantile_and_mean_excess", unfused)
   # Traced for the CPU only (as a CPU jit lowers it), not once per kind of
   # platform: the calls counted are then one trace's.

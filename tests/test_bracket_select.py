@@ -20,17 +20,19 @@ import pytest
 
 from gbn_jax._selection import bracket
 from gbn_jax._selection import common
-from gbn_jax._selection import dispatch
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 
 from process_helpers import forced_host_devices
 from process_helpers import run_python_result
 from selection_helpers import ExactnessSuite
-from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
+from selection_helpers import assert_dispatch_with_ties
+from selection_helpers import assert_half_precision_and_zero_gradient
 from selection_helpers import assert_static_loops
+from selection_helpers import assert_vmap_and_axis_name_pooling
 from selection_helpers import columns
+from selection_helpers import count_calls
 from selection_helpers import data
 from selection_helpers import numpy_kth
 
@@ -128,14 +130,8 @@ def test_fallback_runs_on_a_miss_or_an_overflow(kind, monkeypatch):
   n = 20000
   x = _adversarial(kind, n)
   k = jnp.asarray([1, n // 2, n], jnp.int32)
-  calls = []
-  radix_select = radix.radix_kth_smallest
-
-  def spy(*args, **kwargs):
-    calls.append(1)  # at trace time: the fallback branch is in the program
-    return radix_select(*args, **kwargs)
-
-  monkeypatch.setattr(radix, "radix_kth_smallest", spy)
+  # Counted at trace time: the fallback branch is in the program.
+  calls = count_calls(monkeypatch, radix, "radix_kth_smallest")
   sel = jax.jit(
       lambda r, k: bracket.bracket_kth_smallest(
           r, None, k, common.Comm(None, None)
@@ -181,44 +177,13 @@ def test_one_cond_no_data_dependent_loop():
 
 
 def test_vmap_and_vmap_axis_name_pooling():
-  x = data("relu", (4, 3000, 3), seed=6)
-  got = jax.jit(
-      jax.vmap(lambda v: bracket.kth_smallest_bracket(v, 1500, (0,)))
-  )(x)
-  assert_bitwise(got, np.stack([numpy_kth(v, 1500, (0,))[0] for v in x]))
-  where = np.random.default_rng(6).random(x.shape) < 0.7
-  k = jnp.asarray([1, 4000, 8400], jnp.int32)
-  pooled = jax.jit(
-      jax.vmap(
-          lambda v, m: bracket.kth_smallest_bracket(
-              v, k, (0,), where=m, axis_name="b", return_ties=True
-          ),
-          axis_name="b",
-      )
-  )(x, where)
-  want_value, want_ties, _ = numpy_kth(
-      x.reshape(-1, 3), k, (0,), where.reshape(-1, 3)
+  assert_vmap_and_axis_name_pooling(
+      bracket.kth_smallest_bracket, rows=3000, k=1500, pooled_k=[1, 4000, 8400]
   )
-  for d in range(4):
-    assert_bitwise(pooled[0][d], want_value)
-  local_ties = np.asarray(pooled[1])
-  np.testing.assert_array_equal(local_ties.sum(axis=0), want_ties)
-  for d in range(4):
-    np.testing.assert_array_equal(
-        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0)
-    )
 
 
 def test_half_precision_float64_and_gradient():
-  x16 = jnp.asarray(data("normal", (4, 8, 8, 5), seed=9), jnp.bfloat16)
-  want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))[0]
-  got = jax.jit(lambda v: bracket.kth_smallest_bracket(v, 100, (0, 1, 2)))(x16)
-  assert_bitwise(got, want)
-  x = jnp.asarray(data("normal", (300, 2), seed=7))
-  g = jax.jit(
-      jax.grad(lambda v: jnp.sum(bracket.kth_smallest_bracket(v, 70, (0,))))
-  )(x)
-  assert g.shape == x.shape and not np.any(np.asarray(g))
+  assert_half_precision_and_zero_gradient(bracket.kth_smallest_bracket)
 
 
 def test_bad_arguments():
@@ -242,18 +207,7 @@ def test_static_sample_and_buffer_sizes():
 
 @pytest.mark.parametrize("gpu_compares", [False, True])
 def test_dispatch_through_kth_smallest(monkeypatch, gpu_compares):
-  # Both answers on any backend: the GPU's compares keep denormals.
-  monkeypatch.setattr(common, "compares_keep_denormals", lambda: gpu_compares)
-  rng = np.random.default_rng(7)
-  x = rng.standard_normal((3000, 5)).astype(np.float32)
-  x[::3, 1] = 0.0  # ties at the target
-  got, ties = jax.jit(
-      lambda v: dispatch.kth_smallest(
-          v, 900, (0,), method="bracket", return_ties=True
-      )
-  )(jnp.asarray(x))
-  np.testing.assert_array_equal(np.asarray(got), np.sort(x, axis=0)[899])
-  assert_backend_ties(ties, x, got, gpu_compares)
+  assert_dispatch_with_ties("bracket", monkeypatch, gpu_compares)
 
 
 _SHARD_MAP_SCRIPT = r"""

@@ -28,8 +28,8 @@ from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
 
-from process_helpers import run_pytest
 from process_helpers import run_python_result
+from selection_helpers import assert_passes_on_portable_kernel
 
 TINY = np.finfo(np.float32).tiny
 needs_native = pytest.mark.skipif(
@@ -536,14 +536,6 @@ def test_subprocess_allocation_failure_raises(
 @pytest.mark.slow
 def test_kernel_portable_code():
   # GBN_KTH_SCALAR=1 makes the kernel run its portable (non-AVX2) code.
-  proc = run_pytest(
-      __file__,
-      "-k",
-      "kernel and not portable and not subprocess",
-      env={"GBN_KTH_SCALAR": "1"},
-      timeout=900,
+  assert_passes_on_portable_kernel(
+      __file__, "kernel and not portable and not subprocess"
   )
-  assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[
-      -2000:
-  ]

@@ -28,9 +28,11 @@ from gbn_jax._selection import pallas
 
 from process_helpers import run_python
 from selection_helpers import ExactnessSuite
-from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
+from selection_helpers import assert_dispatch_with_ties
+from selection_helpers import assert_local_ties
 from selection_helpers import columns
+from selection_helpers import count_calls
 from selection_helpers import data
 from selection_helpers import numpy_kth
 
@@ -127,12 +129,7 @@ def test_k_one_and_k_n_on_tiny_batches(n):
 
 def test_local_ties_are_this_devices_key_counts():
   x = data("signed_zero", (400, 6), seed=2)
-  for k in (1, 130, 200, 400):
-    value, ties = select_local_ties(x, jnp.full((6,), k, jnp.int32), (0,))
-    want, want_ties, _ = numpy_kth(x, k, (0,))
-    assert_bitwise(value, want)
-    assert ties.dtype == jnp.float32
-    np.testing.assert_array_equal(ties, want_ties)
+  assert_local_ties(select_local_ties, x, (1, 130, 200, 400))
 
 
 def test_vmap_axis_name_pools_histograms_and_sums():
@@ -163,17 +160,7 @@ def test_vmap_axis_name_pools_histograms_and_sums():
 @pytest.mark.parametrize("gpu_compares", [False, True])
 def test_dispatch_through_kth_smallest(monkeypatch, gpu_compares):
   assert "pallas" in dispatch.METHODS
-  monkeypatch.setattr(common, "compares_keep_denormals", lambda: gpu_compares)
-  rng = np.random.default_rng(7)
-  x = rng.standard_normal((3000, 5)).astype(np.float32)
-  x[::3, 1] = 0.0  # ties at the target
-  got, ties = jax.jit(
-      lambda v: dispatch.kth_smallest(
-          v, 900, (0,), method="pallas", return_ties=True
-      )
-  )(jnp.asarray(x))
-  np.testing.assert_array_equal(np.asarray(got), np.sort(x, axis=0)[899])
-  assert_backend_ties(ties, x, got, gpu_compares)
+  assert_dispatch_with_ties("pallas", monkeypatch, gpu_compares)
 
 
 def test_never_a_default():
@@ -185,14 +172,7 @@ def test_never_a_default():
 
 
 def test_gbatchnorm_sqd2_equals_the_default_method(monkeypatch):
-  calls = []
-  original = pallas.kth_smallest_with_sums_pallas
-
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return original(*args, **kwargs)
-
-  monkeypatch.setattr(pallas, "kth_smallest_with_sums_pallas", counted)
+  calls = count_calls(monkeypatch, pallas, "kth_smallest_with_sums_pallas")
   rng = np.random.default_rng(3)
   x = rng.standard_normal((64, 6)).astype(np.float32)
   x[:, 2] = np.maximum(x[:, 2], 0)  # ReLU zeros: ties at the quantile

@@ -22,7 +22,10 @@ from gbn_jax._selection import radix
 from selection_helpers import ExactnessSuite
 from selection_helpers import assert_backend_ties
 from selection_helpers import assert_bitwise
+from selection_helpers import assert_half_precision_and_zero_gradient
+from selection_helpers import assert_local_ties
 from selection_helpers import assert_static_loops
+from selection_helpers import assert_vmap_and_axis_name_pooling
 from selection_helpers import columns
 from selection_helpers import data
 from selection_helpers import numpy_kth
@@ -86,12 +89,7 @@ def test_histogram_kernels_and_digit_widths(histogram, digit_bits):
 
 def test_local_ties_without_axis_name_are_the_ties():
   x = data("tiny_set", (500, 6), seed=2)
-  for k in (1, 125, 250, 500):
-    value, ties = select_local_ties(x, jnp.full((6,), k, jnp.int32), (0,))
-    want_value, want_ties, _ = numpy_kth(x, k, (0,))
-    assert_bitwise(value, want_value)
-    assert ties.dtype == jnp.float32
-    np.testing.assert_array_equal(ties, want_ties)
+  assert_local_ties(select_local_ties, x, (1, 125, 250, 500))
 
 
 @pytest.mark.parametrize("kind", ["normal", "offset", "inf", "relu"])
@@ -151,47 +149,13 @@ def test_fixed_pass_count_in_one_loop_body():
 
 
 def test_vmap_and_vmap_axis_name_pooling():
-  x = data("relu", (4, 600, 3), seed=6)
-  got = jax.jit(
-      jax.vmap(lambda v: radix.kth_smallest_accelerator(v, 300, (0,)))
-  )(x)
-  assert_bitwise(got, np.stack([numpy_kth(v, 300, (0,))[0] for v in x]))
-  # A named vmapped axis pools its members, as devices along axis_name do.
-  where = np.random.default_rng(6).random(x.shape) < 0.7
-  k = jnp.asarray([1, 800, 1680], jnp.int32)
-  pooled = jax.jit(
-      jax.vmap(
-          lambda v, m: radix.kth_smallest_accelerator(
-              v, k, (0,), where=m, axis_name="b", return_ties=True
-          ),
-          axis_name="b",
-      )
-  )(x, where)
-  want_value, want_ties, _ = numpy_kth(
-      x.reshape(-1, 3), k, (0,), where.reshape(-1, 3)
+  assert_vmap_and_axis_name_pooling(
+      radix.kth_smallest_accelerator, rows=600, k=300, pooled_k=[1, 800, 1680]
   )
-  for d in range(4):
-    assert_bitwise(pooled[0][d], want_value)
-  local_ties = np.asarray(pooled[1])  # each member's own rows
-  np.testing.assert_array_equal(local_ties.sum(axis=0), want_ties)
-  for d in range(4):
-    np.testing.assert_array_equal(
-        local_ties[d], ((x[d] == want_value[None]) & where[d]).sum(axis=0)
-    )
 
 
 def test_half_precision_and_gradient():
-  x16 = jnp.asarray(data("normal", (4, 8, 8, 5), seed=9), jnp.bfloat16)
-  want = numpy_kth(np.asarray(x16.astype(jnp.float32)), 100, (0, 1, 2))[0]
-  got = jax.jit(lambda v: radix.kth_smallest_accelerator(v, 100, (0, 1, 2)))(
-      x16
-  )
-  assert_bitwise(got, want)
-  x = jnp.asarray(data("normal", (300, 2), seed=7))
-  g = jax.jit(
-      jax.grad(lambda v: jnp.sum(radix.kth_smallest_accelerator(v, 70, (0,))))
-  )(x)
-  assert g.shape == x.shape and not np.any(np.asarray(g))
+  assert_half_precision_and_zero_gradient(radix.kth_smallest_accelerator)
 
 
 def test_bad_arguments():

@@ -27,7 +27,6 @@ from gbn_jax._selection import radix
 from gbn_jax._selection import sort
 
 from process_helpers import forced_host_devices
-from process_helpers import run_pytest
 from process_helpers import run_python_result
 import selection_helpers
 from selection_helpers import TINY
@@ -104,12 +103,7 @@ def test_tiny_batches(method, n):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_mask(method):
-  rng = np.random.default_rng(3)
-  x = data("halves", (40, 50, 4), seed=3)
-  where = rng.random(x.shape) < 0.6
-  where[:, :, 1] = False
-  where[7, 3, 1] = True  # a feature with a single masked-in element
-  where[:, :, 2] = rng.random((40, 50)) < 0.02  # a sparse feature
+  x, where = selection_helpers.masked_halves(4)
   n = where.sum(axis=(0, 1))
   axis = (0, 1)
   for frac in (0.0, 0.25, 0.5, 1.0):
@@ -432,17 +426,9 @@ def test_native_sums_for_the_superquantile(kind, rows, sigmas, monkeypatch):
 def test_native_portable_code():
   # The kernel runs AVX2 code where the CPU has it, portable code elsewhere;
   # GBN_KTH_SCALAR=1 forces the portable code, for this machine's native tests.
-  proc = run_pytest(
-      __file__,
-      "-k",
-      "native and not portable",
-      env={"GBN_KTH_SCALAR": "1"},
-      timeout=900,
+  selection_helpers.assert_passes_on_portable_kernel(
+      __file__, "native and not portable"
   )
-  assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-  assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[
-      -2000:
-  ]
 
 
 @pytest.mark.parametrize("method", ["adaptive", "sort"])
