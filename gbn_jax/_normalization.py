@@ -86,6 +86,10 @@ def check_measure_signature(fn: Any) -> None:
     ) from None
 
 
+#: A batch renormalization correction: ``(S, D^2, operands) -> (r, d)``.
+Correct = Callable[[Array, Array, Any], tuple[Array, Array]]
+
+
 class Reduction(NamedTuple):
   """How a layer reduces its batch, all but the arrays: over which axes, in
   which dtype, with which ``epsilon``, pooled across which devices.
@@ -224,13 +228,18 @@ def normalize_batch(
     bias: Array | None,
     mask: Array | None,
     reduction: Reduction,
-    correct: Callable[[Array, Array], tuple[Array, Array]] | None = None,
+    correct: Correct | None = None,
+    correction_operands: Any = (),
 ) -> tuple[Array, Array, Array]:
   """Normalizes with the batch's own statistics: ``(y, S, D^2)``.
 
-  :func:`batch_statistics`, then :func:`normalize`. ``correct(S, D^2) -> (r,
-  d)``, if given, is the batch renormalization correction passed to
-  :func:`normalize`.
+  :func:`batch_statistics`, then :func:`normalize`. ``correct(S, D^2,
+  correction_operands) -> (r, d)``, if given, is the batch renormalization
+  correction passed to :func:`normalize`. It is a static argument of the
+  nested jit below: it must hash and compare by value (a frozen dataclass
+  of its settings, not a closure, which would hash by identity and trace
+  every layer anew), and whatever arrays it reads are in
+  ``correction_operands``, a pytree the nested jit traces.
 
   Plain GBN on one device (or under SPMD ``jit``) has its derivative
   written out (:func:`_fused_normalize`, a JVP that JAX transposes), so that
@@ -239,12 +248,14 @@ def normalize_batch(
   ``axis_name``, complex input or a correction it is left to autodiff, whose
   collectives JAX transposes for pmap and shard_map alike.
 
-  Without a correction, under a staging trace (``jit``, ``make_jaxpr``,
-  ``scan``, ``remat``, ``jax.export``) the layer is a nested ``jax.jit``,
-  traced once per measure, reduction, shapes, dtypes and JAX trace context
-  and then bound as one call by every layer that shares them: a quantile
-  measure traces a branch per kind of platform, over a thousand equations
-  a layer otherwise. The whole layer nests, not its statistics alone:
+  Under a staging trace (``jit``, ``make_jaxpr``, ``scan``, ``remat``,
+  ``jax.export``) the layer, with or without a correction, is a nested
+  ``jax.jit``, traced once per measure, reduction, correction settings,
+  shapes, dtypes and JAX trace context and then bound as one call by every
+  layer that shares them: a quantile measure traces a branch per kind of
+  platform, over a thousand equations a layer otherwise. A correction's
+  operands that are not all JAX arrays, or settings that do not hash,
+  leave the layer inline. The whole layer nests, not its statistics alone:
   reverse mode sums the cotangents of a nested call's uses of ``x`` before
   adding those from outside it, so statistics nested apart from
   :func:`normalize` would round the gradients unlike the inline program
@@ -255,21 +266,26 @@ def normalize_batch(
   that a measure function traces the same for the same arguments and trace
   context.
   """
-  if correct is None and _under_staging_trace():
-    key = _static_key(measure, reduction)
-    if key is not None and _arrays(x, scale, bias, mask):
-      return _layer_traced_once(*key, None, x, scale, bias, mask)
-  return _normalize_inline(measure, reduction, correct, x, scale, bias, mask)
+  if _under_staging_trace():
+    key = _static_key(measure, reduction, correct)
+    if key is not None and _arrays(
+        x, scale, bias, mask, *jax.tree_util.tree_leaves(correction_operands)
+    ):
+      return _layer_traced_once(*key, x, scale, bias, mask, correction_operands)
+  return _normalize_inline(
+      measure, reduction, correct, x, scale, bias, mask, correction_operands
+  )
 
 
 def _normalize_inline(
     measure: measures_lib.Measure,
     reduction: Reduction,
-    correct: Callable[[Array, Array], tuple[Array, Array]] | None,
+    correct: Correct | None,
     x: Array,
     scale: Array | None,
     bias: Array | None,
     mask: Array | None,
+    correction_operands: Any = (),
 ) -> tuple[Array, Array, Array]:
   """:func:`normalize_batch`, traced inline (the static arguments first)."""
   # The written-out backward is for real x and an uncorrected output.
@@ -290,13 +306,18 @@ def _normalize_inline(
       scale,
       bias,
       reduction,
-      correction=None if correct is None else correct(statistic, deviation_sq),
+      correction=(
+          None
+          if correct is None
+          else correct(statistic, deviation_sq, correction_operands)
+      ),
   )
   return y, statistic, deviation_sq
 
 
 # Module level, so that its cache outlives every trace. Measure, reduction
-# and the (absent) correction are static (hashed), the arrays traced; JAX
+# and the correction's settings (or None) are static (hashed), the arrays
+# (the correction's operands among them) traced; JAX
 # keys the cache on their shapes, dtypes and shardings and on its trace
 # context, which holds the platform kind that
 # ``_selection.common.per_platform`` traces each branch under and the
@@ -307,12 +328,16 @@ _layer_traced_once = jax.jit(_normalize_inline, static_argnums=(0, 1, 2))
 
 
 def _static_key(
-    measure: measures_lib.Measure, reduction: Reduction
-) -> tuple[measures_lib.Measure, Reduction] | None:
-  """``(measure, reduction)`` as the nested jit's static arguments, or None.
+    measure: measures_lib.Measure,
+    reduction: Reduction,
+    correct: Correct | None = None,
+) -> tuple[measures_lib.Measure, Reduction, Correct | None] | None:
+  """``(measure, reduction, correct)`` as the nested jit's static arguments,
+  or None.
 
-  Device groups given as lists become tuples. None where either does not
-  hash (a measure parameter that is an array): then nothing nests.
+  Device groups given as lists become tuples. None where any does not hash
+  (a measure parameter or a correction setting that is a numpy array): then
+  nothing nests.
   """
   groups = reduction.axis_index_groups
   if groups is not None:
@@ -320,7 +345,7 @@ def _static_key(
       groups = tuple(tuple(group) for group in groups)
     except TypeError:
       return None
-  key = (measure, reduction._replace(axis_index_groups=groups))
+  key = (measure, reduction._replace(axis_index_groups=groups), correct)
   try:
     hash(key)
   except TypeError:

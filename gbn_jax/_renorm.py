@@ -5,11 +5,20 @@ limits, the constants ``(r, d)`` that correct the batch statistics towards
 the running ones, and the training-mode output built on them. The affine
 part is :func:`gbn_jax._normalization.normalize` with a correction, so that
 ``r = 1, d = 0`` gives plain GBN bit for bit.
+
+The correction is its settings (``epsilon`` and the limits that are Python
+numbers, hashed by value) applied to traced arrays (the running statistics
+and any limit given as a JAX array), so that under a staging trace a
+renormalization layer nests as one ``jax.jit`` like a plain GBN layer (see
+:func:`gbn_jax._normalization.normalize_batch`): traced once per measure,
+reduction, settings and shapes, not once per layer. Eagerly it runs op by
+op; a limit that does not hash (a numpy array) traces the layer inline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 import numbers
 from typing import NamedTuple
 
@@ -146,16 +155,57 @@ def renormalize_batch(
         " clipped to [-dmax, dmax], which has no meaning for complex numbers."
     )
 
-  def correct(statistic, deviation_sq):
+  # A limit that is a JAX array is traced with the running statistics; the
+  # rest (numbers, None) are settings, static in the nested jit.
+  traced_limits = RenormLimits(
+      *(v if isinstance(v, jax.Array) else None for v in limits)
+  )
+  static_limits = RenormLimits(
+      *(None if isinstance(v, jax.Array) else v for v in limits)
+  )
+  return _normalization.normalize_batch(
+      measure,
+      x,
+      scale,
+      bias,
+      mask,
+      reduction,
+      _RenormCorrection(reduction.epsilon, static_limits),
+      (running_statistic, running_deviation_sq, traced_limits),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _RenormCorrection:
+  """:func:`renorm_correction` with its settings bound: the nested jit's
+  static argument, so equal settings hash equal (a closure would not).
+
+  Called with ``(S, D^2, (running_statistic, running_deviation_sq,
+  traced_limits))``; a limit in ``traced_limits`` (not None) stands for the
+  ``None`` in ``static_limits`` at its place.
+  """
+
+  epsilon: float
+  static_limits: RenormLimits
+
+  def __call__(
+      self,
+      statistic: Array,
+      deviation_sq: Array,
+      operands: tuple[Array, Array, RenormLimits],
+  ) -> tuple[Array, Array]:
+    running_statistic, running_deviation_sq, traced_limits = operands
+    limits = RenormLimits(
+        *(
+            static if traced is None else traced
+            for static, traced in zip(self.static_limits, traced_limits)
+        )
+    )
     return renorm_correction(
         statistic,
         deviation_sq,
         running_statistic,
         running_deviation_sq,
-        reduction.epsilon,
+        self.epsilon,
         limits,
     )
-
-  return _normalization.normalize_batch(
-      measure, x, scale, bias, mask, reduction, correct
-  )
