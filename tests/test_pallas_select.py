@@ -237,10 +237,11 @@ def test_cuda_lowering_compiles_the_kernel_cpu_lowering_interprets_it():
   spec = jax.ShapeDtypeStruct((1000, 40), jnp.float32)
   mask = jax.ShapeDtypeStruct((1000, 40), jnp.bool_)
   fn = lambda x, m: pallas.kth_smallest_with_sums_pallas(x, 100, (0,), where=m)
-  # One Triton kernel per radix pass (8 of 4 bits), no interpreted copy.
-  assert _cuda_text(fn, spec, mask).count(f"@{_TRITON}") == 8
+  # The first pass, the loop's pass and the summing last pass: three Triton
+  # kernels (two without sums) whatever the passes, no interpreted copy.
+  assert _cuda_text(fn, spec, mask).count(f"@{_TRITON}") == 3
   chosen = lambda x: dispatch.kth_smallest(x, 500, (0,), method="pallas")
-  assert _cuda_text(chosen, spec).count(f"@{_TRITON}") == 8
+  assert _cuda_text(chosen, spec).count(f"@{_TRITON}") == 2
   cpu = jax.export.export(jax.jit(chosen), platforms=["cpu"])(spec)
   assert _TRITON not in cpu.mlir_module()
 
@@ -294,7 +295,7 @@ checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 cuda = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
     jax.ShapeDtypeStruct(x.shape, jnp.float32),
     jax.ShapeDtypeStruct(x.shape, jnp.bool_))
-assert cuda.mlir_module().count("@__gpu$xla.gpu.triton") == 16  # 2 selections
+assert cuda.mlir_module().count("@__gpu$xla.gpu.triton") == 5  # 3 with sums + 2
 print("OK")
 """
 
