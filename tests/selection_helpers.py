@@ -66,17 +66,28 @@ def numpy_kth(x, k, axis, where=None):
   return tuple(a.reshape(kept_shape) for a in (value, ties, above))
 
 
-def loops_in(jaxpr) -> list[tuple[str, int | None]]:
-  """``(primitive, length)`` of every loop and conditional, nested ones too."""
-  found = []
+def eqns_in(jaxpr, loop_length: int | None = None):
+  """Every equation of ``jaxpr`` and of its sub-jaxprs, in order, each with
+  the length of the innermost ``scan`` it runs in (None outside one).
+
+  A Pallas kernel's own jaxpr (not a closed one) is not entered.
+  """
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("scan", "while", "cond"):
-      found.append((eqn.primitive.name, eqn.params.get("length")))
+    yield eqn, loop_length
+    inner = eqn.params.get("length", loop_length)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else [param]:
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += loops_in(sub.jaxpr)
-  return found
+          yield from eqns_in(sub.jaxpr, inner)
+
+
+def loops_in(jaxpr) -> list[tuple[str, int | None]]:
+  """``(primitive, length)`` of every loop and conditional, nested ones too."""
+  return [
+      (eqn.primitive.name, eqn.params.get("length"))
+      for eqn, _ in eqns_in(jaxpr)
+      if eqn.primitive.name in ("scan", "while", "cond")
+  ]
 
 
 def assert_static_loops(fn, args, expected):
@@ -96,6 +107,22 @@ def assert_static_loops(fn, args, expected):
   for loop in loops:
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop)
     assert trip and int(trip.group(1)) in lengths, loop
+
+
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def cuda_text(fn, *specs) -> str:
+  """StableHLO of ``jit(fn)`` lowered for CUDA (its Triton kernels allowed),
+  or a skip where this jaxlib cannot lower Pallas for CUDA."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+  try:
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=checks
+    )(*specs)
+  except ImportError as e:  # a jaxlib without the Triton dialect
+    pytest.skip(f"Pallas's Triton lowering is unavailable: {e}")
+  return exported.mlir_module()
 
 
 def assert_bitwise(got, want):

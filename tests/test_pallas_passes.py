@@ -22,9 +22,12 @@ import pytest
 from gbn_jax._selection import common
 from gbn_jax._selection import pallas
 
+from selection_helpers import TRITON_TARGET
+from selection_helpers import cuda_text
 from selection_helpers import data
+from selection_helpers import eqns_in
+from selection_helpers import numpy_kth
 
-_TRITON = "__gpu$xla.gpu.triton"
 # Columns of ties, infinities, signed zeros, denormals, one value, huge ones.
 _COLUMN_KINDS = (
     "tiny_set",
@@ -36,19 +39,13 @@ _COLUMN_KINDS = (
 )
 
 
-def kernels_by_loop(jaxpr, loop_length=None) -> list[int | None]:
+def kernels_by_loop(jaxpr) -> list[int | None]:
   """Per ``pallas_call`` in ``jaxpr``, the length of the scan it runs in."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      found.append(loop_length)
-      continue  # its kernel's own loops are not passes
-    length = eqn.params.get("length", loop_length)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else [param]:
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += kernels_by_loop(sub.jaxpr, length)
-  return found
+  return [
+      length
+      for eqn, length in eqns_in(jaxpr)
+      if eqn.primitive.name == "pallas_call"
+  ]
 
 
 @pytest.mark.parametrize("digit_bits", pallas.DIGIT_BITS)
@@ -74,11 +71,7 @@ def test_middle_passes_are_one_kernel_in_a_static_loop(digit_bits, sums):
 
 def _cuda_kernels(fn, *specs) -> int:
   """Triton kernel calls in ``fn``'s StableHLO lowered for CUDA."""
-  checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON)]
-  exported = jax.export.export(
-      jax.jit(fn), platforms=["cuda"], disabled_checks=checks
-  )(*specs)
-  return exported.mlir_module().count(f"@{_TRITON}")
+  return cuda_text(fn, *specs).count(f"@{TRITON_TARGET}")
 
 
 @pytest.mark.parametrize("digit_bits", pallas.DIGIT_BITS)
@@ -96,21 +89,16 @@ def test_cuda_export_holds_fewer_kernels_than_passes(digit_bits):
   assert _cuda_kernels(with_sums, spec, mask) == 3
 
 
-def from_definition(cols, mask, k):
-  """Per column: the k-th smallest kept value, ties, above, mean, excess.
-
-  float64 sums; ``-0.0`` and ``+0.0`` are one value, returned as ``+0.0``.
-  NaN value where ``k`` is not in ``[1, n]``.
-  """
-  out = np.full((5, cols.shape[1]), np.nan)
-  for f in range(cols.shape[1]):
+def sums_from_definition(cols, mask, value):
+  """Per column: the mean of the kept values and ``E[(x - value)+]``, in
+  float64 (NaN where ``value`` is)."""
+  out = np.full((2, cols.shape[1]), np.nan)
+  for f in np.flatnonzero(~np.isnan(value)):
     kept = cols[mask[:, f], f].astype(np.float64)
-    if 1 <= k[f] <= kept.size:
-      v = np.sort(kept)[k[f] - 1] + 0.0  # -0.0 + 0.0 is +0.0
-      with np.errstate(invalid="ignore"):  # inf - inf: not compared
-        mean = kept.mean()
-        excess = np.where(kept > v, kept - v, 0.0).sum() / kept.size
-      out[:, f] = v, np.sum(kept == v), np.sum(kept > v), mean, excess
+    v = np.float64(value[f])
+    with np.errstate(invalid="ignore"):  # inf - inf: not compared
+      excess = np.where(kept > v, kept - v, 0.0).sum() / kept.size
+    out[:, f] = kept.mean(), excess
   return out
 
 
@@ -139,16 +127,17 @@ def test_values_counts_and_sums_equal_the_definition(
     k = k.astype(np.int32)
     got = _select_with_sums(x, k, mask if masked else None, digit_bits)
     value, ties, mean, excess, above = (np.asarray(a) for a in got)
-    want = from_definition(x, mask, k)
+    want_value, want_ties, want_above = numpy_kth(x, k, (0,), where=mask)
     np.testing.assert_array_equal(
-        value.view(np.int32), want[0].astype(np.float32).view(np.int32)
+        value.view(np.int32), want_value.view(np.int32)
     )
-    valid = ~np.isnan(want[0])
-    np.testing.assert_array_equal(ties[valid], want[1][valid])
-    np.testing.assert_array_equal(above[valid], want[2][valid])
+    valid = ~np.isnan(want_value)
+    np.testing.assert_array_equal(ties[valid], want_ties[valid])
+    np.testing.assert_array_equal(above[valid], want_above[valid])
+    want_sums = sums_from_definition(x, mask, want_value)
     scale = np.where(mask, np.abs(x.astype(np.float64)), 0.0).sum(axis=0)
     finite = valid & (scale < np.finfo(np.float32).max)  # float32 sums
-    for got_sum, want_sum in ((mean, want[3]), (excess, want[4])):
+    for got_sum, want_sum in zip((mean, excess), want_sums):
       np.testing.assert_allclose(
           got_sum[finite], want_sum[finite], rtol=1e-5, atol=1e-30
       )

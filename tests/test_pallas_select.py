@@ -27,16 +27,16 @@ from gbn_jax._selection import dispatch
 from gbn_jax._selection import pallas
 
 from process_helpers import run_python
+from selection_helpers import TRITON_TARGET
 from selection_helpers import ExactnessSuite
 from selection_helpers import assert_bitwise
 from selection_helpers import assert_dispatch_with_ties
 from selection_helpers import assert_local_ties
 from selection_helpers import columns
 from selection_helpers import count_calls
+from selection_helpers import cuda_text
 from selection_helpers import data
 from selection_helpers import numpy_kth
-
-_TRITON = "__gpu$xla.gpu.triton"
 
 
 @functools.partial(
@@ -221,29 +221,17 @@ def test_bad_arguments_name_the_argument():
     pallas.kth_smallest_pallas(jnp.ones((4, 3), jnp.int32), 1, (0,))
 
 
-def _cuda_text(fn, *specs):
-  """StableHLO of ``fn`` lowered for CUDA, or a skip where it cannot lower."""
-  checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON)]
-  try:
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"], disabled_checks=checks
-    )(*specs)
-  except ImportError as e:  # a jaxlib without the Triton dialect
-    pytest.skip(f"Pallas's Triton lowering is unavailable: {e}")
-  return exported.mlir_module()
-
-
 def test_cuda_lowering_compiles_the_kernel_cpu_lowering_interprets_it():
   spec = jax.ShapeDtypeStruct((1000, 40), jnp.float32)
   mask = jax.ShapeDtypeStruct((1000, 40), jnp.bool_)
   fn = lambda x, m: pallas.kth_smallest_with_sums_pallas(x, 100, (0,), where=m)
   # The first pass, the loop's pass and the summing last pass: three Triton
   # kernels (two without sums) whatever the passes, no interpreted copy.
-  assert _cuda_text(fn, spec, mask).count(f"@{_TRITON}") == 3
+  assert cuda_text(fn, spec, mask).count(f"@{TRITON_TARGET}") == 3
   chosen = lambda x: dispatch.kth_smallest(x, 500, (0,), method="pallas")
-  assert _cuda_text(chosen, spec).count(f"@{_TRITON}") == 2
+  assert cuda_text(chosen, spec).count(f"@{TRITON_TARGET}") == 2
   cpu = jax.export.export(jax.jit(chosen), platforms=["cpu"])(spec)
-  assert _TRITON not in cpu.mlir_module()
+  assert TRITON_TARGET not in cpu.mlir_module()
 
 
 @pytest.mark.slow
