@@ -111,15 +111,31 @@ def assert_static_loops(fn, args, expected):
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
+#: The card a CUDA lowering targets on a host without one: Triton needs its
+#: compute capability, which newer JAX asks for instead of assuming one.
+ABSTRACT_GPU = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100", num_cores=None, platform="gpu"
+)
+
+
+def abstract_gpu(axis_sizes=(1,), axis_names=("gpu",)):
+  """A context that lowers for `ABSTRACT_GPU` (``jax.sharding.use_abstract_mesh``)."""
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh(
+          axis_sizes, axis_names, abstract_device=ABSTRACT_GPU
+      )
+  )
+
 
 def cuda_text(fn, *specs) -> str:
   """StableHLO of ``jit(fn)`` lowered for CUDA (its Triton kernels allowed),
   or a skip where this jaxlib cannot lower Pallas for CUDA."""
   checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
   try:
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"], disabled_checks=checks
-    )(*specs)
+    with abstract_gpu():
+      exported = jax.export.export(
+          jax.jit(fn), platforms=["cuda"], disabled_checks=checks
+      )(*specs)
   except ImportError as e:  # a jaxlib without the Triton dialect
     pytest.skip(f"Pallas's Triton lowering is unavailable: {e}")
   return exported.mlir_module()

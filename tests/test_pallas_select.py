@@ -280,9 +280,17 @@ for d, rows in ((0, x[:1200]), (3, x[1200:])):
   assert np.array_equal(g[d], sort.kth_smallest_reference(rows, 600, (0,)))
 # Compiled for CUDA, the kernel's outputs are typed device-varying (check_vma).
 checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-cuda = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
-    jax.ShapeDtypeStruct(x.shape, jnp.float32),
-    jax.ShapeDtypeStruct(x.shape, jnp.bool_))
+# Four of a named card: Triton needs its compute capability.
+gpus = jax.sharding.AbstractMesh((4,), ("b",), (jax.sharding.AxisType.Auto,),
+                                 abstract_device=(
+    jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
+                                platform="gpu")))
+on_gpus = jax.jit(jax.shard_map(local, mesh=gpus, in_specs=(P("b"), P("b")),
+                                out_specs=(P(), P(), P(), P(), P(), P("b"))))
+with jax.sharding.use_abstract_mesh(gpus):
+  cuda = jax.export.export(on_gpus, platforms=["cuda"], disabled_checks=checks)(
+      jax.ShapeDtypeStruct(x.shape, jnp.float32),
+      jax.ShapeDtypeStruct(x.shape, jnp.bool_))
 assert cuda.mlir_module().count("@__gpu$xla.gpu.triton") == 5  # 3 with sums + 2
 print("OK")
 """
