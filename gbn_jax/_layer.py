@@ -21,6 +21,7 @@ from flax.core import FrozenDict
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from gbn_jax import _normalization
 from gbn_jax import _renorm
@@ -93,11 +94,15 @@ def check_axis(axis: Any, ndim: int) -> None:
       )
 
 
-def check_mask(mask: Any) -> None:
-  """Raises TypeError unless ``mask`` is ``None`` or a boolean array.
+def check_mask(mask: Any, shape: tuple[Any, ...]) -> None:
+  """Raises unless ``mask`` is ``None`` or a boolean array that broadcasts to
+  ``shape`` (the input's).
 
   A float or int mask would be cast to bool, so that every nonzero weight
-  counts as 1: a weighted mask is not supported, and is refused.
+  counts as 1: a weighted mask is not supported, and is refused with a
+  TypeError. A mask that does not broadcast is a ValueError naming the shape
+  it needs (:func:`gbn_jax._normalization.check_mask_shape`), raised here
+  rather than from a ``broadcast_to`` deep inside the measure.
   """
   if mask is None:
     return
@@ -107,6 +112,7 @@ def check_mask(mask: Any) -> None:
         f"mask must be a boolean array (True: the element counts in the"
         f" statistics), got dtype {dtype}; pass e.g. `mask=weights > 0`."
     )
+  _normalization.check_mask_shape(np.shape(mask), shape)
 
 
 def check_num_features(

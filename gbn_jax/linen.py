@@ -170,10 +170,11 @@ class GBatchNorm(nn.BatchNorm):
       The normalized input, of the shape of ``x``.
 
     Raises:
-      ValueError: ``axis`` is not an axis of ``x``.
+      ValueError: ``axis`` is not an axis of ``x``; ``mask`` does not
+        broadcast to ``x``'s shape (the message names the shape it needs).
       TypeError: ``mask`` is not boolean.
     """
-    _layer.check_mask(mask)
+    _layer.check_mask(mask, x.shape)
     use_running_average = linen_module.merge_param(
         "use_running_average", self.use_running_average, use_running_average
     )

@@ -180,10 +180,11 @@ class GBatchNorm(nnx.BatchNorm):
     Raises:
       ValueError: ``use_running_average`` is ``None`` here and on the layer;
         ``axis`` is not an axis of ``x``; ``x`` has not ``num_features``
-        features.
+        features; ``mask`` does not broadcast to ``x``'s shape (the message
+        names the shape it needs).
       TypeError: ``mask`` is not boolean.
     """
-    _layer.check_mask(mask)
+    _layer.check_mask(mask, x.shape)
     if use_running_average is None:
       use_running_average = self.use_running_average
     if use_running_average is None:

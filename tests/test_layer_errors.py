@@ -2,8 +2,9 @@
 
 What a new user tripped over: an ``axis`` the input lacks was an
 ``IndexError`` from deep inside, a wrong ``num_features`` or ``momentum`` and
-a float mask passed silently, and a batch with every element masked out made
-the running statistics NaN for good.
+a float mask passed silently, a batch with every element masked out made
+the running statistics NaN for good, and a mask of one flag per example,
+shape ``(batch,)``, was a bare broadcasting error.
 """
 
 from __future__ import annotations
@@ -243,3 +244,193 @@ def test_empty_mask_on_one_device_of_several_still_updates():
       kept["batch_stats"]["mean"],
       np.broadcast_to(variables["batch_stats"]["mean"], (4, 3)),
   )
+
+
+# --- a mask that does not broadcast to x ---------------------------------------
+
+X_SHAPE = (8, 4, 4, 3)
+
+# Each mask shape that does not broadcast to X_SHAPE, with what the message
+# must name besides both shapes: the fix, or the shapes a mask can have.
+BAD_MASKS = {
+    "per_example": ((8,), ["mask[:, None, None, None]", "(8, 1, 1, 1)"]),
+    "per_example_and_row": ((8, 4), ["mask[:, :, None, None]", "(8, 4, 1, 1)"]),
+    "wrong_length": ((7,), ["(8, 1, 1, 1)", "one flag per example"]),
+    "wrong_batch": ((7, 1, 1, 1), ["(8, 1, 1, 1)", "one flag per example"]),
+    "more_axes": ((1, 8, 4, 4, 3), ["mask.reshape((8, 4, 4, 3))"]),
+    "more_axes_wide": ((8, 4, 4, 1, 1), ["at most 4 axes (it has 5)"]),
+}
+
+
+def _mask(shape, seed=3):
+  mask = jax.random.bernoulli(jax.random.key(seed), 0.7, shape)
+  # Every feature keeps a masked-in element: flax's running statistics of
+  # one without go NaN, where GBN keeps them (tested above).
+  return mask.at[(0,) * (len(shape) - 1)].set(True) if len(shape) > 1 else mask
+
+
+def _linen_call(mask, *, jit=False, **fields):
+  x = _x(X_SHAPE)
+  norm = gbn_jax.GBatchNorm(use_running_average=False, **fields)
+  variables = norm.init(jax.random.key(0), x)
+  apply = lambda v, x, m: norm.apply(v, x, mask=m, mutable=["batch_stats"])
+  return (jax.jit(apply) if jit else apply)(variables, x, mask)
+
+
+def _nnx_call(mask, **fields):
+  norm = gbn_jax.nnx.GBatchNorm(X_SHAPE[-1], rngs=nnx.Rngs(0), **fields)
+  return norm(_x(X_SHAPE), mask=mask)
+
+
+def _flax_call(mask):
+  """flax's BatchNorm, the reference: ``(y, running mean, running var)``."""
+  x = _x(X_SHAPE)
+  norm = nn.BatchNorm(use_running_average=False)
+  variables = norm.init(jax.random.key(0), x)
+  y, updates = norm.apply(variables, x, mask=mask, mutable=["batch_stats"])
+  return y, updates["batch_stats"]["mean"], updates["batch_stats"]["var"]
+
+
+def _assert_equals_flax(y, mean, var, mask):
+  want_y, want_mean, want_var = _flax_call(mask)
+  np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(var, want_var, rtol=1e-5, atol=1e-6)
+
+
+def _mask_error(mask_shape, needs):
+  """pytest.raises for the layer's error: ``mask``, both shapes, ``needs``."""
+  pattern = "".join(
+      f"(?=.*{re.escape(s)})"
+      for s in [f"mask of shape {mask_shape}", f"x's shape {X_SHAPE}", *needs]
+  )
+  return pytest.raises(ValueError, match=pattern)
+
+
+@pytest.mark.parametrize("name", list(BAD_MASKS))
+def test_linen_mask_that_does_not_broadcast_names_shapes_and_fix(name):
+  shape, needs = BAD_MASKS[name]
+  for jit in (False, True):
+    with _mask_error(shape, needs) as info:
+      _linen_call(_mask(shape), jit=jit)
+    # The layer's message, not jax's from a broadcast deep inside.
+    assert "Incompatible" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", list(BAD_MASKS))
+def test_nnx_mask_that_does_not_broadcast_names_shapes_and_fix(name):
+  shape, needs = BAD_MASKS[name]
+  with _mask_error(shape, needs):
+    _nnx_call(_mask(shape))
+  with _mask_error(shape, needs):
+    nnx.jit(lambda m: _nnx_call(m))(_mask(shape))
+
+
+def _suggested(message, mask):
+  """The mask the message tells the user to pass, computed as written."""
+  fix = re.search(
+      r"pass (mask\[[^\]]*\])|(mask\.reshape\(\([^)]*\)\))", message
+  )
+  assert fix, message
+  return eval(fix.group(1) or fix.group(2), {"mask": mask})  # pylint: disable=eval-used
+
+
+@pytest.mark.parametrize(
+    "name", ["per_example", "per_example_and_row", "more_axes"]
+)
+def test_following_the_suggested_fix_equals_flax(name):
+  shape, _ = BAD_MASKS[name]
+  mask = _mask(shape)
+  with pytest.raises(ValueError) as info:
+    _linen_call(mask)
+  fixed = _suggested(str(info.value), mask)
+  y, updates = _linen_call(fixed)
+  stats = updates["batch_stats"]
+  _assert_equals_flax(y, stats["mean"], stats["var"], fixed)
+
+  with pytest.raises(ValueError) as info:
+    _nnx_call(mask)
+  fixed = _suggested(str(info.value), mask)
+  norm = gbn_jax.nnx.GBatchNorm(X_SHAPE[-1], rngs=nnx.Rngs(0))
+  y = norm(_x(X_SHAPE), mask=fixed)
+  _assert_equals_flax(y, norm.mean[...], norm.var[...], fixed)
+
+
+@pytest.mark.parametrize(
+    "shape", [(8, 1, 1, 1), (1, 4, 4, 3), (4, 4, 3), (1, 1, 1, 3), X_SHAPE]
+)
+def test_broadcastable_masks_still_equal_flax(shape):
+  mask = _mask(shape)
+  y, updates = _linen_call(mask, jit=True)
+  stats = updates["batch_stats"]
+  _assert_equals_flax(y, stats["mean"], stats["var"], mask)
+  norm = gbn_jax.nnx.GBatchNorm(X_SHAPE[-1], rngs=nnx.Rngs(0))
+  y = norm(_x(X_SHAPE), mask=mask)
+  _assert_equals_flax(y, norm.mean[...], norm.var[...], mask)
+
+
+def test_renorm_and_converted_layers_check_the_mask_shape():
+  shape, needs = BAD_MASKS["per_example"]
+  mask = _mask(shape)
+  with _mask_error(shape, needs):
+    _linen_call(mask, renorm=True)
+  with _mask_error(shape, needs):
+    _nnx_call(mask, renorm=True)
+  # flax's own layers, computing GBN through the conversions.
+  x = _x(X_SHAPE)
+  flax_norm = nn.BatchNorm(use_running_average=False)
+  variables = flax_norm.init(jax.random.key(0), x)
+  with gbn_jax.linen.batchnorm_as_gbn("mad"), _mask_error(shape, needs):
+    flax_norm.apply(variables, x, mask=mask, mutable=["batch_stats"])
+  converted = gbn_jax.nnx.convert_batchnorm(
+      nnx.BatchNorm(X_SHAPE[-1], rngs=nnx.Rngs(0)), "mad"
+  )
+  with _mask_error(shape, needs):
+    converted(x, mask=mask)
+
+
+def _masked_mean_sd(x, axis, *, where=None):
+  s = jnp.mean(x, axis, where=where)
+  centered = x - jnp.expand_dims(s, axis)
+  return s, jnp.sqrt(jnp.mean(jnp.square(centered), axis, where=where))
+
+
+def test_symbolic_batch_mask_is_checked_by_broadcasting():
+  # A measure of plain jnp reductions: the layer alone under a symbolic
+  # batch, whatever the built-in measures support.
+  measure = gbn_jax.Measure(
+      "masked_mean_sd", _masked_mean_sd, supports_mask=True
+  )
+  norm = gbn_jax.GBatchNorm(use_running_average=False, measure=measure)
+  variables = norm.init(jax.random.key(0), _x(X_SHAPE))
+  (b,) = jax.export.symbolic_shape("b")
+  abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+
+  def export(mask_shape):
+    return jax.export.export(
+        jax.jit(
+            lambda v, x, m: norm.apply(v, x, mask=m, mutable=["batch_stats"])
+        )
+    )(
+        jax.tree.map(lambda a: abstract(a.shape, a.dtype), variables),
+        abstract((b, *X_SHAPE[1:]), jnp.float32),
+        abstract(mask_shape, jnp.bool_),
+    )
+
+  x = _x(X_SHAPE)
+  for mask_shape in [(b, 1, 1, 1), (1, 4, 4, 3), (4, 4, 3), (b, 4, 4, 3)]:
+    concrete = tuple(X_SHAPE[0] if d is b else d for d in mask_shape)
+    mask = _mask(concrete)
+    y, updates = export(mask_shape).call(variables, x, mask)
+    stats = updates["batch_stats"]
+    _assert_equals_flax(y, stats["mean"], stats["var"], mask)
+  with pytest.raises(
+      ValueError,
+      match=re.escape("mask of shape (b,)")
+      + ".*"
+      + re.escape("mask[:, None, None, None] (shape (b, 1, 1, 1))"),
+  ):
+    export((b,))
+  # A fixed batch size is no mask for every batch size.
+  with pytest.raises(ValueError, match=re.escape("mask of shape (8, 1, 1, 1)")):
+    export((8, 1, 1, 1))
