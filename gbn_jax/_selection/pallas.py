@@ -62,15 +62,6 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-try:
-  # The class that jax.experimental.pallas.triton re-exports, from its own
-  # module: the public one also imports the Triton lowering (86 of the 105 ms
-  # this module added to `import gbn_jax`, -X importtime), which JAX itself
-  # imports when it lowers for a GPU.
-  from jax._src.pallas.triton.core import CompilerParams as TritonParams
-except ImportError:  # moved in a later JAX: the public path
-  from jax.experimental.pallas.triton import CompilerParams as TritonParams
-
 from gbn_jax._selection import common
 from gbn_jax._selection import radix
 from gbn_jax._selection.common import Comm
@@ -109,6 +100,15 @@ class PallasSelection(NamedTuple):
   local_above: Array
   total: Array | None
   excess: Array | None
+
+
+def _triton_params() -> Any:
+  # Imported on first use: the module also imports Pallas's Triton lowering,
+  # which `import gbn_jax` need not pay for.
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas import triton as pltriton
+
+  return pltriton.CompilerParams(num_warps=4)
 
 
 def use_interpret() -> bool:
@@ -309,7 +309,7 @@ def _run_pass(
       interpret=interpret,
       # Triton explicitly: jax's GPU default may be the Mosaic GPU lowering,
       # which this kernel (register histograms, no async copies) is not for.
-      compiler_params=None if interpret else TritonParams(num_warps=4),
+      compiler_params=None if interpret else _triton_params(),
       name="gbn_radix_" + ("first" if first else "last" if sums else "pass"),
   )
   if interpret and common.varying_axes(operands[0]):
