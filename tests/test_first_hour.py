@@ -119,8 +119,8 @@ def test_first_epoch_notes():
   assert train_main._first_epoch_notes(
       configs.MNIST.replace(epochs=5), 30.0, cpu, prog="p", epoch=3
   ) == [
-      "p: the first epoch took 30s; the remaining 2 epochs should take "
-      "about 60s"
+      "p: epoch 3 (the first this command trained) took 30s; the remaining "
+      "2 epochs should take about 60s"
   ]
   assert (
       train_main._first_epoch_notes(
@@ -142,6 +142,8 @@ def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
   # Resumed at epoch 2 of 3: one epoch remains after it, not two.
   code, _, err = _run_cli([*run, "--epochs", "3"], capsys)
   assert code == 0, err
+  assert "epoch 2 (the first this command trained) took " in err
+  assert "the first epoch" not in err
   assert "the remaining 1 epoch should take" in err
   # Resumed at the final epoch: nothing remains to estimate.
   code, _, err = _run_cli([*run, "--epochs", "4"], capsys)
@@ -198,6 +200,144 @@ def test_interrupt_before_first_epoch_says_nothing_was_saved(tmp_path):
   checkpointing.write_metrics(tmp_path, [{"epoch": 1}])
   hint = train_main._resume_hint(str(tmp_path))
   assert hint.startswith("epoch 1 is saved in") and "1-1" not in hint
+
+
+# --- the default run folder: named after what differs from the defaults ------
+
+
+def _workdir(name: str) -> str:
+  return os.path.join("workdir", name)
+
+
+def test_default_workdir_names_the_settings_that_differ():
+  mnist, cifar = configs.MNIST, configs.CIFAR
+  fashion = mnist.replace(dataset="fashion_mnist", norm="sqd2")
+  # The defaults keep the short names that runs and docs already use.
+  assert train_main.default_workdir(fashion, mnist) == _workdir(
+      "fashion_mnist-lenet-sqd2-seed0"
+  )
+  assert train_main.default_workdir(
+      cifar.replace(norm="sqd2"), cifar
+  ) == _workdir("cifar10-resnet20-sqd2-seed0")
+  assert train_main.default_workdir(
+      mnist.replace(norm="rsd", calibration="normal", seed=4), mnist
+  ) == _workdir("mnist-lenet-rsd-cal_normal-seed4")
+  # Another learning rate is another folder, named for it.
+  assert train_main.default_workdir(
+      fashion.replace(learning_rate=0.1), mnist
+  ) == _workdir("fashion_mnist-lenet-sqd2-lr0.1-seed0")
+  changed = cifar.replace(
+      norm="sqd:0.3",
+      batch_size=128,
+      momentum=0.9,
+      weight_decay=0.0,
+      augment=False,
+      eval_every=5,
+      renorm=True,
+      calibration="normal",
+      seed=3,
+  )
+  assert train_main.default_workdir(changed, cifar) == _workdir(
+      "cifar10-resnet20-sqd_0.3-b128-m0.9-wd0.0-ev5-renorm-cal_normal-noaug"
+      "-seed3"
+  )
+  # A setting given at its default value, or epochs, changes nothing.
+  assert train_main.default_workdir(
+      cifar.replace(augment=True, learning_rate=0.1, epochs=3), cifar
+  ) == _workdir("cifar10-resnet20-bn-seed0")
+  # Without the command's defaults: the ones the dataset implies.
+  assert train_main.default_workdir(fashion) == _workdir(
+      "fashion_mnist-lenet-sqd2-seed0"
+  )
+
+
+def _another_value(name, value):
+  """A valid value of field ``name`` other than ``value``."""
+  spec = configs.FIELDS[name]
+  if spec.choices:
+    return next(c for c in spec.choices if c != value)
+  if name == "norm":
+    return "mad"
+  if value is None or isinstance(value, bool):  # augment: None is False here
+    return not value
+  if isinstance(value, int):
+    return value + 1
+  if isinstance(value, float):
+    return value / 2 + 0.25
+  raise AssertionError(f"no other value of {name} to try: add one here")
+
+
+def test_every_setting_a_resume_checks_is_in_the_folder_name():
+  """Any field that a resume compares (all but ``epochs``) shows in the
+  folder name when it differs, so that changing it never meets a refusal to
+  resume; fields added later too."""
+  default = train_main.default_workdir(configs.MNIST, configs.MNIST)
+  for name, value in configs.MNIST.to_json().items():
+    config = configs.validate(
+        configs.MNIST.replace(**{name: _another_value(name, value)})
+    )
+    workdir = train_main.default_workdir(config, configs.MNIST)
+    if name in configs.RESUMABLE_FIELDS:
+      assert workdir == default, name
+    else:
+      assert workdir != default, name
+
+
+def test_flags_that_leave_the_results_alone_keep_the_folder():
+  from train import cli_flags  # pylint: disable=g-import-not-at-top
+
+  parser = cli_flags.build_parser(configs.MNIST, "p")
+  args = parser.parse_args(
+      "--data-dir d --no-progress --checkpoint-every 5 --precise-stats 2 "
+      "--record-activations 10 --overwrite --no-compile-cache".split()
+  )
+  config = cli_flags.config_from_args(args, configs.MNIST)
+  assert train_main.default_workdir(config, configs.MNIST) == _workdir(
+      "mnist-lenet-bn-seed0"
+  )
+
+
+@pytest.mark.slow
+def test_changed_setting_trains_in_its_own_folder_and_each_resumes(
+    tmp_path, capsys, monkeypatch
+):
+  data = write_tiny_mnist(tmp_path / "data")  # 64 images: 4 batches of 16
+  monkeypatch.chdir(tmp_path)
+  first = tmp_path / _workdir("mnist-lenet-bn-b16-seed0")
+  code, out, err = _run_cli(tiny_cli_args(data, None, "--epochs", "1"), capsys)
+  assert code == 0, err
+  assert out.rstrip().endswith(_workdir(first.name))
+  # Another learning rate: a new run in a folder of its own, not a refusal.
+  code, out, err = _run_cli(
+      tiny_cli_args(data, None, "--epochs", "1", "--lr", "0.05"), capsys
+  )
+  assert code == 0, err
+  other = tmp_path / _workdir("mnist-lenet-bn-b16-lr0.05-seed0")
+  assert out.rstrip().endswith(_workdir(other.name))
+  assert "resumed" not in err
+  assert checkpointing.read_config(other).learning_rate == 0.05
+  # The first command, with more epochs, resumes its own run.
+  code, _, err = _run_cli(tiny_cli_args(data, None, "--epochs", "2"), capsys)
+  assert code == 0, err
+  assert "resumed from" in err
+  assert [r["epoch"] for r in checkpointing.read_metrics(first)] == [1, 2]
+  assert [r["epoch"] for r in checkpointing.read_metrics(other)] == [1]
+  # A run of the same config in the folder named after dataset, model, norm
+  # and seed alone is resumed there, not started again beside it.
+  short = tmp_path / _workdir("mnist-lenet-bn-seed1")
+  code, _, err = _run_cli(
+      tiny_cli_args(data, short, "--epochs", "1", "--seed", "1"), capsys
+  )
+  assert code == 0, err
+  code, out, err = _run_cli(
+      tiny_cli_args(data, None, "--epochs", "2", "--seed", "1"), capsys
+  )
+  assert code == 0, err
+  assert "resumed from" in err and out.rstrip().endswith(_workdir(short.name))
+  assert [r["epoch"] for r in checkpointing.read_metrics(short)] == [1, 2]
+  assert sorted(os.listdir("workdir")) == sorted(
+      [first.name, other.name, short.name]
+  )
 
 
 def test_norm_momentum_error_names_the_flag(capsys):

@@ -423,6 +423,122 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   assert [r["epoch"] for r in checkpointing.read_metrics(tmp_path)] == [1, 2]
 
 
+# --- the progress bar follows completed steps ---------------------------------
+
+
+class _LaggingDevice:
+  """Runs the dispatched steps in order, ``lag`` steps behind the host,
+  or at once up to a step the host waits for (``waits`` counts those)."""
+
+  def __init__(self, lag):
+    self.lag, self.dispatched, self.completed, self.waits = lag, 0, 0, 0
+
+  def dispatch(self):
+    self.dispatched += 1
+    self.completed = max(self.completed, self.dispatched - self.lag)
+
+  def wait(self, step):
+    if step >= self.completed:
+      self.waits += 1
+      self.completed = step + 1
+
+
+class _FutureLoss:
+  """A step's loss as the loop sees it: ready once the step completed."""
+
+  def __init__(self, device, step):
+    self.device, self.step = device, step
+
+  def is_ready(self):
+    return self.step < self.device.completed
+
+  def block_until_ready(self):
+    self.device.wait(self.step)
+    return self
+
+  def __float__(self):
+    self.block_until_ready()
+    return 0.5
+
+  def __array__(self, dtype=None, copy=None):
+    return np.asarray(float(self), dtype)
+
+
+class _FakeProgram:
+  """``programs.Program``'s interface over a :class:`_LaggingDevice`."""
+
+  precise = None
+
+  def __init__(self, device, steps):
+    self.device, self.steps = device, steps
+
+  def prepare(self, images, labels, key):
+    return images, labels
+
+  def step(self, state, images, labels, step):
+    loss = _FutureLoss(self.device, self.device.dispatched)
+    self.device.dispatch()
+    return state, {"loss": loss, "errors": 0}
+
+  def evaluate(self, state, images, labels, mask):
+    return {"count": 1, "loss_sum": 0.5, "errors": 0}
+
+
+class _FakeCheckpointer:
+
+  def save(self, epoch, state, history):
+    pass
+
+
+@pytest.mark.parametrize("lag", [2, 6])
+def test_progress_bar_counts_completed_steps(tmp_path, monkeypatch, lag):
+  """The bar advances as steps complete on the device, not as the loop
+  dispatches them, lags them by a few steps at most, and makes the loop
+  wait only when the device is that far behind."""
+  import tqdm  # pylint: disable=g-import-not-at-top
+
+  device, steps, epochs = _LaggingDevice(lag), 25, 2
+  updates = []  # (bar, its count, steps dispatched, steps completed)
+
+  class Bar(tqdm.tqdm):
+
+    def update(self, n=1):
+      shown = super().update(n)
+      updates.append((self, self.n, device.dispatched, device.completed))
+      return shown
+
+  monkeypatch.setattr(tqdm, "tqdm", Bar)
+  monkeypatch.setattr(train_state, "state_dict", lambda state: {})
+  placed = sharding.Placed(np.zeros(1), np.zeros(1), np.ones(1, bool))
+  history = []
+  train._train_epochs(
+      TINY.replace(epochs=epochs, eval_every=1),
+      tmp_path,
+      _FakeProgram(device, steps),
+      placed,
+      placed,
+      None,
+      history,
+      _FakeCheckpointer(),
+      start=1,
+      progress=True,
+      log=lambda line: None,
+      primary=False,
+  )
+  assert [r["epoch"] for r in history] == [1, 2]
+  bars = list(dict.fromkeys(u[0] for u in updates))
+  assert len(bars) == epochs
+  for epoch, bar in enumerate(bars):
+    done_before = epoch * steps
+    for _, shown, dispatched, completed in (u for u in updates if u[0] is bar):
+      assert shown == completed - done_before  # no step counted before done
+      assert dispatched - done_before - shown <= 4  # a few behind at most
+    assert bar.n == steps
+  # The device ran behind unhindered: the loop waited for it only where it
+  # was more than a few steps behind, and at each epoch's end.
+  assert device.waits == epochs if lag <= 3 else device.waits > epochs
+
+
 # Alike tests/test_bench_compile.py::test_bad_flags_name_the_flag: another
 # CLI, with its own flags and messages.
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import functools
+import json
 import os
 import shutil
 import sys
@@ -25,21 +26,60 @@ import time
 from train import cli_flags
 from train import compile_cache
 from train import configs
+from train import sweep_grid
 
 _EXIT_ERROR = 1
 _EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 _HEARTBEAT_ENV = "GBN_DISTRIBUTED_HEARTBEAT_SECONDS"
 
 
-def default_workdir(config: configs.Config) -> str:
-  norm = config.norm.replace(":", "_")
-  # A calibrated run gets its own folder rather than a refusal to resume the
-  # uncalibrated one (older runs, without the field, keep their folders).
-  if config.calibration != "none":
-    norm += f"-cal_{config.calibration}"
-  return os.path.join(
-      "workdir", f"{config.dataset}-{config.model}-{norm}-seed{config.seed}"
-  )
+#: The fields a CLI run's folder names whatever their value; the others
+#: appear where they differ from the command's defaults.
+_WORKDIR_NAMED = ("norm", "seed")
+
+
+def default_workdir(
+    config: configs.Config, defaults: configs.Config | None = None
+) -> str:
+  """The run folder of ``config`` when no ``--workdir`` is given.
+
+  ``workdir/`` and the config's name (``train.sweep_grid.run_name``):
+  dataset, model, norm, each setting that differs from ``defaults``, then
+  the seed, so that a changed setting gets a folder of its own rather than
+  a refusal to resume the run in the other one; ``epochs`` never appears
+  (raising it extends a run), nor do flags that leave the results alone
+  (progress, checkpoints, data folder). With the defaults it is
+  ``workdir/DATASET-MODEL-NORM-seedSEED``.
+
+  Args:
+    config: The run's config.
+    defaults: The config the command starts from (default: the one its
+      dataset implies, ``train.sweep_grid.dataset_defaults``).
+  """
+  if defaults is None:
+    defaults = sweep_grid.dataset_defaults(config.dataset)
+  name = sweep_grid.run_name(config, defaults, always=_WORKDIR_NAMED)
+  return os.path.join("workdir", name)
+
+
+def _workdir(config: configs.Config, defaults: configs.Config) -> str:
+  """:func:`default_workdir`, unless a run of this same config is in the
+  folder named after its dataset, model, norm, calibration and seed alone.
+
+  Rerunning the command that trained such a run resumes it there instead
+  of starting over in a folder of its own.
+  """
+  workdir = default_workdir(config, defaults)
+  short = default_workdir(config, config.replace(calibration="none"))
+  if workdir == short or os.path.lexists(workdir):
+    return workdir
+  try:
+    with open(os.path.join(short, "config.json"), encoding="utf-8") as f:
+      stored = configs.Config.from_json(json.load(f))
+  except (OSError, ValueError, TypeError):
+    return workdir
+  requested = sweep_grid.resolve_augment(config)
+  return workdir if configs.differences(stored, requested) else short
 
 
 def maybe_initialize_distributed() -> bool:
@@ -151,7 +191,7 @@ def run(
     configs.validate(config)
   except ValueError as e:
     parser.error(str(e))
-  workdir = args.workdir or default_workdir(config)
+  workdir = args.workdir or _workdir(config, defaults)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     print(
         f"{prog}: error: --workdir {workdir} exists and is not a folder",
@@ -265,10 +305,15 @@ def _first_epoch_notes(
       trained, so only the epochs after it are estimated.
   """
   remaining = max(config.epochs - epoch, 0)
+  which = (
+      "the first epoch"
+      if epoch == 1
+      else f"epoch {epoch} (the first this command trained)"
+  )
   lines = []
   if remaining:
     lines.append(
-        f"{prog}: the first epoch took {seconds:.0f}s; the "
+        f"{prog}: {which} took {seconds:.0f}s; the "
         f"remaining {remaining} epoch{'s' if remaining > 1 else ''} "
         f"should take about {_duration(seconds * remaining)}"
     )

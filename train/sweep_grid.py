@@ -9,13 +9,14 @@ of. ``python -m train.sweep`` (:mod:`train.sweep`) runs them.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 import dataclasses
 import itertools
 from typing import Any
 
 from train import cli_flags
 from train import configs
+from train import data_info
 
 #: The CLI module of each ``--defaults`` choice.
 DEFAULTS = {
@@ -45,13 +46,25 @@ def _format_value(value: Any) -> str:
   return repr(value) if isinstance(value, float) else str(value)
 
 
-def run_name(config: configs.Config, defaults: configs.Config) -> str:
+#: The fields a sweep's run names always show: the sweep's axes, so that
+#: its folders sort and read alike.
+SWEEP_NAMED = ("norm", "batch_size", "learning_rate", "seed")
+
+
+def run_name(
+    config: configs.Config,
+    defaults: configs.Config,
+    *,
+    always: Collection[str] = SWEEP_NAMED,
+) -> str:
   """A directory name that says the config.
 
-  Dataset, model, norm, batch size, learning rate and seed always appear;
-  other fields only where they differ from ``defaults`` (``epochs`` never:
-  raising it extends a run), so a run keeps its name whichever grid it is
-  part of.
+  Dataset and model lead, the fields in ``always`` appear whatever their
+  value, the others only where they differ from ``defaults`` (``epochs``
+  never: raising it extends a run), so a run keeps its name whichever grid
+  it is part of. ``augment=None`` means the dataset's default, on either
+  side. ``train.main.default_workdir`` names a CLI run with ``always``
+  ``("norm", "seed")``.
 
   >>> run_name(configs.MNIST.replace(norm="sqd:0.3", seed=2), configs.MNIST)
   'mnist-lenet-sqd_0.3-b1000-lr0.01-seed2'
@@ -61,12 +74,16 @@ def run_name(config: configs.Config, defaults: configs.Config) -> str:
   >>> run_name(configs.MNIST.replace(norm="mad", calibration="normal"),
   ...          configs.MNIST)
   'mnist-lenet-mad-b1000-lr0.01-cal_normal-seed0'
+  >>> run_name(configs.MNIST.replace(learning_rate=0.1, augment=False),
+  ...          configs.MNIST, always=("norm", "seed"))
+  'mnist-lenet-bn-lr0.1-seed0'
   """
+  config = resolve_augment(config)
+  defaults = resolve_augment(defaults.replace(dataset=config.dataset))
   # Dataset and model lead (unprefixed), epochs never shows (raising it
   # extends a run), augment is spelled aug/noaug just before the seed, which
   # comes last; the other fields follow train.configs.FIELDS.
   parts = [config.dataset, config.model]
-  always = {"norm", "batch_size", "learning_rate", "seed"}
   named = [
       (name, spec.run_name)
       for name, spec in configs.FIELDS.items()
@@ -141,10 +158,8 @@ def expand(argv: Sequence[str], defaults_name: str = "cifar") -> list[Run]:
     except argparse.ArgumentError as e:
       raise ValueError(str(e)) from None
     config = configs.validate(cli_flags.config_from_args(args, defaults))
-    config = _resolve_augment(config)
-    name = run_name(
-        config, _resolve_augment(defaults.replace(dataset=config.dataset))
-    )
+    config = resolve_augment(config)
+    name = run_name(config, defaults)
     if name in seen:
       continue
     seen.add(name)
@@ -183,10 +198,14 @@ def implied_defaults(argv: Sequence[str]) -> str:
   return implied[0] if implied else "cifar"
 
 
-def _resolve_augment(config: configs.Config) -> configs.Config:
+def dataset_defaults(dataset: str) -> configs.Config:
+  """The defaults ``dataset`` implies, as :func:`implied_defaults` picks."""
+  return DEFAULTS[_DATASET_DEFAULTS.get(dataset, "cifar")][0]
+
+
+def resolve_augment(config: configs.Config) -> configs.Config:
+  """``config`` with ``augment=None`` replaced by its dataset's default."""
   if config.augment is not None:
     return config
-  from train import input_pipeline  # pylint: disable=g-import-not-at-top
-
-  info = input_pipeline.dataset_info(config.dataset)
+  info = data_info.dataset_info(config.dataset)
   return config.replace(augment=bool(info.augment_by_default))

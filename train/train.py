@@ -56,7 +56,9 @@ This module is the loop (:func:`train_and_evaluate`); its parts live in
 :mod:`train.train_state` (model, optimizer, initial state),
 :mod:`train.train_steps` (the jitted functions and the random keys),
 :mod:`train.sharding` (mesh and data placement), :mod:`train.programs`
-(compiling them, cached in-process) and :mod:`train.activations` (recording).
+(compiling them, cached in-process), :mod:`train.activations` (recording)
+and :mod:`train.step_progress` (the progress bar, which counts the steps
+that completed).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from train import health
 from train import input_pipeline
 from train import programs
 from train import sharding
+from train import step_progress
 from train import train_state
 from train import train_steps
 
@@ -374,8 +377,15 @@ def _train_epochs(
         leave=False,
         disable=not progress,
         dynamic_ncols=True,
+        smoothing=0.1,
     )
+
+    def check(loss: float) -> None:
+      if not math.isfinite(loss):
+        _raise_nonfinite(losses, epoch, last_good, workdir)
+
     with bar:
+      completed = step_progress.StepProgress(bar, check)
       for step in range(steps):
         state, metrics = program.step(state, images, labels, np.int32(step))
         losses.append(metrics["loss"])
@@ -383,14 +393,8 @@ def _train_epochs(
         global_step = (epoch - 1) * steps + step
         if record is not None and global_step % record.every == 0:
           recorded.append((global_step, metrics["before"], metrics["after"]))
-        bar.update(1)
-        # Check the previous step's loss: it is (nearly) done, so reading it
-        # barely stalls the asynchronous dispatch.
-        if step % 10 == 1 or step == steps - 1:
-          loss = float(losses[step if step == steps - 1 else step - 1])
-          if not math.isfinite(loss):
-            _raise_nonfinite(losses, epoch, last_good, workdir)
-          bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        completed.dispatched(metrics["loss"])
+      completed.finish()
     losses_np = np.asarray(jax.device_get(losses), np.float64)
     errors_np = np.asarray(jax.device_get(errors), np.int64)
     train_seconds = time.perf_counter() - t_start
