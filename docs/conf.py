@@ -10,6 +10,10 @@ from pathlib import Path
 import re
 import sys
 
+from flax import nnx
+from sphinx.ext.autodoc.typehints import record_typehints
+from sphinx.util import inspect as sphinx_inspect
+
 # The checkout's gbn_jax (and train, for the training page's references).
 sys.path.insert(0, os.path.abspath(".."))
 
@@ -41,6 +45,9 @@ source_suffix = {
 # Notebooks: rendered from the outputs committed in notebooks/*.ipynb
 # (re-executed with `python -m notebooks.execute NAME`), never run here.
 nb_execution_mode = "off"
+# Their Markdown outputs (the results notebook's tables) as GitHub renders
+# them; CommonMark, myst-nb's default, has no tables.
+nb_render_markdown_format = "gfm"
 myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 3
 
@@ -66,6 +73,9 @@ html_title = f"gbn-jax {release}"
 html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": False,
+    # One search box, the sidebar's: pydata-sphinx-theme would otherwise put
+    # a second one in a header bar above the page.
+    "navbar_persistent": [],
 }
 
 # results/README.md and results/reports/*/report.md are included as they are
@@ -107,5 +117,30 @@ def _results_links(app, relative_path, parent_docname, content):
   content[0] = _LINK.sub(rewrite, content[0])
 
 
+def _nnx_signature(app, what, name, obj, options, signature, return_annotation):
+  """An nnx Module's signature and parameter types: its ``__init__``'s.
+
+  flax's nnx metaclass defines ``__call__(*args, **kwargs)``, which autodoc
+  (and ``inspect``) take for the constructor's signature.
+  """
+  if what != "class" or not (
+      isinstance(obj, type) and issubclass(obj, nnx.Module)
+  ):
+    return None
+  init = sphinx_inspect.signature(obj.__init__, bound_method=True)
+  show = app.config.autodoc_typehints not in ("none", "description")
+  # The types of the parameters' descriptions (autodoc_typehints).
+  record_typehints(
+      app, what, name, obj.__init__, options, signature, return_annotation
+  )
+  return (
+      sphinx_inspect.stringify_signature(
+          init, show_annotation=show, show_return_annotation=False
+      ),
+      return_annotation,
+  )
+
+
 def setup(app):
   app.connect("include-read", _results_links)
+  app.connect("autodoc-process-signature", _nnx_signature)

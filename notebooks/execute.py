@@ -12,7 +12,12 @@ site. It replaces ``jupytext --sync`` followed by ``jupyter nbconvert
 * every code cell has been executed, without error;
 * ``metadata.gbn_jax.code_sha256`` is the digest of the code cells that
   produced the outputs, so changed code with stale outputs fails the test
-  (a markdown-only edit needs just ``jupytext --sync notebooks/NAME.py``).
+  (a markdown-only edit needs just ``jupytext --sync notebooks/NAME.py``);
+* for a notebook that reads ``results/`` (``results``),
+  ``metadata.gbn_jax.results_sha256`` is the digest of the runs it read, so
+  new or changed runs with stale outputs fail the test too;
+* executing the ``.py`` again gives the same outputs (figures compared by
+  count, text exactly).
 
 The kernel runs on XLA:CPU (the notebooks' float32 tolerances were set
 there), with matplotlib's inline backend. Widget state (``ipywidgets``) is
@@ -47,6 +52,11 @@ NOTEBOOK_DIR = REPO / "notebooks"
 KERNEL_NAME = "gbn-jax-notebooks"
 #: Per cell; only stops a hung kernel (a whole notebook takes about a minute).
 CELL_TIMEOUT_S = 600
+#: The notebooks whose outputs depend on the runs under ``results/``.
+READS_RESULTS = frozenset({"results"})
+#: The folders of ``results/`` (or of ``$GBN_RESULTS_DIR``) that the results
+#: notebook reads: its SWEEPS, ACTIVATIONS and TIMING.
+RESULTS_INPUTS = ("sweeps", "activations", "benchmarks/timing")
 _PROG = "python -m notebooks.execute"
 
 
@@ -65,6 +75,32 @@ def code_sha256(nb: nbformat.NotebookNode) -> str:
   """Digest of the code cells' sources (what the outputs depend on)."""
   sources = [c.source.strip() for c in nb.cells if c.cell_type == "code"]
   return hashlib.sha256(json.dumps(sources).encode()).hexdigest()
+
+
+def results_dir() -> pathlib.Path:
+  """The results folder the results notebook reads, as it chooses it."""
+  return pathlib.Path(
+      os.environ.get("GBN_RESULTS_DIR") or REPO / "results"
+  ).resolve()
+
+
+def results_sha256(root: pathlib.Path) -> str:
+  """Digest of every file under ``root``'s :data:`RESULTS_INPUTS` folders.
+
+  Each file counts by its path relative to ``root`` and its bytes; a missing
+  folder counts as missing. Reading order and timestamps do not matter.
+  """
+  digest = hashlib.sha256()
+  for folder in RESULTS_INPUTS:
+    top = root / folder
+    digest.update(f"{folder}\0{top.is_dir()}\0".encode())
+    files = (
+        sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else []
+    )
+    for path in files:
+      digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+      digest.update(hashlib.sha256(path.read_bytes()).digest())
+  return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -205,6 +241,8 @@ def write(name: str, nb: nbformat.NotebookNode) -> pathlib.Path:
         output.data["image/png"] = smaller_png(output.data["image/png"])
   nb.metadata.get("language_info", {}).pop("version", None)
   nb.metadata["gbn_jax"] = {"code_sha256": code_sha256(nb)}
+  if name in READS_RESULTS:
+    nb.metadata["gbn_jax"]["results_sha256"] = results_sha256(results_dir())
   # Ids from the cells' contents: re-executing does not rewrite them all.
   seen = set()
   for cell in nb.cells:

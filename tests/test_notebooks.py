@@ -7,11 +7,14 @@ site; ``python -m notebooks.execute [NAME]`` regenerates it. The tests check:
 
 * the ``.ipynb`` holds the ``.py``'s cells (sources);
 * the committed ``.ipynb`` is executed: every code cell in order, without
-  error, from the code it holds now (``metadata.gbn_jax.code_sha256``), with
-  its figures, without widget state;
+  error, from the code it holds now (``metadata.gbn_jax.code_sha256``) and,
+  for ``results``, on the runs ``results/`` holds now
+  (``metadata.gbn_jax.results_sha256``), with its figures, without widget
+  state;
 * executing the ``.py`` headless succeeds (a failing ``assert`` cell of the
-  notebook fails the test), every output it produces has a counterpart in the
-  committed notebook, and the interactive widget renders its default figure.
+  notebook fails the test), gives the committed outputs (text exactly, once
+  memory addresses are masked; figures by count, per cell), and the
+  interactive widget renders its default figure.
   ``measures``' assert cells check numerical facts against numpy (the
   fraction of zeros after SQD + ReLU, the bPOE identity); ``results`` is also
   run on a made-up results folder (unfinished, failed, half-written and
@@ -26,6 +29,7 @@ display. Needs the ``notebooks`` extra (``results`` reads runs with
 
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib.util
 import json
@@ -54,7 +58,7 @@ def _load_execute():
 execute = _load_execute()
 NOTEBOOKS = execute.notebook_names()
 #: Their outputs depend on what results/ holds now, not only on the code.
-DEPENDS_ON_RESULTS = {"results"}
+DEPENDS_ON_RESULTS = execute.READS_RESULTS
 REGENERATE = "python -m notebooks.execute {name}"
 #: A committed notebook must stay reviewable and cheap to clone.
 MAX_IPYNB_BYTES = 2 * 2**20
@@ -156,6 +160,12 @@ def test_ipynb_committed_executed(name):
       f"the outputs of notebooks/{name}.ipynb come from other code than its"
       f" cells hold now{fix}"
   )
+  if name in DEPENDS_ON_RESULTS:
+    stamp = ipynb.metadata["gbn_jax"].get("results_sha256")
+    assert stamp == execute.results_sha256(REPO / "results"), (
+        f"the outputs of notebooks/{name}.ipynb come from other runs than"
+        f" results/ holds now{fix}"
+    )
   assert any(
       _has_png(cell.outputs) for cell in code
   ), f"notebooks/{name}.ipynb has no figure{fix}" + (
@@ -279,29 +289,149 @@ def _widget_outputs(nb) -> list[list[dict]]:
   ]
 
 
+#: What legitimately differs between two executions of the same cell.
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")
+
+
+def _comparable(nb) -> list[list[str]]:
+  """Per code cell, its outputs as lines to compare between executions.
+
+  The outputs as :func:`execute.write` stores them (no widget views), with
+  consecutive stream outputs of one stream joined (the kernel may flush a
+  cell's prints in several messages), memory addresses masked (object
+  reprs) and images stood for by their MIME type and display metadata:
+  their bytes depend on the matplotlib, freetype and Pillow builds, and
+  what they plot is in the text outputs beside them. Every other MIME type
+  (``text/plain``, ``text/markdown``, ``text/html``, ...) is kept whole.
+  """
+  nb = execute.drop_widget_state(copy.deepcopy(nb))
+  cells = []
+  for cell in _code(nb):
+    lines = []
+    stream = None
+    for output in cell.outputs:
+      kind = output.output_type
+      if kind == "stream":
+        if stream != output.name:
+          lines.append(f"[{output.name}]")
+        stream = output.name
+        lines.extend(_ADDRESS.sub("0x…", output.text).splitlines())
+        continue
+      stream = None
+      lines.append(f"[{kind}]")
+      if kind == "error":
+        lines.append(f"{output.ename}: {output.evalue}")
+        continue
+      for mime, value in sorted(output.get("data", {}).items()):
+        if mime.startswith("image/"):
+          meta = output.get("metadata", {}).get(mime, {})
+          lines.append(f"<{mime} {json.dumps(meta, sort_keys=True)}>")
+        else:
+          if not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True, indent=1)
+          lines.append(f"<{mime}>")
+          lines.extend(_ADDRESS.sub("0x…", value).splitlines())
+    cells.append(lines)
+  return cells
+
+
+def _output_diff(name: str, committed, executed) -> str:
+  """A unified diff of the cells whose outputs differ, the first ones."""
+  parts = []
+  cells = zip(_code(committed), _comparable(committed), _comparable(executed))
+  for index, (cell, old, new) in enumerate(cells):
+    if old != new:
+      parts.append(
+          f"code cell {index}: {cell.source.strip().splitlines()[0][:70]}\n"
+      )
+      parts.extend(
+          difflib.unified_diff(
+              [line + "\n" for line in old],
+              [line + "\n" for line in new],
+              f"notebooks/{name}.ipynb",
+              "executed now",
+              n=1,
+          )
+      )
+  text = "".join(parts)
+  return text if len(text) < 6000 else text[:6000] + "\n[...]"
+
+
+def test_comparable_masks_only_what_varies():
+  nb = _widget_notebook()
+  cell = nb.cells[1]
+  cell.outputs += [
+      nbformat.v4.new_output("stream", text="4\n"),
+      nbformat.v4.new_output(
+          "display_data",
+          data={
+              "text/plain": "[<matplotlib.lines.Line2D at 0x7f2a1c>]",
+              "image/png": "iVBORw0KGgo=",
+          },
+          metadata={"image/png": {"width": 900}},
+      ),
+  ]
+  other = copy.deepcopy(nb)
+  figure = other.cells[1].outputs[4].data
+  figure["text/plain"] = "[<matplotlib.lines.Line2D at 0x55d0e8>]"
+  figure["image/png"] = "other bytes"
+  other.cells[1].outputs[0].data[execute.WIDGET_VIEW]["model_id"] = "f" * 32
+  assert (
+      _comparable(other)
+      == _comparable(nb)
+      == [
+          [
+              "[display_data]",
+              "<text/plain>",
+              "IntSlider(value=3)",
+              "[display_data]",
+              "<text/plain>",
+              "(an interactive widget: run the notebook)",
+              "[stdout]",
+              "3",
+              "4",
+              "[display_data]",
+              '<image/png {"width": 900}>',
+              "<text/plain>",
+              "[<matplotlib.lines.Line2D at 0x…>]",
+          ]
+      ]
+  )
+  # A changed number, a missing figure, another figure size: all differ.
+  for change in (
+      lambda outputs: outputs[2].update(text="5\n"),
+      lambda outputs: outputs.pop(),
+      lambda outputs: outputs[4].metadata.update({"image/png": {}}),
+  ):
+    changed = copy.deepcopy(nb)
+    change(changed.cells[1].outputs)
+    assert _comparable(changed) != _comparable(nb)
+    assert "code cell 0: display(slider)" in _output_diff("x", nb, changed)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_executes(name, kernel_name):
   nb = _execute(name, kernel_name)
-  committed = _code(_committed(name))
+  committed_nb = _committed(name)
+  committed = _code(committed_nb)
   code = _code(nb)
   assert len(code) == len(committed)  # test_ipynb_matches_py says which
 
-  for cell, old in zip(code, committed):
+  for cell in code:
     if _SHOWS.search(cell.source):
       assert _has_png(
           cell.outputs
       ), f"no figure rendered by the cell:\n{cell.source[:300]}"
-    # Whatever the code shows now, the committed notebook shows too.
-    assert old.outputs or not cell.outputs, (
-        f"the committed cell has no output; run"
-        f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}"
+  # The committed outputs are what executing the notebook gives now (for
+  # results, on the runs results/ holds now): the site and a code-hosting
+  # site show them as they are.
+  if _comparable(committed_nb) != _comparable(nb):
+    pytest.fail(
+        f"notebooks/{name}.ipynb does not hold the outputs that executing it"
+        f" gives now; run `{REGENERATE.format(name=name)}`.\n"
+        + _output_diff(name, committed_nb, nb)
     )
-    if name not in DEPENDS_ON_RESULTS and _has_png(cell.outputs):
-      assert _has_png(old.outputs), (
-          f"the committed cell has no figure; run"
-          f" `{REGENERATE.format(name=name)}`:\n{cell.source[:300]}"
-      )
 
   # interactive_output ran its function once, with the widgets' defaults,
   # into its Output widget (an exception there fails no cell).
