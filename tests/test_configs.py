@@ -35,6 +35,7 @@ SAMPLES = {
     "renorm_rmax": (2.0, 0.5),
     "renorm_dmax": (1.0, -1.0),
     "calibration": ("normal", "uniform"),
+    "norm_bias": (1.0, float("nan")),
 }
 
 
@@ -106,6 +107,7 @@ def test_added_fields_default_in_old_config_files():
       "renorm_rmax",
       "renorm_dmax",
       "calibration",
+      "norm_bias",
   }
   assert configs.Config.from_json(old) == configs.CIFAR
   with pytest.raises(ValueError, match="missing fields"):

@@ -63,7 +63,9 @@ RUN_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             default=None,
             help="run directory (default: workdir/DATASET-MODEL-NORM-seedSEED, "
-            "with -cal_normal after NORM for --calibration normal)",
+            "with each setting but --epochs that differs from the defaults "
+            "named before the seed, as a sweep names its runs: -lr0.05, "
+            "-cal_normal, -nb1.0)",
         ),
     ),
     (

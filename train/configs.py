@@ -203,6 +203,7 @@ class Config:
     calibration: ``none`` or ``normal``: every GBN layer's ``D`` divided by
       its value for a standard normal feature (``GBatchNorm``'s
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
+    norm_bias: Every norm layer's initial bias (``train.norms.make_norm``).
   """
 
   dataset: str = _field(
@@ -237,7 +238,8 @@ class Config:
           help="normalization layer: 'bn' is flax.linen.BatchNorm (the "
           "baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
           "with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: "
-          + ", ".join(models.norm_names()),
+          + ", ".join(models.norm_names())
+          + "; wcd (centered on the max) needs a positive --norm-bias, e.g. 1",
       ),
   )
   epochs: int = _field(
@@ -384,6 +386,18 @@ class Config:
           "standard normal feature, so that D is the standard deviation for "
           "Gaussian data (BatchNorm's gain at initialization whatever the "
           "measure); a no-op for bn and sd, which stay BatchNorm",
+      ),
+  )
+  norm_bias: float = _field(
+      0.0,
+      FieldSpec(
+          _real("must be a finite number", lambda v: True),
+          "--norm-bias",
+          parse=float,
+          run_name="nb",
+          added=True,
+          help="initial bias of every norm layer (wcd: 1 passes the values "
+          "above the mean to the ReLU, 0 none)",
       ),
   )
 

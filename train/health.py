@@ -2,25 +2,46 @@
 
 A classifier that predicts every class with equal probability has the
 cross-entropy ``ln(num_classes)`` whatever its input. A training loss that
-stays there for a whole epoch means the network learns nothing; with a GBN
-measure the usual reason is the measure's gain: a raw deviation ``D`` is not
-the standard deviation (``rsd`` is 0.40σ for Gaussian data), so the swap
-multiplies every layer's gain σ/D at initialization, which acts like another
-learning rate, and a rate tuned for BatchNorm can be too large for it.
+stays there for a whole epoch means the network learns nothing. The note
+names the cause it can tell apart, in this order:
 
-`dead_training_note` decides from one epoch's step losses (a pure function);
-`DeadTrainingWatch` calls it after each epoch and speaks once per command.
+* A norm layer none of whose outputs is positive: the ReLU after it outputs
+  only zeros and passes no gradient. A measure centered at or above every
+  value (``wcd``: ``S`` is the maximum) does this at the default zero bias,
+  since every normalized value is then at most the bias.
+  :func:`probe_norm_outputs` finds such layers by running the run's own
+  model, at its initial parameters, on a batch of random images, and
+  counting the positive outputs of each norm layer. It measures what the
+  layers do rather than reading a property of the built-in measures, so it
+  also sees a measure of the user's own, and what renormalization and
+  ``--norm-bias`` change.
+* For an uncalibrated GBN measure, its gain: a raw deviation ``D`` is not
+  the standard deviation (``rsd`` is 0.40σ for Gaussian data), so the swap
+  multiplies every layer's gain σ/D at initialization, which acts like
+  another learning rate, and a rate tuned for BatchNorm can be too large.
+* Else (BatchNorm, a calibrated measure) the learning rate.
+
+`dead_training_note` decides from one epoch's step losses and the probe's
+result (a pure function); `DeadTrainingWatch` calls it after each epoch,
+probes only an epoch at chance, and speaks once per command.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from train import capture
 from train import configs
 from train import datasets
+from train import input_pipeline
+from train import train_state
+from train import train_steps
 
 #: Relative distance to ``ln(num_classes)`` that counts as chance level.
 TOLERANCE = 0.01
@@ -33,6 +54,14 @@ MIN_STEPS = 20
 #: the whole epoch must sit at chance, not just its average, and one noisy
 #: batch does not decide.
 PARTS = 10
+
+#: Images in the batch that `probe_norm_outputs` runs the model on.
+PROBE_IMAGES = 32
+
+#: The ``--norm-bias`` that `dead_training_note` advises for a measure
+#: centered at or above every value: with ``wcd`` (``D = max - mean``) the
+#: values above the mean then pass the ReLU.
+ADVISED_BIAS = 1.0
 
 # Norms whose statistics are BatchNorm's own: their gain is BatchNorm's, so
 # only the learning rate (or the network) is left to blame.
@@ -82,6 +111,122 @@ def at_chance(
   return all(abs(m - chance) <= tolerance * chance for m in means)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerOutputs:
+  """What one norm layer output on `probe_norm_outputs`'s batch.
+
+  Attributes:
+    positive: The fraction of its outputs above zero: what a ReLU after it
+      passes.
+    above_bias: The fraction above the layer's bias: none when its measure
+      centers each feature at or above every value.
+    bias: The layer's largest bias (its features' initial bias).
+  """
+
+  positive: float
+  above_bias: float
+  bias: float
+
+
+def probe_norm_outputs(
+    config: configs.Config,
+    num_classes: int,
+    image_shape: Sequence[int],
+    images: int = PROBE_IMAGES,
+) -> dict[str, LayerOutputs]:
+  """Every norm layer's outputs in one training-mode forward pass.
+
+  The model is the run's (``config``'s norm, calibration, renormalization
+  and bias), at the parameters the run starts from; the batch is uniformly
+  random pixels, normalized as training normalizes the dataset's images.
+
+  Args:
+    config: The run's config.
+    num_classes: Number of classes of the dataset.
+    image_shape: One image's shape (height, width, channels).
+    images: How many images the batch has.
+
+  Returns:
+    ``{norm layer path: LayerOutputs}``, in call order.
+  """
+  model = train_state.create_model(config, num_classes)
+  if hasattr(model, "recompute_norm"):
+    # Its remat would trace the norm layers apart, and their outputs would
+    # escape that trace; the parameters and function are the same without.
+    model = model.clone(recompute_norm=False)
+  shape = (images, *image_shape)
+  variables = model.init(
+      train_steps.init_key(config.seed),
+      jnp.zeros((1, *image_shape), jnp.float32),
+      train=False,
+  )
+  pixels = jax.random.randint(jax.random.key(0), shape, 0, 256, jnp.int32)
+  batch = input_pipeline.normalize_images(
+      pixels.astype(jnp.uint8), config.dataset
+  )
+
+  @jax.jit
+  def fractions(variables, batch):
+    with capture.capture_calls() as captured:
+      model.apply(variables, batch, train=True, mutable=["batch_stats"])
+    result = {}
+    for name, call in captured.items():
+      params = variables["params"]
+      for part in name.split("/"):
+        params = params.get(part, {})
+      bias = params.get("bias", jnp.zeros(()))
+      y = call.output.astype(jnp.float32)
+      result[name] = (jnp.mean(y > 0), jnp.mean(y > bias), jnp.max(bias))
+    return result
+
+  return {
+      name: LayerOutputs(*(float(v) for v in values))
+      for name, values in jax.device_get(fractions(variables, batch)).items()
+  }
+
+
+def _layers_text(names: Sequence[str]) -> str:
+  if len(names) <= 3:
+    return ", ".join(names)
+  return f"{', '.join(names[:2])} and {len(names) - 2} more norm layers"
+
+
+def _dead_relu_cause(
+    outputs: Mapping[str, LayerOutputs], norm: str, norm_bias: float
+) -> str | None:
+  """The cause and fix when a norm layer outputs nothing positive, if so."""
+  dead = [name for name, o in outputs.items() if o.positive == 0]
+  if not dead:
+    return None
+  # The first such layer decides: the layers after it may only be fed its
+  # zeros (a constant feature normalizes to exactly the bias).
+  head = (
+      f"Likely cause: no output of {_layers_text(dead)} is positive (on a"
+      " batch of random images, at the run's initial parameters), so the"
+      " ReLU after each outputs only zeros and passes no gradient back."
+  )
+  if outputs[dead[0]].above_bias == 0:
+    if norm_bias < ADVISED_BIAS:
+      bias_fix = f"--norm-bias {ADVISED_BIAS:g}" + (
+          " (wcd's D is max - mean: the values above the mean then pass)"
+          if norm == "wcd"
+          else ""
+      )
+    else:
+      bias_fix = f"a --norm-bias above {norm_bias:g}"
+    return (
+        f"{head} {norm} centers each feature at or above every value"
+        f"{' (S = max)' if norm == 'wcd' else ''}, so every normalized value"
+        f" is at most the layer's bias (--norm-bias {norm_bias:g}). Fix:"
+        f" {bias_fix}, or a measure centered inside the data (e.g. --norm"
+        " bn)."
+    )
+  return (
+      f"{head} --norm-bias {norm_bias:g} pulls every normalized value of"
+      f" {dead[0]} below zero. Fix: --norm-bias 0 (the default)."
+  )
+
+
 def dead_training_note(
     losses: Sequence[float] | np.ndarray,
     *,
@@ -90,6 +235,8 @@ def dead_training_note(
     norm: str,
     learning_rate: float,
     calibration: str = "none",
+    norm_bias: float = 0.0,
+    norm_outputs: Mapping[str, LayerOutputs] | None = None,
 ) -> str | None:
   """What to tell the user about an epoch whose loss sat at chance, if so.
 
@@ -100,11 +247,14 @@ def dead_training_note(
     norm: The run's ``--norm`` (``bn``, a measure, ``bn_gain:<norm>``).
     learning_rate: The run's ``--lr``.
     calibration: The run's ``--calibration``.
+    norm_bias: The run's ``--norm-bias``.
+    norm_outputs: `probe_norm_outputs`'s result for the run; ``None``: not
+      probed.
 
   Returns:
-    ``None`` unless `at_chance`; else the message: the likely cause (for a
-    GBN measure its gain at this learning rate, for BatchNorm the learning
-    rate) and the fixes.
+    ``None`` unless `at_chance`; else the message: the likely cause (a norm
+    layer with no positive output; for an uncalibrated GBN measure its gain
+    at this learning rate; else the learning rate) and the fixes.
   """
   if not at_chance(losses, num_classes):
     return None
@@ -115,6 +265,9 @@ def dead_training_note(
       f" whole epoch (mean {mean:.4f}; ln {num_classes} = {chance:.4f}): the"
       " network is not learning."
   )
+  dead_relu = _dead_relu_cause(norm_outputs or {}, norm, norm_bias)
+  if dead_relu is not None:
+    return f"{head} {dead_relu}"
   smaller = f"a smaller --lr (e.g. {learning_rate / 10:g})"
   if norm in _BATCHNORM_NORMS:
     return (
@@ -143,18 +296,32 @@ def dead_training_note(
 
 
 class DeadTrainingWatch:
-  """Checks each epoch of a run; says it once (see `dead_training_note`)."""
+  """Checks each epoch of a run; says it once (see `dead_training_note`).
 
-  def __init__(self, config: configs.Config):
+  Args:
+    config: The run's config.
+    probe: Returns the run's `probe_norm_outputs`; called only for an epoch
+      at chance. Default: `probe_norm_outputs` of ``config``'s model.
+  """
+
+  def __init__(
+      self,
+      config: configs.Config,
+      probe: Callable[[], Mapping[str, LayerOutputs]] | None = None,
+  ):
     self._config = config
-    self._num_classes = datasets.dataset_info(config.dataset).num_classes
+    info = datasets.dataset_info(config.dataset)
+    self._num_classes = info.num_classes
+    self._probe = probe or (
+        lambda: probe_norm_outputs(config, info.num_classes, info.image_shape)
+    )
     self._said = False
 
   def after_epoch(
       self, epoch: int, losses: Sequence[float] | np.ndarray
   ) -> str | None:
     """The note for this epoch, the first time one applies; else None."""
-    if self._said:
+    if self._said or not at_chance(losses, self._num_classes):
       return None
     note = dead_training_note(
         losses,
@@ -163,6 +330,8 @@ class DeadTrainingWatch:
         norm=self._config.norm,
         learning_rate=self._config.learning_rate,
         calibration=self._config.calibration,
+        norm_bias=self._config.norm_bias,
+        norm_outputs=self._probe(),
     )
     self._said = note is not None
     return note

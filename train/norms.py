@@ -120,6 +120,7 @@ def make_norm(
     axis_name: str | None = None,
     renorm_clipping: dict[str, float] | None = None,
     calibration: str | None = None,
+    bias: float = 0.0,
 ) -> ModuleDef:
   """The single norm factory used by every model.
 
@@ -138,6 +139,10 @@ def make_norm(
       ``calibration='normal'``. ``bn`` ignores it and stays
       ``flax.linen.BatchNorm`` (BatchNorm's constant is 1), as does ``sd``
       in effect.
+    bias: Every layer's initial bias (``bias_init``, a constant). A measure
+      centered at the maximum (``wcd``) needs a positive one: its normalized
+      values are at most the bias, so with a zero bias the ReLU after the
+      layer outputs only zeros.
 
   Returns:
     A partial of ``flax.linen.BatchNorm`` or ``gbn_jax.GBatchNorm`` that the
@@ -151,6 +156,9 @@ def make_norm(
         f"{', '.join(CALIBRATIONS)}"
     )
   common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
+  if bias:
+    # Left out at zero: the factory is then exactly flax's default one.
+    common["bias_init"] = nn.initializers.constant(bias)
   if renorm_clipping is not None:
     common.update(renorm=True, renorm_clipping=renorm_clipping)
     if spec.measure is None:

@@ -91,6 +91,7 @@ ADDED_FIELD_DEFAULTS = {
     "renorm_rmax": 3.0,
     "renorm_dmax": 5.0,
     "calibration": "none",
+    "norm_bias": 0.0,
 }
 
 

@@ -39,6 +39,7 @@ def create_model(config: configs.Config, num_classes: int) -> nn.Module:
       epsilon=config.norm_epsilon,
       renorm_clipping=clipping,
       calibration=config.calibration,
+      bias=config.norm_bias,
   )
   return models.create_model(config.model, num_classes=num_classes, norm=norm)
 
