@@ -24,6 +24,7 @@ from train import datasets
 from train import download
 
 import data_helpers as dh
+from process_helpers import run_module
 from training_helpers import empty_data_places
 
 # Seconds: every test's transfers are local, so anything slower is a hang.
@@ -290,10 +291,165 @@ def test_load_dataset_failed_download_explains(server, places, monkeypatch):
   with pytest.raises(datasets.DataNotFoundError) as e:
     datasets.load_dataset("mnist", use_tfds=False, fetch=True)
   message = str(e.value)
-  assert message.startswith("could not find the mnist dataset.")
-  assert "Automatic download of mnist failed" in message
-  assert "stopped early" in message and "curl -fL" in message
+  assert message.startswith(
+      "could not find the mnist dataset. Automatic download of mnist failed"
+  )
+  assert "stopped early" in message.splitlines()[0]
+  assert "curl -fL" in message
   assert _files_in(places["user"] / "mnist") == []
+
+
+def _tfds_says(monkeypatch, error: Exception, tensorflow: bool = False):
+  """tensorflow-datasets raises ``error`` when asked for data; TensorFlow
+  is installed or not, as ``tensorflow`` says."""
+  tfds = pytest.importorskip("tensorflow_datasets")
+
+  def data_source(*args, **kwargs):
+    del args, kwargs
+    raise error
+
+  monkeypatch.setattr(tfds, "data_source", data_source)
+  find_spec = data_tfds.importlib.util.find_spec
+  monkeypatch.setattr(
+      data_tfds.importlib.util,
+      "find_spec",
+      lambda name, *a: (
+          (find_spec("os") if tensorflow else None)
+          if name == "tensorflow"
+          else find_spec(name, *a)
+      ),
+  )
+
+
+# What tensorflow-datasets 4.9 raises for a dataset never generated, read
+# without TensorFlow.
+_NOT_GENERATED = KeyError(
+    "Trying to access `splits['train']` but `splits` is empty. This likely"
+    " indicates the dataset has not been generated yet."
+)
+
+
+def test_tfds_miss_is_a_miss_not_its_error(monkeypatch, tmp_path):
+  _tfds_says(monkeypatch, _NOT_GENERATED)
+  with pytest.raises(data_tfds.TfdsUnavailable) as e:
+    data_tfds.load_tfds("cifar10", tmp_path, download=True)
+  assert str(e.value) == (
+      "no prepared 'cifar10' found, and preparing one needs TensorFlow,"
+      " which is not installed"
+  )
+  assert e.value.nothing_prepared
+  # With TensorFlow, tfds tries to prepare the data: its error, which may
+  # run to pages, is cut to its first line.
+  _tfds_says(monkeypatch, OSError("no route\n  File x\n" * 50), True)
+  with pytest.raises(data_tfds.TfdsUnavailable) as e:
+    data_tfds.load_tfds("cifar10", tmp_path, download=True)
+  assert "\n" not in str(e.value) and str(e.value).endswith("OSError: no route")
+  assert e.value.nothing_prepared
+
+
+def test_offline_error_leads_with_the_download_and_ends_without_one(
+    server, places, monkeypatch, tmp_path
+):
+  with socket.socket() as s:  # a port that nothing listens on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  url = f"http://127.0.0.1:{port}/cifar-10-binary.tar.gz"
+  monkeypatch.setitem(
+      download.SOURCES, "cifar10", (download.Remote(url, "0" * 64, 5),)
+  )
+  _tfds_says(monkeypatch, _NOT_GENERATED)
+  # Only the pickled version is here: worth saying, download or not.
+  (places["env"] / "cifar-10-batches-py").mkdir()
+  with pytest.raises(datasets.DataNotFoundError) as e:
+    datasets.load_dataset("cifar10", fetch=True)
+  lines = str(e.value).splitlines()
+  assert lines[0].startswith(
+      f"could not find the cifar10 dataset. Automatic download of cifar10"
+      f" failed: {url}: "
+  )
+  assert "offline" in lines[0]
+  assert 'is the pickled "python version"' in lines[1]
+  assert not any(
+      "KeyError" in line or "tensorflow-datasets:" in line for line in lines
+  )
+  steps = lines.index("Nothing half-written was kept. To download it by hand:")
+  assert lines[steps + 2].startswith(
+      f"    curl -fL -o {places['user'] / 'cifar10' / 'cifar-10-binary.tar.gz'}"
+  )
+  assert lines[-1] == (
+      "Without internet: Fashion-MNIST needs no download on Debian/Ubuntu:"
+      " apt-get install dataset-fashion-mnist, then"
+      " python -m train.mnist --dataset fashion_mnist."
+  )
+  # Fashion-MNIST itself: its package.
+  monkeypatch.setitem(
+      download.SOURCES, "fashion_mnist", (download.Remote(url, "0" * 64, 5),)
+  )
+  with pytest.raises(datasets.DataNotFoundError) as e:
+    datasets.load_dataset("fashion_mnist", fetch=True)
+  assert "apt-get install dataset-fashion-mnist installs it" in str(e.value)
+  # A partial copy is named too.
+  (places["user"] / "mnist").mkdir()
+  (places["user"] / "mnist" / "train-images-idx3-ubyte.gz").write_bytes(b"")
+  monkeypatch.setitem(
+      download.SOURCES, "mnist", (download.Remote(url, "0" * 64, 5),)
+  )
+  with pytest.raises(datasets.DataNotFoundError) as e:
+    datasets.load_dataset("mnist", fetch=True)
+  assert (
+      str(e.value)
+      .splitlines()[1]
+      .startswith(
+          f"mnist: {places['user'] / 'mnist'} holds only part of the dataset"
+      )
+  )
+
+
+def test_offline_training_cli_says_only_its_own_message(tmp_path):
+  with socket.socket() as s:  # a port that nothing listens on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  # The official URL through a proxy that is not there: nothing leaves
+  # the machine, and the command is the one a user types.
+  proxy = f"http://127.0.0.1:{port}"
+  result = run_module(
+      "train.cifar",
+      "--norm",
+      "sqd2",
+      "--epochs",
+      "1",
+      "--workdir",
+      str(tmp_path / "run"),
+      env={
+          "HOME": str(tmp_path),
+          "XDG_CACHE_HOME": str(tmp_path / ".cache"),
+          "JAX_PLATFORMS": "cpu",
+          **{k: proxy for k in ("http_proxy", "https_proxy")},
+          **{k.upper(): proxy for k in ("http_proxy", "https_proxy")},
+      },
+      drop=(
+          "no_proxy",
+          "NO_PROXY",
+          "TFDS_DATA_DIR",
+          datasets.ENV_DATA_DIR,
+          download.ENV_NO_DOWNLOAD,
+      ),
+      timeout=300,
+  )
+  assert result.returncode == 1, result.stderr
+  assert result.stdout == ""
+  err = result.stderr
+  assert err.splitlines()[0].startswith(
+      "python -m train.cifar: error: could not find the cifar10 dataset."
+      " Automatic download of cifar10 failed:"
+      " https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz: "
+  )
+  for noise in ("KeyError", "Traceback", "splits", "WARNING", "absl"):
+    assert noise not in err
+  assert "curl -fL" in err and "sha256sum" in err
+  assert "apt-get install dataset-fashion-mnist" in err
+  assert "python -m train.mnist --dataset fashion_mnist" in err
+  assert not (tmp_path / "run").exists()
 
 
 def _no_tfds(*args, **kwargs):

@@ -9,6 +9,7 @@ one loaded into memory and checks its arrays. The loaders are in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 from typing import Any
 
@@ -24,7 +25,17 @@ DATASETS: tuple[str, ...] = (
 
 
 class DataNotFoundError(FileNotFoundError):
-  """The dataset was found nowhere; the message says how to provide it."""
+  """The dataset was found nowhere; the message says how to provide it.
+
+  Attributes:
+    notes: What the search noticed that a reader should know (a pickled or
+      partial copy, a tensorflow-datasets copy that could not be read), for
+      a caller that words its own message; routine misses are left out.
+  """
+
+  def __init__(self, message: str = "", *, notes: Sequence[str] = ()):
+    super().__init__(message)
+    self.notes = tuple(notes)
 
 
 class MalformedDataError(ValueError):

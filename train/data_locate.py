@@ -182,10 +182,9 @@ def find_in_dir(name: str, folder: Path, notes: list[str]) -> _Found | None:
     )
   if any(paths):
     missing = [f for f, p in zip(layout.files, paths) if p is None]
-    raise DataNotFoundError(
-        f"{name}: {folder} holds only part of the dataset; missing: "
-        + ", ".join(missing)
-    )
+    partial = f"{name}: {folder} holds only part of the dataset; missing: "
+    partial += ", ".join(missing)
+    raise DataNotFoundError(partial, notes=[partial])
   if layout.archive and (folder / layout.archive).is_file():
     archive = folder / layout.archive
     return _Found(
@@ -259,6 +258,21 @@ HOW_TO_GET: dict[str, str] = {
         " http://ufldl.stanford.edu/housenumbers/test_32x32.mat into DIR/svhn/"
     ),
 }
+
+
+def without_download(name: str) -> str:
+  """How to train on a machine without internet: a packaged dataset."""
+  if name == "fashion_mnist":
+    return (
+        "Without internet: on Debian/Ubuntu, apt-get install"
+        " dataset-fashion-mnist installs it where it is found without any"
+        " flag (/usr/share/datasets/fashion-mnist/)."
+    )
+  return (
+      "Without internet: Fashion-MNIST needs no download on Debian/Ubuntu:"
+      " apt-get install dataset-fashion-mnist, then"
+      " python -m train.mnist --dataset fashion_mnist."
+  )
 
 
 def not_found_message(name: str, data_dir, notes: Sequence[str]) -> str:

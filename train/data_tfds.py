@@ -35,7 +35,22 @@ def _quiet_absl() -> Iterator[None]:
 
 
 class TfdsUnavailable(Exception):
-  """tensorflow-datasets could not provide the data (reason in message)."""
+  """tensorflow-datasets could not provide the data (reason in message).
+
+  Attributes:
+    nothing_prepared: Whether it had no prepared copy (or tried to prepare
+      one and failed): the routine miss, as opposed to a prepared copy that
+      could not be read.
+  """
+
+  def __init__(self, reason: str, *, nothing_prepared: bool = True):
+    super().__init__(reason)
+    self.nothing_prepared = nothing_prepared
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+  """``error``'s first line, shortened: tfds's messages run to pages."""
+  return (str(error).strip().splitlines() or [""])[0][:limit]
 
 
 def load_tfds(
@@ -67,25 +82,27 @@ def load_tfds(
           download=download,
       )
   except Exception as e:  # ImportError, NotImplementedError, OSError, ...
-    reason = f"{call} failed: {type(e).__name__}: {e}"
-    if not can_prepare:
-      # tfds says "not found" as NotImplementedError (no array_record
-      # files to read) or DatasetNotFoundError; anything else is news.
-      missing = (
-          isinstance(e, NotImplementedError)
-          or type(e).__name__ == "DatasetNotFoundError"
-      )
-      detail = (str(e).strip().splitlines() or [""])[0][:200]
-      found = (
-          "found"
-          if missing
-          else f"could be read ({type(e).__name__}: {detail})"
-      )
-      reason = (
-          f"no prepared {info.tfds_name!r} {found}, and preparing one "
-          "needs TensorFlow, which is not installed"
-      )
-    raise TfdsUnavailable(reason) from e
+    # tfds says "not found" as NotImplementedError (no array_record files
+    # to read), DatasetNotFoundError, or a KeyError from the empty split
+    # table of a dataset never generated; anything else is news.
+    missing = isinstance(e, (NotImplementedError, KeyError)) or (
+        type(e).__name__ == "DatasetNotFoundError"
+    )
+    if can_prepare:
+      # A failure while it may download is most often the download itself
+      # (offline), so it counts as the routine miss.
+      reason = f"{call} failed: {type(e).__name__}: {_first_line(e)}"
+      raise TfdsUnavailable(reason, nothing_prepared=download or missing) from e
+    found = (
+        "found"
+        if missing
+        else f"could be read ({type(e).__name__}: {_first_line(e)})"
+    )
+    reason = (
+        f"no prepared {info.tfds_name!r} {found}, and preparing one "
+        "needs TensorFlow, which is not installed"
+    )
+    raise TfdsUnavailable(reason, nothing_prepared=missing) from e
   arrays = (
       *_tfds_split_to_arrays(train, info, "train"),
       *_tfds_split_to_arrays(test, info, "test"),

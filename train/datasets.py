@@ -123,17 +123,22 @@ def load_dataset(
   if found is not None:
     arrays, source = found.read(), found.source
   elif not use_tfds:
-    notes.append("tensorflow-datasets: not tried (use_tfds=False).")
     raise DataNotFoundError(
-        data_locate.not_found_message(name, data_dir, notes)
+        data_locate.not_found_message(
+            name,
+            data_dir,
+            [*notes, "tensorflow-datasets: not tried (use_tfds=False)."],
+        ),
+        notes=notes,
     )
   else:
     try:
       arrays, source = data_tfds.load_tfds(name, data_dir, download)
     except data_tfds.TfdsUnavailable as e:
-      notes.append(f"tensorflow-datasets: {e}")
+      tfds_note = f"tensorflow-datasets: {e}"
       raise DataNotFoundError(
-          data_locate.not_found_message(name, data_dir, notes)
+          data_locate.not_found_message(name, data_dir, [*notes, tfds_note]),
+          notes=notes if e.nothing_prepared else [*notes, tfds_note],
       ) from e
   return _as_dataset(info, arrays, source)
 

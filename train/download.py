@@ -198,8 +198,8 @@ def fetch(
   missing = [r for r in remotes if not (folder / r.filename).is_file()]
   if missing and disabled():
     raise DownloadError(
-        f"Automatic download is off ({ENV_NO_DOWNLOAD} is set). To download"
-        f" {name} by hand:\n{manual_steps(missing, folder)}"
+        f"Automatic download of {name} is off ({ENV_NO_DOWNLOAD} is set).\n"
+        f"To download it by hand:\n{manual_steps(missing, folder)}"
     )
   created = not folder.exists()
   for remote in missing:
@@ -239,8 +239,8 @@ def load_dataset(
   Raises:
     ValueError: Unknown ``name``.
     train.datasets.DataNotFoundError: No source has it and the download
-      failed or is off; the message ends with the download's error and the
-      commands that do it by hand.
+      failed or is off; the message leads with the download's error, then
+      the commands that do it by hand and a dataset that needs no download.
     train.datasets.MalformedDataError: A file is not in its format.
   """
   try:
@@ -249,8 +249,38 @@ def load_dataset(
     try:
       folder = fetch(name, data_locate.USER_DATA_DIR, progress=progress)
     except DownloadError as e:
-      raise datasets.DataNotFoundError(f"{missing}\n{e}") from e
+      raise datasets.DataNotFoundError(
+          _not_downloaded(name, missing.notes, e), notes=missing.notes
+      ) from e
   return datasets.load_dataset(name, folder, use_tfds=False)
+
+
+def _not_downloaded(
+    name: str, notes: Sequence[str], error: DownloadError
+) -> str:
+  """The message for a dataset that no source has and that did not download.
+
+  The download's failure comes first and its commands by hand next: the
+  search's own message would bury them under ways to provide the data that
+  offline are no use. tensorflow-datasets' routine miss is left out, what
+  else the search noticed is kept.
+  """
+  failure, _, by_hand = str(error).partition("\n")
+  places = ", ".join(
+      str(base) + ("" if base.is_dir() else " (does not exist)")
+      for base, _ in data_locate.search_locations()
+  )
+  return "\n".join(
+      [
+          f"could not find the {name} dataset. {failure}",
+          *notes,
+          f"Searched first: {places} and tensorflow-datasets; none has it.",
+          by_hand,
+          "  then run the same command again: the data is found there"
+          " without a flag.",
+          data_locate.without_download(name),
+      ]
+  )
 
 
 def _download(
