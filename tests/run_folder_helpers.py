@@ -24,6 +24,7 @@ def write_run(
     epochs: int | None = None,
     dataset="fashion_mnist",
     precise_errors=None,
+    **settings,
 ):
   """A finished run folder: its config and one metrics row an epoch.
 
@@ -37,6 +38,7 @@ def write_run(
     epochs: The config's epochs, if not ``len(errors)`` (an unfinished run).
     dataset: The config's dataset.
     precise_errors: Each epoch's ``test_error_precise``, if any.
+    **settings: Other config fields (``batch_size=128``, ``momentum=0.9``).
 
   Returns:
     ``folder``.
@@ -49,6 +51,7 @@ def write_run(
       learning_rate=lr,
       augment=False,
       epochs=epochs or len(errors),
+      **settings,
   )
   checkpointing.write_config(folder, config)
   rows, elapsed, best = [], 0.0, None
@@ -99,13 +102,41 @@ def write_random_run(folder: Path, norm: str, seed: int) -> Path:
 def saved_figures(monkeypatch) -> list:
   """The figures matplotlib saves from now on, in order (they are still
   written)."""
+  figures = []
+  _on_savefig(monkeypatch, lambda fig, keywords: figures.append(fig))
+  return figures
+
+
+def saved_figure_calls(monkeypatch) -> list:
+  """``(figure, savefig keywords)`` of each figure matplotlib saves from
+  now on, in order (they are still written)."""
+  calls = []
+  _on_savefig(monkeypatch, lambda fig, keywords: calls.append((fig, keywords)))
+  return calls
+
+
+def _on_savefig(monkeypatch, record) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
 
-  figures = []
   original = matplotlib.figure.Figure.savefig
   monkeypatch.setattr(
       matplotlib.figure.Figure,
       "savefig",
-      lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)),
+      lambda fig, *a, **k: (record(fig, k), original(fig, *a, **k)),
   )
-  return figures
+
+
+def saved_width_fraction(fig, keywords, artist) -> float:
+  """The share of a saved figure's width that ``artist`` (an axes) takes,
+  from matplotlib's layout: the saved area is the figure, or with
+  ``bbox_inches="tight"`` the box around everything drawn."""
+  from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
+
+  canvas = backend_agg.FigureCanvasAgg(fig)  # a closed figure has none
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  if keywords.get("bbox_inches") == "tight":
+    saved = fig.get_tightbbox(renderer).width
+  else:
+    saved = fig.get_figwidth()
+  return artist.get_window_extent(renderer).width / fig.dpi / saved

@@ -873,10 +873,18 @@ def test_plot_writes_pngs(tmp_path, capsys):
   for name in names:
     data = (tmp_path / "out" / name).read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
-  assert len(capsys.readouterr().out.splitlines()) == 4
+  assert capsys.readouterr().out.splitlines() == [
+      f"wrote {tmp_path / 'out' / name}"
+      for name in (
+          "train_loss_vs_epoch.png",
+          "test_error_vs_epoch.png",
+          "train_loss_vs_seconds.png",
+          "test_error_vs_seconds.png",
+      )
+  ]
   assert plot.run_labels(
       [{"norm": "bn", "seed": 0}, {"norm": "bn", "seed": 1}]
-  ) == ["bn (seed=0)", "bn (seed=1)"]
+  ) == ["bn seed0", "bn seed1"]
 
 
 def test_plot_errors(tmp_path, capsys):

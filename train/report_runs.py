@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 import dataclasses
 import json
-import os
 from pathlib import Path
 import sys
 from typing import Any
 
 import numpy as np
 
-from train import plot
+from train import plot_labels
 from train import run_files
 
 PROG = "python -m train.report"
@@ -80,19 +79,10 @@ class Run:
     return errors[-1] if errors else None
 
 
-#: Defaults of config fields added after some runs were written
-#: (``train.configs.ADDED_FIELDS``; a test keeps the two equal). A run
-#: written before a field existed did what its default does, so it is the
-#: same setting as a newer run with the default (else the two would differ
-#: in, and be labelled by, a field one of them lacks). Spelled out here
-#: because ``train.configs`` imports the models (jax).
-ADDED_FIELD_DEFAULTS = {
-    "renorm": False,
-    "renorm_rmax": 3.0,
-    "renorm_dmax": 5.0,
-    "calibration": "none",
-    "norm_bias": 0.0,
-}
+#: Defaults of config fields added after some runs were written: a run
+#: written before a field existed is the same setting as a newer run with
+#: the default. Shared with the plots' labels.
+ADDED_FIELD_DEFAULTS = plot_labels.ADDED_FIELD_DEFAULTS
 
 
 def warn(message: str) -> None:
@@ -244,7 +234,7 @@ def setting_label(config: dict[str, Any], extra: Sequence[str]) -> str:
   """A table row's label: :data:`ROW_FIELDS` and ``extra`` fields."""
   shown = [f for f in ROW_FIELDS] + [f for f in extra if f not in ROW_FIELDS]
   return ", ".join(
-      f"{plot.FIELD_LABELS.get(f, f)}={config.get(f)}" for f in shown
+      f"{plot_labels.FIELD_LABELS.get(f, f)}={config.get(f)}" for f in shown
   )
 
 
@@ -253,7 +243,7 @@ def row_extra(groups: dict[str, dict[str, list[Run]]]) -> list[str]:
   configs = [
       next(iter(by_norm.values()))[0].config for by_norm in groups.values()
   ]
-  return plot.varying_fields(configs, exclude=("norm", "seed"))
+  return plot_labels.varying_fields(configs, exclude=("norm", "seed"))
 
 
 def first_config(by_norm: dict[str, list[Run]]) -> dict[str, Any]:
@@ -271,14 +261,7 @@ def run_names(runs: Sequence[Run], out: Path) -> list[str]:
   where the report goes (``out`` is unused, kept for the callers).
   """
   del out
-  paths = [run.path.resolve() for run in runs]
-  if not paths:
-    return []
-  parents = {p.parent for p in paths}
-  base = Path(os.path.commonpath(list(parents)))
-  if len(parents) == 1:
-    base = base.parent
-  return [str(p.relative_to(base)) if p != base else p.name for p in paths]
+  return plot_labels.run_dir_names([run.path for run in runs])
 
 
 def run_list(runs: Sequence[Run], out: Path) -> list[str]:
