@@ -14,7 +14,7 @@ checked where the configuration decides what a reader sees:
   ``tests/test_notebooks.py`` checks that those outputs are current), their
   Markdown tables as tables.
 
-Needs the ``docs`` extra; skipped without it.
+Needs the ``docs`` extra; skipped without it. Slow: one build of the site.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from __future__ import annotations
 import html
 import pathlib
 import re
-import subprocess
-import sys
 
 import nbformat
 import pytest
+
+from process_helpers import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -44,13 +44,7 @@ def site(tmp_path_factory) -> pathlib.Path:
   for module in ("sphinx", "sphinx_book_theme", "myst_nb"):
     pytest.importorskip(module, reason="needs the docs extra")
   out = tmp_path_factory.mktemp("docs") / "html"
-  build = subprocess.run(
-      [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", DOCS, out],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      check=False,
-  )
+  build = run_module("sphinx", "-W", "-q", "-b", "html", str(DOCS), str(out))
   assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
   return out
 
@@ -66,6 +60,7 @@ def test_notebook_pages_are_the_committed_notebooks():
     assert page.resolve() == REPO / "notebooks" / f"{name}.ipynb"
 
 
+@pytest.mark.slow
 def test_nnx_layer_shows_its_constructor(site):
   page = (site / "api.html").read_text()
   rows = re.findall(r'<tr class="row-[a-z]+">(.*?)</tr>', page, re.DOTALL)
@@ -90,6 +85,7 @@ def test_nnx_layer_shows_its_constructor(site):
   assert "num_features (int) – the number of input features" in entry, entry
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", ["index.html", "api.html"])
 def test_one_search_box(site, page):
   text = (site / page).read_text()
@@ -99,6 +95,7 @@ def test_one_search_box(site, page):
   assert header is None or "search" not in header.group(1), header.group(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_page_shows_committed_outputs(site, name):
   page = _text((site / "notebooks" / f"{name}.html").read_text())
@@ -117,6 +114,7 @@ def test_notebook_page_shows_committed_outputs(site, name):
     assert " ".join(line.split()) in page, line
 
 
+@pytest.mark.slow
 def test_notebook_markdown_tables_render(site):
   """The results notebook's Markdown tables are HTML tables on the site."""
   nb = nbformat.read(REPO / "notebooks" / "results.ipynb", as_version=4)

@@ -352,7 +352,7 @@ def test_nested_renorm_stack_is_the_inline_program_bit_for_bit(
   model, variables, x = _renorm_case(measure)
   nested = _renorm_programs(model, variables, x)
   with monkeypatch.context() as patch:
-    patch.setattr(_normalization, "_under_staging_trace", lambda: False)
+    patch.setattr(_normalization, "_under_staging_trace", lambda x: False)
     inline = _renorm_programs(model, variables, x)
   assert (nested[0], inline[0]) == (3, 0)
   _same_bits(nested[1:], inline[1:])

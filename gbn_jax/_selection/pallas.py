@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 import numpy as np
 
@@ -100,15 +101,6 @@ class PallasSelection(NamedTuple):
   local_above: Array
   total: Array | None
   excess: Array | None
-
-
-def _triton_params() -> Any:
-  # Imported on first use: the module also imports Pallas's Triton lowering,
-  # which `import gbn_jax` need not pay for.
-  # pylint: disable-next=g-import-not-at-top
-  from jax.experimental.pallas import triton as pltriton
-
-  return pltriton.CompilerParams(num_warps=4)
 
 
 def use_interpret() -> bool:
@@ -309,7 +301,9 @@ def _run_pass(
       interpret=interpret,
       # Triton explicitly: jax's GPU default may be the Mosaic GPU lowering,
       # which this kernel (register histograms, no async copies) is not for.
-      compiler_params=None if interpret else _triton_params(),
+      compiler_params=(
+          None if interpret else pltriton.CompilerParams(num_warps=4)
+      ),
       name="gbn_radix_" + ("first" if first else "last" if sums else "pass"),
   )
   if interpret and common.varying_axes(operands[0]):
