@@ -327,10 +327,10 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks.machine import machine_info
   from train import compile_cache
   from train import configs
-  from train import data_info
   from train import programs
   from train import sharding
   from train import train as trainlib
+  from train.data import info as data_info
 
   # pylint: enable=g-import-not-at-top
   if args.cache_dir is None:

@@ -25,10 +25,10 @@ from benchmarks.lenet_variants import make_model
 from benchmarks.step_setup import random_train_step
 from benchmarks.step_setup import rel_diff
 from train import configs
-from train import input_pipeline
 from train import sharding
 from train import train as trainlib
 from train import train_steps
+from train.data import input_pipeline
 
 
 class Setup:

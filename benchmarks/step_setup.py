@@ -22,10 +22,10 @@ import numpy as np
 
 from benchmarks.bench_gbn import interleaved_samples
 from train import configs
-from train import datasets
 from train import sharding
 from train import train_state
 from train import train_steps
+from train.data import datasets
 
 
 def random_train_step(

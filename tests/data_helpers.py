@@ -1,7 +1,7 @@
 """Writers of tiny dataset files in the canonical distribution formats.
 
 Each writer follows the published description of its format, independently
-of the loaders in `train.datasets`, so tests can check that what a loader
+of the loaders in `train.data.datasets`, so tests can check that what a loader
 reads is exactly what was written:
 
 * IDX (MNIST, Fashion-MNIST): big-endian int32 magic ``0x00000800 + ndim``

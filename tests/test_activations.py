@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from train import activations
-from train import input_pipeline
 from train import report
 from train import train
 from train import train_state
 from train import train_steps
+from train.data import input_pipeline
 
 from training_helpers import TINY
 from training_helpers import exact

@@ -1,4 +1,5 @@
-"""Tests of train.download against a local HTTP server (no internet needed).
+"""Tests of train.data.download against a local HTTP server (no internet
+needed).
 
 The server (http.server on 127.0.0.1, in a thread) serves tiny files in the
 official layouts written by tests/data_helpers.py; it can also corrupt a
@@ -19,9 +20,9 @@ import threading
 import numpy as np
 import pytest
 
-from train import data_tfds
-from train import datasets
-from train import download
+from train.data import datasets
+from train.data import download
+from train.data import tfds as data_tfds
 
 import data_helpers as dh
 from process_helpers import run_module
@@ -210,7 +211,9 @@ def test_command_line(server, tmp_path, monkeypatch, capsys):
   (tmp_path / "svhn" / "test_32x32.mat").unlink()
   assert download._main(argv) == 1  # pylint: disable=protected-access
   err = capsys.readouterr().err
-  assert err.startswith("python -m train.download: error: Automatic download")
+  assert err.startswith(
+      "python -m train.data.download: error: Automatic download"
+  )
 
 
 def test_remote_rejects_bad_entries():

@@ -162,7 +162,8 @@ def test_resumed_run_estimates_its_remaining_epochs_and_names_its_data(
 def test_data_dir_without_the_data_is_an_error_not_another_copy(
     tmp_path, capsys, monkeypatch
 ):
-  from train import data_locate  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from train.data import locate as data_locate
 
   installed = write_tiny_mnist(tmp_path / "installed" / "mnist")
   monkeypatch.setattr(

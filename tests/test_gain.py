@@ -18,10 +18,10 @@ import pytest
 from train import capture
 from train import checkpointing
 from train import gain
-from train import input_pipeline
 from train import train
 from train import train_state
 from train import train_steps
+from train.data import input_pipeline
 
 from training_helpers import TINY
 from training_helpers import run_quiet

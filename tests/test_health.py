@@ -22,8 +22,8 @@ import gbn_jax
 from train import cli_flags
 from train import configs
 from train import health
-from train import input_pipeline
 from train import train
+from train.data import input_pipeline
 
 import training_helpers
 

@@ -1,4 +1,4 @@
-"""Tests of train.datasets and train.input_pipeline.
+"""Tests of train.data.datasets and train.data.input_pipeline.
 
 The loaders are checked on tiny files written in the canonical formats by
 tests/data_helpers.py, a real tensorflow-datasets dataset prepared in a
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import datasets
-from train import input_pipeline as ip
+from train.data import datasets
+from train.data import input_pipeline as ip
 
 import data_helpers as dh
 from training_helpers import empty_data_places

@@ -23,7 +23,6 @@ import gbn_jax
 from train import checkpointing
 from train import compile_cache
 from train import configs
-from train import input_pipeline
 from train import main as train_main
 from train import plot
 from train import programs
@@ -31,6 +30,7 @@ from train import sharding
 from train import train
 from train import train_state
 from train import train_steps
+from train.data import input_pipeline
 
 from process_helpers import run_module
 from process_helpers import run_python_result

@@ -20,10 +20,10 @@ import pytest
 
 from train import checkpointing
 from train import configs
-from train import data_locate
-from train import datasets
-from train import input_pipeline
 from train import train
+from train.data import datasets
+from train.data import input_pipeline
+from train.data import locate as data_locate
 
 import data_helpers
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from train import models
 
-#: Datasets the CLI accepts (loaded by ``train.input_pipeline``).
+#: Datasets the CLI accepts (loaded by ``train.data.input_pipeline``).
 DATASET_NAMES = ("cifar10", "cifar100", "svhn", "mnist", "fashion_mnist")
 
 #: ``--calibration`` values (``train.models.CALIBRATIONS``).
@@ -214,7 +214,7 @@ class Config:
           choices=DATASET_NAMES,
           help="dataset; looked up in --data-dir alone when given, else in "
           "$GBN_DATA_DIR, ~/.cache/gbn_jax, /usr/share/datasets, then "
-          "tensorflow-datasets (see train/datasets.py)",
+          "tensorflow-datasets (see train/data/datasets.py)",
       ),
   )
   model: str = _field(

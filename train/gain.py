@@ -57,10 +57,10 @@ import gbn_jax
 from gbn_jax import measures as measures_lib
 from train import capture
 from train import checkpointing
-from train import input_pipeline
 from train import train as train_lib
 from train import train_state
 from train import train_steps
+from train.data import input_pipeline
 
 _PROG = "python -m train.gain"
 GAIN_FILE = "gain.json"

@@ -38,10 +38,10 @@ import numpy as np
 
 from train import capture
 from train import configs
-from train import datasets
-from train import input_pipeline
 from train import train_state
 from train import train_steps
+from train.data import datasets
+from train.data import input_pipeline
 
 #: Relative distance to ``ln(num_classes)`` that counts as chance level.
 TOLERANCE = 0.01

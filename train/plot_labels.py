@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train import data_info
+from train.data import info as data_info
 
 #: How a config field is named in labels (the CLI flag, without dashes).
 FIELD_LABELS = {

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from train import input_pipeline
+from train.data import input_pipeline
 
 DATA_AXIS = "data"
 

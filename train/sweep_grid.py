@@ -16,7 +16,7 @@ from typing import Any
 
 from train import cli_flags
 from train import configs
-from train import data_info
+from train.data import info as data_info
 
 #: The CLI module of each ``--defaults`` choice.
 DEFAULTS = {

@@ -80,12 +80,12 @@ from train import capture
 from train import checkpointing
 from train import configs
 from train import health
-from train import input_pipeline
 from train import programs
 from train import sharding
 from train import step_progress
 from train import train_state
 from train import train_steps
+from train.data import input_pipeline
 
 
 class NonFiniteLossError(RuntimeError):
@@ -247,7 +247,8 @@ def train_and_evaluate(
       workdir, config, overwrite=overwrite, is_primary=primary
   )
   if dataset is None:
-    # No data folder given: what no source has is downloaded (train.download).
+    # No data folder given: what no source has is downloaded
+    # (train.data.download).
     dataset = input_pipeline.load_dataset(
         config.dataset, data_dir=data_dir, fetch=True
     )

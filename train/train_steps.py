@@ -23,8 +23,8 @@ import optax
 import gbn_jax
 from train import activations
 from train import capture
-from train import input_pipeline
 from train import train_state
+from train.data import input_pipeline
 
 # fold_in tags that keep the random streams apart.
 _INIT, _EPOCH, _PERMUTE, _AUGMENT = 0, 1, 0, 1

@@ -3,8 +3,8 @@
 `DatasetInfo` holds what is known about a dataset without reading it (shape,
 classes, normalisation statistics, tensorflow-datasets name); `Dataset` holds
 one loaded into memory and checks its arrays. The loaders are in
-`train.datasets` (entry point), `train.data_formats` (file formats),
-`train.data_locate` (where the files may be) and `train.data_tfds`.
+`train.data.datasets` (entry point), `train.data.formats` (file formats),
+`train.data.locate` (where the files may be) and `train.data.tfds`.
 """
 
 from __future__ import annotations

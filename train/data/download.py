@@ -1,8 +1,8 @@
 """Downloads a dataset's canonical files into the user's cache, verified.
 
-`fetch` puts the files that `train.datasets` reads (the CIFAR *binary
+`fetch` puts the files that `train.data.datasets` reads (the CIFAR *binary
 version* archives, the gzipped IDX files, SVHN's format-2 ``.mat`` files)
-into ``CACHE/SUBDIR``, where ``CACHE`` is the folder `train.datasets`
+into ``CACHE/SUBDIR``, where ``CACHE`` is the folder `train.data.datasets`
 searches as the user's (``~/.cache/gbn_jax``) and ``SUBDIR`` one of the
 dataset's subfolder names there, so every later command finds them without a
 flag and without this module.
@@ -14,7 +14,7 @@ publishes for that URL, and only then renamed to its final name
 download leaves nothing under a name a reader would take, and a file that
 has its final name was verified. ``GBN_NO_DOWNLOAD=1`` turns downloads off.
 
-``python -m train.download NAME...`` fetches ahead of time.
+``python -m train.data.download NAME...`` fetches ahead of time.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from train import data_locate
-from train import datasets
+from train.data import locate as data_locate
 
 ENV_NO_DOWNLOAD = "GBN_NO_DOWNLOAD"
 
@@ -114,7 +113,8 @@ SOURCES: Mapping[str, tuple[Remote, ...]] = {
         "https://www.cs.toronto.edu/~kriz/",
         "cifar-100-binary.tar.gz 168513733 58a81ae192c23a4be8b1804d68e518ed807d710a4eb253b1f2a199162a40d8ec",
     ),
-    # Format 2 without the 1.3 GB "extra" set, which train.datasets ignores.
+    # Format 2 without the 1.3 GB "extra" set, which train.data.datasets
+    # ignores.
     "svhn": _remotes(
         "http://ufldl.stanford.edu/housenumbers/",
         """
@@ -125,7 +125,7 @@ SOURCES: Mapping[str, tuple[Remote, ...]] = {
 }
 
 #: The cache subfolder of each dataset: one of the subfolders that
-#: ``train.datasets`` searches for it (its archive is read in place there).
+#: ``train.data.datasets`` searches for it (its archive is read in place there).
 SUBDIRS: Mapping[str, str] = {
     "mnist": "mnist",
     "fashion_mnist": "fashion_mnist",
@@ -217,45 +217,7 @@ def fetch(
   return folder
 
 
-def load_dataset(
-    name: str,
-    *,
-    use_tfds: bool = True,
-    download: bool = True,
-    progress: bool = True,
-) -> datasets.Dataset:
-  """`train.datasets.load_dataset` without a data folder, fetching on a miss.
-
-  The usual sources come first; only when none has the dataset are its
-  files downloaded, into the user folder that those sources include
-  (``train.data_locate.USER_DATA_DIR``), and read from there.
-
-  Args:
-    name: One of ``train.datasets.DATASETS``.
-    use_tfds: As for ``train.datasets.load_dataset``.
-    download: As for ``train.datasets.load_dataset`` (tensorflow-datasets).
-    progress: Show a progress bar while downloading.
-
-  Raises:
-    ValueError: Unknown ``name``.
-    train.datasets.DataNotFoundError: No source has it and the download
-      failed or is off; the message leads with the download's error, then
-      the commands that do it by hand and a dataset that needs no download.
-    train.datasets.MalformedDataError: A file is not in its format.
-  """
-  try:
-    return datasets.load_dataset(name, use_tfds=use_tfds, download=download)
-  except datasets.DataNotFoundError as missing:
-    try:
-      folder = fetch(name, data_locate.USER_DATA_DIR, progress=progress)
-    except DownloadError as e:
-      raise datasets.DataNotFoundError(
-          _not_downloaded(name, missing.notes, e), notes=missing.notes
-      ) from e
-  return datasets.load_dataset(name, folder, use_tfds=False)
-
-
-def _not_downloaded(
+def not_downloaded_message(
     name: str, notes: Sequence[str], error: DownloadError
 ) -> str:
   """The message for a dataset that no source has and that did not download.
@@ -375,7 +337,7 @@ def _transfer(
 
 def _main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m train.download",
+      prog="python -m train.data.download",
       description=(
           "Download datasets into the cache that the training CLI searches"
           " (~/.cache/gbn_jax), checked against the published SHA-256."

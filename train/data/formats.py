@@ -20,9 +20,9 @@ import zlib
 
 import numpy as np
 
-from train.data_info import DatasetInfo
-from train.data_info import MalformedDataError
-from train.data_info import dataset_info
+from train.data.info import DatasetInfo
+from train.data.info import MalformedDataError
+from train.data.info import dataset_info
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 

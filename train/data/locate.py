@@ -1,6 +1,6 @@
 """Where each dataset's files may be, and what to say when they are nowhere.
 
-The search order (see `train.datasets`): ``data_dir`` itself and its
+The search order (see `train.data.datasets`): ``data_dir`` itself and its
 subfolders; else the subfolders of each ``$GBN_DATA_DIR`` entry,
 `USER_DATA_DIR` and `SYSTEM_DATA_DIRS`. `search_locations` reads these
 module attributes at each call, so tests patch them here.
@@ -13,17 +13,17 @@ import dataclasses
 import os
 from pathlib import Path
 
-from train.data_formats import CIFAR10_TRAIN
-from train.data_formats import IDX_FILES
-from train.data_formats import Arrays
-from train.data_formats import read_cifar10
-from train.data_formats import read_cifar100
-from train.data_formats import read_file_bytes
-from train.data_formats import read_idx_dataset
-from train.data_formats import read_svhn
-from train.data_formats import read_tar_members
-from train.data_info import DataNotFoundError
-from train.data_info import dataset_info
+from train.data.formats import CIFAR10_TRAIN
+from train.data.formats import IDX_FILES
+from train.data.formats import Arrays
+from train.data.formats import read_cifar10
+from train.data.formats import read_cifar100
+from train.data.formats import read_file_bytes
+from train.data.formats import read_idx_dataset
+from train.data.formats import read_svhn
+from train.data.formats import read_tar_members
+from train.data.info import DataNotFoundError
+from train.data.info import dataset_info
 
 # Searched through the datasets' subfolders after data_dir and $GBN_DATA_DIR.
 # The Debian package dataset-fashion-mnist installs

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from train.data_formats import Arrays
-from train.data_info import DatasetInfo
-from train.data_info import MalformedDataError
-from train.data_info import dataset_info
+from train.data.formats import Arrays
+from train.data.info import DatasetInfo
+from train.data.info import MalformedDataError
+from train.data.info import dataset_info
 
 
 @contextlib.contextmanager

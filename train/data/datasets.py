@@ -22,7 +22,7 @@ TensorFlow) and takes the first of these sources that has the dataset:
 
 2. Installed copies, searched through the dataset's subfolders: each folder of
    ``$GBN_DATA_DIR`` (``os.pathsep``-separated), ``~/.cache/gbn_jax`` and
-   ``/usr/share/datasets`` (`train.data_locate`'s `USER_DATA_DIR` and
+   ``/usr/share/datasets`` (`train.data.locate`'s `USER_DATA_DIR` and
    `SYSTEM_DATA_DIRS`), where the Debian package ``dataset-fashion-mnist``
    puts ``fashion-mnist/``.
 
@@ -32,7 +32,8 @@ TensorFlow) and takes the first of these sources that has the dataset:
    (downloading) it needs TensorFlow and internet access.
 
 4. With ``fetch=True`` (the training CLI) and no ``data_dir``: the official
-   files, downloaded into ``~/.cache/gbn_jax`` and verified (`train.download`).
+   files, downloaded into ``~/.cache/gbn_jax`` and verified
+   (`train.data.download`).
 
 Nothing is ever unpickled: the CIFAR "python version" is refused with a
 pointer to the binary version. A file that is not in its canonical format
@@ -40,14 +41,15 @@ pointer to the binary version. A file that is not in its canonical format
 range) raises `MalformedDataError`; a dataset found nowhere raises
 `DataNotFoundError`, whose message lists every way to provide it.
 
-This module is the entry point (`load_dataset`, including the download hook
-into `train.download`); the file formats are read in `train.data_formats`,
-the folders searched are `train.data_locate`'s, tensorflow-datasets is read
-in `train.data_tfds`, and `Dataset`, `DatasetInfo` and the errors are
-defined in `train.data_info` (all re-exported here).
+This module is the entry point (`load_dataset`, which calls
+`train.data.download` on a miss); the file formats are read in
+`train.data.formats`, the folders searched are `train.data.locate`'s,
+tensorflow-datasets is read in `train.data.tfds`, and `Dataset`,
+`DatasetInfo` and the errors are defined in `train.data.info` (all
+re-exported here).
 
-``python -m train.datasets NAME [--data-dir DIR]`` loads a dataset and prints
-a summary with the load time.
+``python -m train.data.datasets NAME [--data-dir DIR]`` loads a dataset and
+prints a summary with the load time.
 """
 
 from __future__ import annotations
@@ -60,20 +62,22 @@ import time
 
 import numpy as np
 
-from train import data_formats
-from train import data_locate
-from train import data_tfds
+from train.data import download as fetcher
+from train.data import formats as data_formats
+from train.data import locate as data_locate
+from train.data import tfds as data_tfds
 
-# Re-exported: the names that callers, tests and docs use as train.datasets.*.
-from train.data_info import DATASETS as DATASETS
-from train.data_info import DataNotFoundError as DataNotFoundError
-from train.data_info import Dataset as Dataset
-from train.data_info import DatasetInfo as DatasetInfo
-from train.data_info import MalformedDataError as MalformedDataError
-from train.data_info import dataset_info as dataset_info
-from train.data_locate import ENV_DATA_DIR as ENV_DATA_DIR
-from train.data_locate import dataset_layout as dataset_layout
-from train.data_locate import search_locations as search_locations
+# Re-exported: the names that callers, tests and docs use as
+# train.data.datasets.*.
+from train.data.info import DATASETS as DATASETS
+from train.data.info import DataNotFoundError as DataNotFoundError
+from train.data.info import Dataset as Dataset
+from train.data.info import DatasetInfo as DatasetInfo
+from train.data.info import MalformedDataError as MalformedDataError
+from train.data.info import dataset_info as dataset_info
+from train.data.locate import ENV_DATA_DIR as ENV_DATA_DIR
+from train.data.locate import dataset_layout as dataset_layout
+from train.data.locate import search_locations as search_locations
 
 
 def load_dataset(
@@ -98,7 +102,7 @@ def load_dataset(
     download: Whether tensorflow-datasets may download and prepare data it
       does not have yet.
     fetch: Without ``data_dir``, download what no source has into the user
-      folder (`train.download`, off with ``$GBN_NO_DOWNLOAD=1``).
+      folder (`train.data.download`, off with ``$GBN_NO_DOWNLOAD=1``).
 
   Returns:
     The dataset, with uint8 NHWC images and int32 labels.
@@ -111,9 +115,7 @@ def load_dataset(
   """
   info = dataset_info(name)
   if fetch and data_dir is None:
-    from train import download as fetcher  # pylint: disable=g-import-not-at-top
-
-    return fetcher.load_dataset(name, use_tfds=use_tfds, download=download)
+    return _load_fetching(name, use_tfds=use_tfds, download=download)
   if data_dir is not None:
     return _load_from_data_dir(
         name, data_dir, use_tfds=use_tfds, download=download
@@ -141,6 +143,35 @@ def load_dataset(
           notes=notes if e.nothing_prepared else [*notes, tfds_note],
       ) from e
   return _as_dataset(info, arrays, source)
+
+
+def _load_fetching(
+    name: str, *, use_tfds: bool, download: bool, progress: bool = True
+) -> Dataset:
+  """`load_dataset` without a data folder, fetching on a miss.
+
+  The usual sources come first; only when none has the dataset are its
+  files downloaded (`train.data.download.fetch`), into the user folder that
+  those sources include (``train.data.locate.USER_DATA_DIR``), and read from
+  there.
+
+  Raises:
+    DataNotFoundError: No source has it and the download failed or is off;
+      the message leads with the download's error, then the commands that do
+      it by hand and a dataset that needs no download.
+    MalformedDataError: A file is not in its format.
+  """
+  try:
+    return load_dataset(name, use_tfds=use_tfds, download=download)
+  except DataNotFoundError as missing:
+    try:
+      folder = fetcher.fetch(name, data_locate.USER_DATA_DIR, progress=progress)
+    except fetcher.DownloadError as e:
+      raise DataNotFoundError(
+          fetcher.not_downloaded_message(name, missing.notes, e),
+          notes=missing.notes,
+      ) from e
+  return load_dataset(name, folder, use_tfds=False)
 
 
 def _load_from_data_dir(

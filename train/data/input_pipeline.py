@@ -1,6 +1,6 @@
 """Input pipeline: datasets, per-channel normalisation and augmentation.
 
-The loading side lives in `train.datasets` and is re-exported here, so the
+The loading side lives in `train.data.datasets` and is re-exported here, so the
 training loop needs only this module:
 
   ds = load_dataset("cifar10", data_dir)     # uint8 NHWC numpy arrays
@@ -23,15 +23,15 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from train.data_info import DATASETS
-from train.data_info import DataNotFoundError
-from train.data_info import Dataset
-from train.data_info import DatasetInfo
-from train.data_info import MalformedDataError
-from train.data_info import dataset_info
-from train.data_locate import dataset_layout
-from train.data_locate import search_locations
-from train.datasets import load_dataset
+from train.data.datasets import load_dataset
+from train.data.info import DATASETS
+from train.data.info import DataNotFoundError
+from train.data.info import Dataset
+from train.data.info import DatasetInfo
+from train.data.info import MalformedDataError
+from train.data.info import dataset_info
+from train.data.locate import dataset_layout
+from train.data.locate import search_locations
 
 __all__ = [
     "DATASETS",

@@ -1,0 +1,3 @@
+"""The datasets: their facts (`info`), file formats (`formats`), where copies
+are found (`locate`), tensorflow-datasets (`tfds`), the download (`download`),
+the loader (`datasets`) and the input pipeline (`input_pipeline`)."""
