@@ -105,7 +105,9 @@ def test_readme_names_the_pinned_versions():
       for line in (REPO / ".ci" / "constraints.txt").read_text().splitlines()
       if "==" in line
   )
-  tested = re.search(r"Tested\s+with\s+Python\s+[\d.]+,\s+jax\s+(\S+),\s+flax\s+(\S+)", _text())
+  tested = re.search(
+      r"Tested\s+with\s+Python\s+[\d.]+,\s+jax\s+(\S+),\s+flax\s+(\S+)", _text()
+  )
   assert tested, "README.md has no 'Tested with' line"
   assert (tested.group(1), tested.group(2)) == (pins["jax"], pins["flax"])
 
@@ -114,7 +116,10 @@ def test_readme_names_the_pinned_versions():
     "text, broken",
     [
         ("[a](README.md) [b](docs/no_such_page.md)", ["docs/no_such_page.md"]),
-        ("[a](docs/index.md#no-such-heading)", ["docs/index.md#no-such-heading"]),
+        (
+            "[a](docs/index.md#no-such-heading)",
+            ["docs/index.md#no-such-heading"],
+        ),
         ("[a](https://example.org/x.md) ![i](missing.png)", []),
         ("[a](../outside.md)", ["../outside.md"]),
     ],
