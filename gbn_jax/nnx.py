@@ -7,6 +7,7 @@ Also :func:`precise_batch_stats`, the precise running statistics of
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+import dataclasses
 from types import MappingProxyType
 from typing import Any
 
@@ -273,10 +274,12 @@ def precise_batch_stats(
     stacked: see ``batches``.
 
   Raises:
-    ValueError: no norm layers; no batches; or, when not traced, a layer
-      that the call did not update, or an output that reads the running
-      statistics (``renorm=True``). Under ``nnx.jit`` those layers'
-      statistics become NaN instead.
+    ValueError: no norm layers; no batches; a layer that the call did not
+      update (its momentum is 1, or ``forward`` passed
+      ``use_running_average=True``: its ``mean``/``var`` Variables still
+      hold the arrays they were given), or an output that reads the running
+      statistics (``renorm=True``); under ``nnx.jit`` too, decided while
+      tracing from each layer's ``momentum`` and ``renorm`` attributes.
 
   Example: the statistics of two batches, with the layer in eval mode::
 
@@ -307,11 +310,27 @@ def precise_batch_stats(
     # Fresh Variables, made in this trace (lax.scan's body included).
     copy = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
     copy_layers = [layer for _, layer in _norm_layers(copy)]
+    given = []
     for i, layer in enumerate(copy_layers):
       layer.use_running_average = False
       layer.mean[...], layer.var[...] = stats[2 * i], stats[2 * i + 1]
+      given.append([v.get_value() for v in _pair(layer)])
     outputs = forward(copy, batch)
-    return outputs, [v[...] for layer in copy_layers for v in _pair(layer)]
+    calls = []
+    for layer, values in zip(copy_layers, given):
+      call = precise.LayerCall.of(layer, False)
+      # A layer that the forward call ran with use_running_average=True
+      # leaves its Variables holding the very arrays given to them.
+      for variable, value in zip(_pair(layer), values):
+        kept = variable.get_value() is value
+        calls.append(
+            dataclasses.replace(call, updates=call.updates and not kept)
+        )
+    return (
+        outputs,
+        [v[...] for layer in copy_layers for v in _pair(layer)],
+        calls,
+    )
 
   old = [v[...] for _, layer in layers for v in _pair(layer)]
   names = [f"{path}/{n}" for path, _ in layers for n in ("mean", "var")]

@@ -14,20 +14,22 @@ nnx model, in place, on the framework-free core
 In training mode every layer normalizes with its own batch's statistics, so
 one pass over the batches serves all layers. Each layer's batch statistic
 ``s`` is backed out of its running-average update ``new = m * old + (1 - m) *
-s``, whose momentum ``m`` this module does not need to be told (see
-:func:`precise_batch_stats`).
+s``, whose momentum ``m`` this module reads from the layer's public
+``momentum`` field as the layer is called (:class:`LayerCall`), or else
+probes, without being told (see :func:`precise_batch_stats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import dataclasses
+import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from gbn_jax._selection.common import varying_axes
 
 __all__ = ["precise_batch_stats"]
 
@@ -38,6 +40,79 @@ STATISTIC_NAMES = ("mean", "var")
 
 # Decimal places tried when recovering the momentum the layer was given.
 _MAX_DIGITS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+  """What a norm layer's call does to its running statistics.
+
+  Read off the layer's public configuration as it is called, so it is known
+  while tracing, when the values are not: flax's and gbn_jax's BatchNorm
+  layers update ``momentum * old + (1 - momentum) * batch`` with their
+  ``momentum`` field, in training mode (``use_running_average`` false, as
+  the field or the call's argument), and a GBN layer's training-mode output
+  reads its running statistics iff ``renorm``.
+
+  Attributes:
+    momentum: the layer's ``momentum``, as the layer holds it.
+    updates: whether the call moves the running statistics towards the
+      batch's (training mode and a momentum other than 1).
+    reads_running: whether the call's output reads the running statistics.
+  """
+
+  momentum: Any
+  updates: bool
+  reads_running: bool
+
+  @classmethod
+  def of(cls, layer: Any, use_running_average: bool | None) -> LayerCall:
+    """The call of ``layer`` with that ``use_running_average`` argument."""
+    if use_running_average is None:
+      use_running_average = layer.use_running_average
+    batch = not use_running_average
+    return cls(
+        momentum=layer.momentum,
+        updates=batch and layer.momentum != 1,
+        reads_running=batch and bool(getattr(layer, "renorm", False)),
+    )
+
+  def merge(self, other: LayerCall | None) -> LayerCall | None:
+    """One layer called twice (or through another module on its variables,
+    as ``gbn_jax.linen.batchnorm_as_gbn`` does); ``None`` if the momenta
+    differ."""
+    if other is None or other.momentum != self.momentum:
+      return None
+    return LayerCall(
+        self.momentum,
+        self.updates and other.updates,
+        self.reads_running or other.reads_running,
+    )
+
+  def complement(self, dtype: Any) -> Array:
+    """``1 - momentum`` rounded as the update rounds it: the layer computes
+    ``(1 - momentum) * batch``, a Python number times an array of
+    ``dtype``, which rounds the number to ``dtype`` once."""
+    return jnp.asarray(1 - self.momentum, dtype)
+
+
+def _record_linen_call(
+    calls: dict[tuple[str, ...], LayerCall | None],
+    next_fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: Any,
+) -> Any:
+  """A ``flax.linen.intercept_methods`` interceptor: each ``nn.BatchNorm``
+  (GBN included) call's :class:`LayerCall`, by the layer's path."""
+  module = context.module
+  if isinstance(module, nn.BatchNorm) and context.method_name == "__call__":
+    given = kwargs.get(
+        "use_running_average", args[1] if len(args) > 1 else None
+    )
+    call = LayerCall.of(module, given)
+    path = tuple(str(name) for name in module.path)
+    calls[path] = call.merge(calls[path]) if path in calls else call
+  return next_fun(*args, **kwargs)
 
 
 def _key_name(entry: Any) -> str:
@@ -162,28 +237,31 @@ def precise_batch_stats(
       unchanged by its update (a layer with momentum 1, or run with
       ``use_running_average=True``); a model whose training-mode output
       reads its running statistics (see below). Under ``jit`` (or ``scan``,
-      ``shard_map``) these are decided while tracing, from the program: also
-      an update whose momentum is not a constant of it.
+      ``shard_map``) these are decided while tracing, from the layers'
+      configuration; there, also a statistic of a layer that is no
+      ``flax.linen.BatchNorm`` (:class:`gbn_jax.GBatchNorm` included).
 
   How the statistics are read: each layer updates ``new = m * old + (1 - m)
-  * s`` with a momentum ``m`` this function is not told. The first batch is
-  run twice, with every ``mean``/``var`` set to ``0`` and to ``B = 2^64``
-  (float32), giving ``new_0 = fl((1 - m) s)`` exactly and ``fl(m B + (1 - m)
-  s) = m B`` exactly, hence ``fl(m)``; every other batch runs once, with
-  zeros. ``(1 - m)`` is recovered from ``fl(m)`` exactly for momenta written
-  with up to 7 decimals (:func:`_complement`), so each backed-out ``s =
-  new_0 / (1 - m)`` is the layer's own float32 ``s`` to two roundings (at
-  most 2 ulps); with any other momentum, to about ``2^-25 / (1 - m)``
-  relative.
+  * s``. Every batch runs with every ``mean``/``var`` set to ``0``, giving
+  ``new_0 = fl((1 - m) s)`` exactly, and ``s = new_0 / (1 - m)`` is the
+  layer's own float32 ``s`` to two roundings (at most 2 ulps). ``m`` is the
+  ``momentum`` field of the layer that holds the statistic, read as
+  ``model_apply`` calls it, through flax's public method interception
+  (``flax.linen.intercept_methods``; a ``jax.jit``-ed ``model_apply``
+  already compiled for these shapes is not traced again, so it is not
+  seen), together with the call's ``use_running_average`` and GBN's
+  ``renorm``. A statistic of any other module (momentum unknown) is probed
+  instead, outside a trace: the first batch runs again with the statistics
+  set to ``B = 2^64`` (float32), and ``fl(m B + (1 - m) s) = m B`` gives
+  ``fl(m)``, from which ``(1 - m)`` is recovered exactly for momenta written
+  with up to 7 decimals (:func:`_complement`), else to about ``2^-25 / (1 -
+  m)`` relative.
 
-  That probing needs a training-mode output that does not read the running
-  statistics (true of BatchNorm and GBN, not of ``renorm=True``). The
-  outputs of the two probe calls are compared: if they differ, this raises
-  ``ValueError``. Under ``jit`` the same is decided while tracing: the
-  outputs must not depend on the running statistics in the program at all
-  (so ``renorm=True`` is refused even where its clipping makes the
-  dependence vanish), and the momentum is read off the program as the
-  update's derivative in the old statistic.
+  This needs a training-mode output that does not read the running
+  statistics (true of BatchNorm and GBN, not of ``renorm=True``). Outside a
+  trace, the outputs of the first batch's two calls are compared, and
+  differing outputs raise ``ValueError``; under a trace, a layer called with
+  ``renorm=True`` raises it.
 
   Example: one GBN layer (a model of many, flax's BatchNorm among them, is
   no different)::
@@ -208,11 +286,14 @@ def precise_batch_stats(
     )
 
   def run(stats, batch):
-    outputs, mutated = model_apply(
-        {**variables, "batch_stats": _replace(batch_stats, paths, stats)},
-        batch,
-    )
-    return outputs, _pick(mutated["batch_stats"], paths)
+    calls = {}
+    with nn.intercept_methods(functools.partial(_record_linen_call, calls)):
+      outputs, mutated = model_apply(
+          {**variables, "batch_stats": _replace(batch_stats, paths, stats)},
+          batch,
+      )
+    layer_calls = [calls.get(path[:-1]) for path in paths]
+    return outputs, _pick(mutated["batch_stats"], paths), layer_calls
 
   means = average_batch_statistics(
       run,
@@ -225,7 +306,7 @@ def precise_batch_stats(
 
 
 def average_batch_statistics(
-    run: Callable[[list[Array], Any], tuple[Any, list[Array]]],
+    run: Callable[[list[Array], Any], tuple[Any, list[Array], list[Any]]],
     old: list[Array],
     batches: Iterable[Any] | PyTree,
     *,
@@ -235,10 +316,12 @@ def average_batch_statistics(
   """The framework-free core of the precise statistics (linen and nnx).
 
   Args:
-    run: ``run(stats, batch) -> (outputs, new_stats)``: one training-mode
-      call with the norm layers' running statistics set to the list
-      ``stats`` (in the order of ``old``), returning the model's outputs and
-      the layers' updated statistics, in the same order.
+    run: ``run(stats, batch) -> (outputs, new_stats, calls)``: one
+      training-mode call with the norm layers' running statistics set to the
+      list ``stats`` (in the order of ``old``), returning the model's
+      outputs, the layers' updated statistics in the same order, and for
+      each statistic the :class:`LayerCall` of the layer that holds it, or
+      ``None`` where no such layer was seen.
     old: the current running statistics (their shapes and dtypes).
     batches: as :func:`precise_batch_stats`'s.
     stacked: as :func:`precise_batch_stats`'s (implied for a single array).
@@ -251,13 +334,10 @@ def average_batch_statistics(
   Raises:
     ValueError: no batches; a statistic that the calls did not update, or
       outputs that depend on the running statistics; under a trace, also a
-      momentum that is not a constant of the program (see
+      statistic of no layer that ``run`` reported (see
       :func:`precise_batch_stats`).
   """
   zeros = [jnp.zeros_like(v) for v in old]
-  probe_values = [_probe(jnp.result_type(v)) for v in old]
-  probes = [jnp.full_like(v, b) for v, b in zip(old, probe_values)]
-
   stacked = stacked or isinstance(batches, (jax.Array, np.ndarray))
   if stacked:
     count = {np.shape(leaf)[0] for leaf in jax.tree.leaves(batches)}
@@ -278,17 +358,15 @@ def average_batch_statistics(
           "precise_batch_stats needs at least one batch."
       ) from None
 
-  outputs_zero, new_zero = run(zeros, first)
-  outputs_probe, new_probe = run(probes, first)
-  complements = [
-      _complement((p - z) / b)
-      for z, p, b in zip(new_zero, new_probe, probe_values)
-  ]
-  # Traced (jit, scan, shard_map), the probes' values are unknown until run:
-  # the same refusals are decided from the program instead.
-  traced = not _check_updated(complements, names)
-  if traced:
-    _check_program(run, old, first, names)
+  outputs_zero, new_zero, calls = run(zeros, first)
+  if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(new_zero)):
+    # Traced (jit, scan, shard_map), the probes' values are unknown until
+    # run: what they would show is taken from the layers' calls instead.
+    complements = _reported_complements(calls, new_zero, names)
+  else:
+    complements = _probed_complements(
+        run, old, first, outputs_zero, new_zero, calls, names
+    )
 
   def statistics(new):
     return [n / c for n, c in zip(new, complements)]
@@ -304,22 +382,64 @@ def average_batch_statistics(
     for batch in iterator:
       total = add(total, batch)
       count += 1
-  means = [(t / count).astype(v.dtype) for t, v in zip(total, old)]
+  return [(t / count).astype(v.dtype) for t, v in zip(total, old)]
 
-  if traced:  # _check_program found the outputs free of the statistics
-    return means
-  consistent = _same_outputs(outputs_zero, outputs_probe)
-  varying = varying_axes(consistent)
-  if varying:  # under shard_map: all devices must agree
-    consistent = jax.lax.pmin(consistent.astype(jnp.int32), varying) > 0
-  try:
-    consistent = bool(consistent)
-  except jax.errors.ConcretizationTypeError:
-    _check_program(run, old, first, names)
-  else:
-    if not consistent:
-      raise ValueError(_READS_RUNNING)
-  return means
+
+def _probed_complements(
+    run: Callable[[list[Array], Any], tuple[Any, list[Array], list[Any]]],
+    old: list[Array],
+    batch: Any,
+    outputs_zero: Any,
+    new_zero: list[Array],
+    calls: list[LayerCall | None],
+    names: list[str],
+) -> list[Array]:
+  """Each statistic's ``fl(1 - m)``, and the refusals, from a second call.
+
+  The first batch runs again with every statistic set to ``B``: an update
+  that leaves it unchanged is refused, and so are outputs that differ from
+  the first call's. ``1 - m`` is the reported layer's where there is one,
+  else recovered from the probe's ``fl(m)`` (:func:`_complement`).
+  """
+  probe_values = [_probe(jnp.result_type(v)) for v in old]
+  probes = [jnp.full_like(v, b) for v, b in zip(old, probe_values)]
+  outputs_probe, new_probe, _ = run(probes, batch)
+  probed = [
+      _complement((p - z) / b)
+      for z, p, b in zip(new_zero, new_probe, probe_values)
+  ]
+  stale = [n for n, c in zip(names, probed) if bool((c == 0).any())]
+  if stale:
+    raise ValueError(_not_updated(stale))
+  if not bool(_same_outputs(outputs_zero, outputs_probe)):
+    raise ValueError(_READS_RUNNING)
+  return [
+      c if call is None else call.complement(n.dtype)
+      for c, call, n in zip(probed, calls, new_zero)
+  ]
+
+
+def _reported_complements(
+    calls: list[LayerCall | None], new: list[Array], names: list[str]
+) -> list[Array]:
+  """Each statistic's ``fl(1 - m)`` from its layer's call, or the refusal."""
+  unknown = [n for n, call in zip(names, calls) if call is None]
+  if unknown:
+    raise ValueError(
+        "under a JAX transformation (jit, scan, shard_map) the running"
+        " statistics " + ", ".join(unknown) + " belong to no layer whose"
+        " momentum precise_batch_stats can read: it reads flax's and"
+        " gbn_jax's BatchNorm layers (subclasses included) as model_apply"
+        " calls them while it is traced (a jitted model_apply already"
+        " compiled for these shapes is not traced again); call"
+        " precise_batch_stats outside the transformation."
+    )
+  stale = [n for n, call in zip(names, calls) if not call.updates]
+  if stale:
+    raise ValueError(_not_updated(stale))
+  if any(call.reads_running for call in calls):
+    raise ValueError(_READS_RUNNING)
+  return [call.complement(n.dtype) for call, n in zip(calls, new)]
 
 
 _READS_RUNNING = (
@@ -329,99 +449,12 @@ _READS_RUNNING = (
 )
 
 
-def _check_updated(complements: list[Array], names: list[str]) -> bool:
-  """Raises for statistics whose update left them unchanged (``m = 1``).
-
-  Such a statistic holds no batch value to back out: the layer ran with its
-  running statistics, or has momentum 1.
-
-  Returns:
-    Whether it could tell: False where ``complements`` are traced.
-  """
-  try:
-    stale = [n for n, c in zip(names, complements) if bool((c == 0).any())]
-  except jax.errors.ConcretizationTypeError:
-    return False
-  if stale:
-    raise ValueError(
-        "the running statistics "
-        + ", ".join(stale)
-        + " were not updated by the training-mode call (a layer that ran"
-        " with use_running_average=True, or momentum 1): no batch statistic"
-        " to read off them."
-    )
-  return True
-
-
-def _check_program(
-    run: Callable[[list[Array], Any], tuple[Any, list[Array]]],
-    old: list[Array],
-    batch: Any,
-    names: list[str],
-) -> None:
-  """The refusals of the eager probes, decided while tracing.
-
-  Under a trace the probe calls' values are unknown, but what they would
-  show is a property of the model's program, read here from a jaxpr of one
-  training-mode call and its pullback in the statistics (so a misuse raises
-  while tracing rather than returning NaN): the outputs read the running
-  statistics iff they depend on them (dead-code elimination keeps those
-  inputs; a dependence that the clipping of ``renorm`` makes numerically
-  void is refused too), and a layer's momentum ``m`` is the derivative of
-  its update ``m * old + (1 - m) * s`` in ``old``, a constant of the
-  program, evaluated at trace time (``m = 1``: not updated).
-
-  Raises:
-    ValueError: as the eager checks; or when an update's derivative in the
-      old statistic is not a constant of the program, so that ``m`` can't
-      be told while tracing.
-  """
-  # pylint: disable-next=g-import-not-at-top
-  from jax._src.interpreters import partial_eval as pe
-
-  def outputs_and_slopes(stats, cotangents):
-    # The pullback (not a jvp) also goes through custom_vjp layers.
-    _, pullback, outputs = jax.vjp(
-        lambda s: run(s, batch)[::-1], stats, has_aux=True
-    )
-    return outputs, pullback(cotangents)[0]
-
-  closed = jax.make_jaxpr(outputs_and_slopes)(old, old)
-  n_consts, n_stats = len(closed.jaxpr.constvars), len(old)
-  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
-  n_outputs = len(jaxpr.outvars) - n_stats
-  # Inputs: closed-over values, then the statistics, then the cotangents.
-  slopes_jaxpr, used = pe.dce_jaxpr(
-      jaxpr, [False] * n_outputs + [True] * n_stats
+def _not_updated(names: list[str]) -> str:
+  # Such a statistic holds no batch value to back out.
+  return (
+      "the running statistics "
+      + ", ".join(names)
+      + " were not updated by the training-mode call (a layer that ran"
+      " with use_running_average=True, or momentum 1): no batch statistic"
+      " to read off them."
   )
-  if any(used[: n_consts + n_stats]):
-    unknown = [
-        name
-        for i, name in enumerate(names)
-        if any(
-            pe.dce_jaxpr(
-                jaxpr, [False] * n_outputs + [j == i for j in range(n_stats)]
-            )[1][: n_consts + n_stats]
-        )
-    ]
-    raise ValueError(
-        "under a JAX transformation (jit, scan, shard_map) the updates of the"
-        " running statistics " + ", ".join(unknown) + " have a derivative in"
-        " the old statistic that is not a constant of the program, so their"
-        " momentum can't be told while tracing; call precise_batch_stats"
-        " outside the transformation."
-    )
-  ones = [
-      np.ones(v.shape, jnp.result_type(v))
-      for v, u in zip(old, used[n_consts + n_stats :])
-      if u
-  ]
-  with jax.ensure_compile_time_eval():
-    slopes = jax.core.eval_jaxpr(slopes_jaxpr, [], *ones)
-    complements = [
-        _complement(jnp.asarray(m, v.dtype)) for m, v in zip(slopes, old)
-    ]
-    _check_updated(complements, names)
-  _, used = pe.dce_jaxpr(jaxpr, [True] * n_outputs + [False] * n_stats)
-  if any(used[n_consts : n_consts + n_stats]):
-    raise ValueError(_READS_RUNNING)

@@ -367,3 +367,16 @@ def test_test_import_check_sees_every_form(tmp_path):
       "test_a.py:2 test_b",
       "test_c.py:3 test_b",
   ]
+
+
+def test_library_uses_public_jax_only():
+  # jax._src and the DO_NOT_USE names change without notice between JAX
+  # releases; the library must build on what JAX documents.
+  private = re.compile(r"jax\._src|DO_NOT_USE")
+  found = [
+      f"{path.relative_to(REPO)}:{number}"
+      for path in sorted(PACKAGE.rglob("*.py"))
+      for number, line in enumerate(path.read_text().splitlines(), 1)
+      if private.search(line)
+  ]
+  assert not found, found
