@@ -5,8 +5,8 @@ module) that ``gbn_jax._selection.native`` loads with ctypes.
 ``optional=True``: without a C++17 compiler the install still succeeds and
 gbn_jax uses its pure-JAX selection. The XLA FFI headers are vendored
 (gbn_jax/csrc/third_party), so the build needs no jaxlib. (The training
-suite's convolution kernels, train/csrc, are no part of the library: they
-are compiled on first use, see train/native_build.py.)
+suite's convolution kernels, train/native/csrc, are no part of the library: they
+are compiled on first use, see train/native/build.py.)
 """
 
 from setuptools import Extension

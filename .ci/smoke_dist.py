@@ -4,7 +4,7 @@ Run it from outside the checkout, so that ``gbn_jax`` is the installed copy:
 ``python -I smoke_dist.py --native`` (the wheel: the C++ kernel must load) or
 ``--no-native`` (an sdist installed without a compiler: pure JAX). The
 library is normalization only: no convolution module or kernel is installed
-(the training suite's, ``train/convolution.py``, runs from a checkout).
+(the training suite's, ``train/native/convolution.py``, runs from a checkout).
 """
 
 import argparse

@@ -20,7 +20,7 @@ if python -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' | grep -vE '^gbn_jax(
   echo "error: the wheel has files outside gbn_jax (listed above)" >&2; exit 1
 fi
 # And the library is normalization only: the training suite's convolutions
-# (train/convolution.py, train/csrc) are in neither distribution.
+# (train/native/convolution.py, train/native/csrc) are in neither distribution.
 conv_files='(^|/)(convolution|_conv_cpu|conv_cpu|conv_tiles)[^/]*$'
 if python -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' | grep -E "$conv_files"; then
   echo "error: the wheel has convolution files (listed above)" >&2; exit 1

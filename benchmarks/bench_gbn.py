@@ -86,7 +86,9 @@ TRAIN_STEP_TARGET = 1.15
 
 def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
   """jit'ed SGD step (forward, backward, update) of a training-suite model."""
-  from train import models  # the training suite's models, norm swapped by name
+  from train.model import (
+      models,  # the training suite's models, norm swapped by name
+  )
 
   model = models.create_model(
       model_name, num_classes=10, norm=models.make_norm(norm)

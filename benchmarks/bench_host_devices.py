@@ -21,7 +21,7 @@ _CHILD = r"""
 import sys, time, statistics
 import jax, optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from train import models, sharding
+from train.model import models, sharding
 model_name, norm, batch, runs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 shape = (28, 28, 1) if model_name == "lenet" else (32, 32, 3)
 model = models.create_model(model_name, num_classes=10, norm=models.make_norm(norm))

@@ -10,10 +10,10 @@ host memory is set up as the CLI's (:mod:`train.host_memory`):
    forward+backward, in each exact formulation (:data:`FORMULATIONS`),
    interleaved; weighted by each shape's count, the step's conv time.
 2. ``variants``: the whole model with each formulation (:data:`VARIANTS`),
-   interleaved with the real model (``base``: ``train.models.ResNetConv`` and
-   :func:`train.models.recompute_elementwise` norms on a CPU),
+   interleaved with the real model (``base``: ``train.model.models.ResNetConv`` and
+   :func:`train.model.models.recompute_elementwise` norms on a CPU),
    ``stored_norm`` (without the recomputation), ``chained``
-   (``ResNetConv`` without :func:`train.models.computed_once`),
+   (``ResNetConv`` without :func:`train.model.models.computed_once`),
    ``xla_kernel_grad`` (``ResNetConv`` with XLA's kernel gradients, its
    formulation before the compiled one) and ``flax`` (``nn.Conv``, stored
    norms); ``loss_rel``/``update_rel`` against

@@ -11,7 +11,7 @@ first over an empty compile cache folder, then again over the same folder.
 The CLI finds its cache as a user's run does: its default folder, under
 ``XDG_CACHE_HOME`` pointed at a folder made for the norm
 (``JAX_COMPILATION_CACHE_DIR`` and ``GBN_COMPILE_CACHE`` removed), where
-the compiled C++ kernels' cache (:mod:`train.native_build`, CPU only) is the
+the compiled C++ kernels' cache (:mod:`train.native.build`, CPU only) is the
 user's own, so that only JAX's cache starts empty. JAX's compiler logs each
 persistent-cache hit and miss (``JAX_DEBUG_LOG_MODULES=jax._src.compiler``).
 
@@ -51,8 +51,8 @@ from benchmarks import bench_compile
 from benchmarks.bench_gbn import command_line
 from benchmarks.bench_gbn import write_json
 from benchmarks.machine import machine_info
-from train import native_build
 from train import run_files
+from train.native import build as native_build
 
 # What JAX's compiler logs (jax._src.compiler, at debug level).
 _HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")

@@ -24,7 +24,7 @@ from benchmarks.lenet_variants import NUM_CLASSES
 from benchmarks.lenet_variants import VariantConv
 from benchmarks.lenet_variants import max_pool_2x2
 from benchmarks.lenet_variants import max_pool_2x2_mask
-from train import models
+from train.model import models
 
 LAYERS = ("conv1", "conv2", "norm1", "norm2", "fc1", "fc2")
 _POOL_OPCODES = {"reduce-window", "select-and-scatter"}

@@ -1,6 +1,6 @@
 """The LeNet train step's exact reformulations, timed by ``bench_lenet_step``.
 
-Same parameter tree as ``train.models.LeNet`` (conv1/kernel (5,5,1,20), norm1,
+Same parameter tree as ``train.model.models.LeNet`` (conv1/kernel (5,5,1,20), norm1,
 conv2/kernel (5,5,20,50), norm2, fc1, fc2), same math: max-pool as reshape +
 max or with a mask backward instead of ``select_and_scatter``, convolutions
 (or only their backward passes) as im2col matmuls, NCHW layout.
@@ -16,9 +16,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from train import models
 from train import train_state
-from train.models import im2col
+from train.model import models
+from train.model.models import im2col
 
 DATASET = "fashion_mnist"
 IMAGE_SHAPE = (28, 28, 1)
@@ -28,7 +28,7 @@ NUM_CLASSES = 10
 def max_pool_2x2(x: jax.Array, layout: str = "nhwc") -> jax.Array:
   """2x2 stride-2 VALID max-pool as a reshape and a max over two axes.
 
-  NHWC is ``train.models.max_pool_2x2`` (see there for its gradient on
+  NHWC is ``train.model.models.max_pool_2x2`` (see there for its gradient on
   ties); NCHW is the same on the other axes.
   """
   if layout == "nhwc":
@@ -208,11 +208,11 @@ class VariantConv(nn.Module):
 
 
 class LeNetVariant(nn.Module):
-  """train.models.LeNet with swappable formulations of its ops.
+  """train.model.models.LeNet with swappable formulations of its ops.
 
   Attributes:
     num_classes: Number of output logits.
-    norm: Norm factory from ``train.models.make_norm``.
+    norm: Norm factory from ``train.model.models.make_norm``.
     conv1: ``conv``, ``im2col``, ``wgrad``, ``mm_bwd`` or ``shift``.
     conv2: ``conv``, ``im2col``, ``wgrad`` or ``mm_bwd``.
     pool: ``window`` (flax ``nn.max_pool``), ``reshape``
@@ -261,10 +261,10 @@ class LeNetVariant(nn.Module):
     return nn.Dense(self.num_classes, name="fc2")(x)
 
 
-#: Variant name -> LeNetVariant fields (``base`` is train.models.LeNet).
+#: Variant name -> LeNetVariant fields (``base`` is train.model.models.LeNet).
 VARIANTS: dict[str, dict[str, str] | None] = {
     "base": None,
-    # nn.Conv and nn.max_pool: train.models.LeNet until it took the fastest
+    # nn.Conv and nn.max_pool: train.model.models.LeNet until it took the fastest
     # variant below (pool+im2col) as its CPU formulation.
     "flax_ops": {},
     "pool": {"pool": "reshape"},

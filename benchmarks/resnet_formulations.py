@@ -2,7 +2,7 @@
 
 ``bench_resnet_step``'s catalogue: each formulation computes
 ``nn.Conv(features, (3, 3), strides, use_bias=False)`` on NHWC ``x`` and an
-HWIO kernel, and each variant is a set of ``train.models.ResNet`` fields
+HWIO kernel, and each variant is a set of ``train.model.models.ResNet`` fields
 that swaps one part of the real model for an earlier or other formulation.
 """
 
@@ -17,12 +17,12 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from train.models import ResNetConv
-from train.models import conv_col2im_dgrad
-from train.models import conv_compiled
-from train.models import conv_matmul_grads
-from train.models import conv_same
-from train.models import im2col
+from train.model.models import ResNetConv
+from train.model.models import conv_col2im_dgrad
+from train.model.models import conv_compiled
+from train.model.models import conv_matmul_grads
+from train.model.models import conv_same
+from train.model.models import im2col
 
 
 def _patches(x, kernel, strides):
@@ -89,7 +89,7 @@ def conv_nchw(x, kernel, strides):
 
 
 #: Formulation -> fn(x, kernel, strides). ``flax`` is nn.Conv's; ``resnet``
-#: train.models.ResNetConv's (the CPU default), ``resnet_xla_forward`` its
+#: train.model.models.ResNetConv's (the CPU default), ``resnet_xla_forward`` its
 #: formulation before the compiled forward pass, ``resnet_xla_kernel_grad``
 #: before the compiled kernel gradient.
 FORMULATIONS: dict[str, Callable[..., jax.Array]] = {

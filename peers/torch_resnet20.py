@@ -2,7 +2,7 @@
 
 The reference point of issue 20 ("ResNet20 on a CPU at PyTorch's speed") and
 of ``benchmarks/bench_resnet_step.py --torch-python``: He et al.'s CIFAR
-ResNet20 as ``train.models.ResNet20`` builds it (3x3 convolutions without
+ResNet20 as ``train.model.models.ResNet20`` builds it (3x3 convolutions without
 bias, a norm after each, option-A shortcuts: subsampling and zero-padded
 channels), batch 256 on 32x32x3, one plain SGD step (lr 0.1, weight decay
 1e-4) with ``torch.nn.BatchNorm2d`` and with an SQD2 GBN layer written with

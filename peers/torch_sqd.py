@@ -101,7 +101,7 @@ class SQD(nn.Module if nn is not None else object):
 
 
 def lenet(norm: Callable[[int], Any]):
-  """LeNet for 28x28x1 (the repository's ``train.models`` LeNet's layers)."""
+  """LeNet for 28x28x1 (the repository's ``train.model.models`` LeNet's layers)."""
   _require_torch()
   return nn.Sequential(
       nn.Conv2d(1, 20, 5, bias=False),

@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from train import activations
 from train import report
 from train import train
 from train import train_state
 from train import train_steps
 from train.data import input_pipeline
+from train.model import activations
 
 from training_helpers import TINY
 from training_helpers import exact

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_resnet_step as bench
-from train import models
+from train.model import models
 
 
 @pytest.mark.parametrize("strides", [1, 2])

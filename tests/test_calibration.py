@@ -496,7 +496,7 @@ def test_cli_config_and_models():
   from train import cli_flags  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import main as train_main  # pylint: disable=g-import-not-at-top
-  from train import models  # pylint: disable=g-import-not-at-top
+  from train.model import models  # pylint: disable=g-import-not-at-top
 
   parser = cli_flags.build_parser(configs.MNIST, "x")
   args = parser.parse_args(["--norm", "rsd", "--calibration", "normal"])

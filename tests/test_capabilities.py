@@ -347,7 +347,7 @@ def test_get_measure_points_the_colon_spelling_at_the_parser():
 
 
 def test_training_cli_uses_the_parser(monkeypatch):
-  from train import norms  # pylint: disable=g-import-not-at-top
+  from train.model import norms  # pylint: disable=g-import-not-at-top
 
   seen = []
   real = norms.parse_measure_name

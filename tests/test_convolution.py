@@ -1,4 +1,4 @@
-"""train.convolution.conv_kernel_gradient against the definition.
+"""train.native.convolution.conv_kernel_gradient against the definition.
 
 The reference is numpy in float64, written from the definition
 (``conv_helpers.kernel_gradient_reference``): the input zero-padded, and for
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import convolution
-from train.convolution import conv_kernel_gradient
+from train.native import convolution
+from train.native.convolution import conv_kernel_gradient
 
 from conv_helpers import CASES
 from conv_helpers import DIMENSIONS

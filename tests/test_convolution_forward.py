@@ -1,4 +1,4 @@
-"""train.convolution.conv (forward pass and gradients) against the definition.
+"""train.native.convolution.conv (forward pass and gradients) against the definition.
 
 The references are numpy in float64, written from the definition
 (``conv_helpers``): the input zero-padded, each output the sum over the
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import convolution
-from train import models
-from train.convolution import conv
+from train.model import models
+from train.native import convolution
+from train.native.convolution import conv
 
 from conv_helpers import CASES
 from conv_helpers import DIMENSIONS
@@ -247,7 +247,7 @@ _ISA_CHILD = """
 import sys
 import jax
 import numpy as np
-from train.convolution import conv
+from train.native.convolution import conv
 import conv_helpers
 
 out = {}
@@ -292,7 +292,7 @@ def test_an_unknown_instruction_set_is_an_error():
   _require_compiled_kernels()
   code = (
       "import jax.numpy as jnp\n"
-      "from train.convolution import conv\n"
+      "from train.native.convolution import conv\n"
       "conv(jnp.ones((1, 4, 4, 8)), jnp.ones((3, 3, 8, 8))).block_until_ready()"
   )
   with pytest.raises(ProcessFailed) as error:

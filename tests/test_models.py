@@ -1,4 +1,4 @@
-"""Tests of train/models.py: architectures, parameter counts, the norm factory."""
+"""Tests of train/model/models.py: architectures, parameter counts, the norm factory."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import scipy.integrate
 import scipy.stats
 
 import gbn_jax
-from train import models
-from train import norms
+from train.model import models
+from train.model import norms
 
 from measure_helpers import COMPLETE_MEASURES
 

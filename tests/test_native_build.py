@@ -1,4 +1,4 @@
-"""train.native_build: the training suite's C++ kernels, compiled on first use.
+"""train.native.build: the training suite's C++ kernels, compiled on first use.
 
 A tiny library built through a compiler wrapper that counts its compiles:
 built once and reused, by threads at once too (the file lock), rebuilt when a
@@ -19,7 +19,7 @@ import stat
 
 import pytest
 
-from train import native_build
+from train.native import build as native_build
 
 from process_helpers import run_python
 
@@ -141,7 +141,7 @@ def test_the_cache_follows_xdg_cache_home(tmp_path):
 _CONV_PROCESS = """
 import json, warnings
 import jax, jax.numpy as jnp
-from train import convolution
+from train.native import convolution
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
   loaded = [convolution.native_available(), convolution.native_available()]

@@ -1,9 +1,9 @@
 """The C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer.
 
 Builds the library's ``gbn_jax/csrc/kth_smallest_cpu.cc`` and the training
-suite's convolution kernels (``train/csrc``, the objects of
-``train.native_build.conv_sources``) with ``-fsanitize=address,undefined``,
-once per run, shared by the xdist workers (``train.native_build.build``: a
+suite's convolution kernels (``train/native/csrc``, the objects of
+``train.native.build.conv_sources``) with ``-fsanitize=address,undefined``,
+once per run, shared by the xdist workers (``train.native.build.build``: a
 folder keyed by the inputs' hash, file-locked, in the system's temp dir).
 The selection's two FFI entry points get a bounded fuzz in a subprocess that
 loads the library through ``GBN_KTH_LIBRARY``, the convolution's three
@@ -24,7 +24,7 @@ import textwrap
 import jax
 import pytest
 
-from train import native_build
+from train.native import build as native_build
 
 from process_helpers import ProcessError
 from process_helpers import run_program

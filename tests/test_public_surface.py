@@ -29,7 +29,7 @@ API_RST = pathlib.Path(__file__).parent.parent / "docs" / "api.rst"
 
 # The modules users import from; every other module of the package must be
 # private (underscore-named). The package is normalization only (issue 39):
-# the training suite's convolutions are train.convolution.
+# the training suite's convolutions are train.native.convolution.
 PUBLIC_MODULES = [
     "gbn_jax",
     "gbn_jax.bound_measure",

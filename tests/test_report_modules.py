@@ -34,7 +34,7 @@ FORBIDDEN = (
     "jaxlib",
     "flax",
     "gbn_jax",
-    "train.models",
+    "train.model.models",
     "train.configs",
 )
 

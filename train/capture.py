@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import gbn_jax
 from train import checkpointing
 from train import configs
-from train import models
+from train.model import models
 
 NORM_LAYERS_FILE = "norm_layers.json"
 

@@ -17,12 +17,12 @@ import math
 import types
 from typing import Any
 
-from train import models
+from train.model import models
 
 #: Datasets the CLI accepts (loaded by ``train.data.input_pipeline``).
 DATASET_NAMES = ("cifar10", "cifar100", "svhn", "mnist", "fashion_mnist")
 
-#: ``--calibration`` values (``train.models.CALIBRATIONS``).
+#: ``--calibration`` values (``train.model.models.CALIBRATIONS``).
 CALIBRATIONS = models.CALIBRATIONS
 
 #: Fields that may change between the runs that share a workdir: raising
@@ -179,7 +179,7 @@ class Config:
 
   Attributes:
     dataset: One of :data:`DATASET_NAMES`.
-    model: One of ``train.models.MODELS``.
+    model: One of ``train.model.models.MODELS``.
     norm: ``bn`` (``flax.linen.BatchNorm``) or a GBN measure, ``sqd:<alpha>``.
     epochs: Number of passes over the training set.
     batch_size: Global batch size (over all devices and hosts).
@@ -203,7 +203,7 @@ class Config:
     calibration: ``none`` or ``normal``: every GBN layer's ``D`` divided by
       its value for a standard normal feature (``GBatchNorm``'s
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
-    norm_bias: Every norm layer's initial bias (``train.norms.make_norm``).
+    norm_bias: Every norm layer's initial bias (``train.model.norms.make_norm``).
   """
 
   dataset: str = _field(

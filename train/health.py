@@ -67,7 +67,7 @@ ADVISED_BIAS = 1.0
 # only the learning rate (or the network) is left to blame.
 _BATCHNORM_NORMS = ("bn", "sd")
 # bn_gain:<norm>: BatchNorm's statistics at another measure's gain, chosen on
-# purpose (train.models.GAIN_NORM); calibration does not apply to it.
+# purpose (train.model.models.GAIN_NORM); calibration does not apply to it.
 _GAIN_PREFIX = "bn_gain:"
 
 

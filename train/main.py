@@ -209,10 +209,10 @@ def run(
     return _fail(prog, str(e), distributed)
 
   # Imported here so that `--help` and flag errors stay fast.
-  from train import activations  # pylint: disable=g-import-not-at-top
   from train import checkpointing  # pylint: disable=g-import-not-at-top
   from train import train  # pylint: disable=g-import-not-at-top
   from train.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from train.model import activations  # pylint: disable=g-import-not-at-top
 
   record = None
   if args.record_activations:

@@ -22,12 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 from gbn_jax._selection import config as selection_config
 from gbn_jax._selection import native as selection_native
-from train import activations
 from train import configs
-from train import convolution
 from train import sharding
 from train import train_state
 from train import train_steps
+from train.model import activations
+from train.native import convolution
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Run directories as the report reads them: discovery, settings, cells.
 
-numpy only (no jax, flax or ``train.models``), as every ``train.report_*``
+numpy only (no jax, flax or ``train.model.models``), as every ``train.report_*``
 module: a report is written wherever the results are, without the training
 stack.
 """

@@ -56,7 +56,7 @@ This module is the loop (:func:`train_and_evaluate`); its parts live in
 :mod:`train.train_state` (model, optimizer, initial state),
 :mod:`train.train_steps` (the jitted functions and the random keys),
 :mod:`train.sharding` (mesh and data placement), :mod:`train.programs`
-(compiling them, cached in-process), :mod:`train.activations` (recording)
+(compiling them, cached in-process), :mod:`train.model.activations` (recording)
 and :mod:`train.step_progress` (the progress bar, which counts the steps
 that completed).
 """
@@ -75,7 +75,6 @@ import jax
 import numpy as np
 import tqdm
 
-from train import activations
 from train import capture
 from train import checkpointing
 from train import configs
@@ -86,6 +85,7 @@ from train import step_progress
 from train import train_state
 from train import train_steps
 from train.data import input_pipeline
+from train.model import activations
 
 
 class NonFiniteLossError(RuntimeError):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from train import configs
-from train import models
+from train.model import models
 
 
 class TrainState(flax_train_state.TrainState):

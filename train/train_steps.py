@@ -2,7 +2,7 @@
 
 :func:`prepare_epoch` shuffles, batches and augments one epoch on the devices;
 :func:`train_step` is one SGD step (recording one norm layer's activations if
-asked, :mod:`train.activations`); :func:`eval_model` sums the test loss and
+asked, :mod:`train.model.activations`); :func:`eval_model` sums the test loss and
 errors with the norms' running averages, :func:`precise_eval_model` with
 statistics recomputed over training batches (PreciseBN). Every random number
 is a function of ``(seed, epoch, step)``: :func:`init_key`, :func:`epoch_key`.
@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import optax
 
 import gbn_jax
-from train import activations
 from train import capture
 from train import train_state
 from train.data import input_pipeline
+from train.model import activations
 
 # fold_in tags that keep the random streams apart.
 _INIT, _EPOCH, _PERMUTE, _AUGMENT = 0, 1, 0, 1

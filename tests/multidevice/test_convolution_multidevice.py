@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from train import convolution
+from train.native import convolution
 
 import multidevice_helpers as md
 

@@ -2,7 +2,7 @@
 
 :func:`max_pool_2x2` and :class:`PatchConv` compute ``nn.max_pool`` and
 ``nn.Conv`` (VALID, no bias) with the same parameters, as a reshape and a max
-and as an im2col matmul (:func:`im2col`); `train.models`' LeNet uses them.
+and as an im2col matmul (:func:`im2col`); `train.model.models`' LeNet uses them.
 """
 
 from __future__ import annotations

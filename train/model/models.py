@@ -1,7 +1,7 @@
 """LeNet and ResNet20 with a swappable normalization layer.
 
 Both models build every normalization layer through one factory, the ``norm``
-field: `train.norms.make_norm`'s ``functools.partial`` of
+field: `train.model.norms.make_norm`'s ``functools.partial`` of
 ``flax.linen.BatchNorm`` (``--norm bn``, the baseline) or of
 ``gbn_jax.GBatchNorm(measure=...)``. That factory is the only
 thing that differs between norms, and every norm layer has an explicit name,
@@ -25,7 +25,7 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
   convolutions run in the training suite's compiled kernels (forward pass,
-  kernel gradient and input gradient, :func:`train.convolution.conv`), every
+  kernel gradient and input gradient, :func:`train.native.convolution.conv`), every
   convolution's input is computed once (:class:`ResNetConv`), and the norm
   layers' backward pass recomputes their elementwise work
   (:func:`recompute_elementwise`): the same parameters and function, up to
@@ -48,20 +48,20 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from train.convolution import conv as gbn_conv
-from train.convolution import conv_kernel_gradient
-from train.layers import PatchConv
-from train.layers import im2col
-from train.layers import max_pool_2x2
+from train.model.layers import PatchConv
+from train.model.layers import im2col
+from train.model.layers import max_pool_2x2
 
-# Re-exported: callers, tests and docs name these as train.models.*.
-from train.norms import CALIBRATIONS as CALIBRATIONS
-from train.norms import ModuleDef
-from train.norms import NormSpec as NormSpec
-from train.norms import make_norm as make_norm
-from train.norms import norm_names as norm_names
-from train.norms import parse_norm as parse_norm
-from train.norms import recompute_elementwise
+# Re-exported: callers, tests and docs name these as train.model.models.*.
+from train.model.norms import CALIBRATIONS as CALIBRATIONS
+from train.model.norms import ModuleDef
+from train.model.norms import NormSpec as NormSpec
+from train.model.norms import make_norm as make_norm
+from train.model.norms import norm_names as norm_names
+from train.model.norms import parse_norm as parse_norm
+from train.model.norms import recompute_elementwise
+from train.native.convolution import conv as gbn_conv
+from train.native.convolution import conv_kernel_gradient
 
 
 def conv_same(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
@@ -121,7 +121,7 @@ def conv_matmul_grads(
   """:func:`conv_same` whose kernel gradient is a compiled matrix product.
 
   The forward pass is XLA's. The kernel gradient is
-  :func:`train.convolution.conv_kernel_gradient` (on XLA:CPU with the
+  :func:`train.native.convolution.conv_kernel_gradient` (on XLA:CPU with the
   compiled kernel: the sum of each patch times the output gradient, without
   XLA's batch-minor copies); the input gradient is XLA's for ``strides ==
   1`` and :func:`conv_col2im_dgrad`'s col2im otherwise. Equal to
@@ -146,7 +146,7 @@ conv_matmul_grads.defvjp(_col2im_dgrad_fwd, _matmul_grads_bwd)
 def conv_compiled(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
   """:func:`conv_same` with its forward pass and gradients compiled.
 
-  :func:`train.convolution.conv` (on XLA:CPU with the compiled kernels:
+  :func:`train.native.convolution.conv` (on XLA:CPU with the compiled kernels:
   the forward pass, the kernel gradient, and the input gradient, as a
   forward convolution of the output gradient at stride 1 and as each
   window's gradient added into place when strided). Equal to
@@ -181,7 +181,7 @@ class ResNetConv(nn.Module):
   values from the same key), the same SAME padding and the same function up
   to float32 summation order: computed by :func:`conv_compiled` (the
   compiled forward pass, kernel gradient and input gradient of
-  :mod:`train.convolution`), with the input through
+  :mod:`train.native.convolution`), with the input through
   :func:`computed_once`. ResNet's formulation on a CPU
   (``benchmarks/bench_resnet_step.py``).
 
@@ -370,7 +370,7 @@ class ResNet(nn.Module):
     # platform, only tuned for this process's backend. Per lowering it
     # would take lax.platform_dependent around flax modules: the remat
     # (a lifted transform of the norm, with its batch_stats) and ResNetConv
-    # (whose convolutions already choose per lowering, train.convolution)
+    # (whose convolutions already choose per lowering, train.native.convolution)
     # traced once per platform inside flax's lifted control flow.
     on_cpu = jax.default_backend() == "cpu"
     norm = self.norm

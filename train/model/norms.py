@@ -4,7 +4,7 @@ A model builds every normalization layer through its ``norm`` field, a
 factory from :func:`make_norm`: a ``functools.partial`` of
 ``flax.linen.BatchNorm`` (``--norm bn``, the baseline) or of
 ``gbn_jax.GBatchNorm(measure=...)``. That factory is the only thing that
-differs between norms (see `train.models`). :func:`parse_norm` reads a
+differs between norms (see `train.model.models`). :func:`parse_norm` reads a
 ``--norm`` value, :func:`gain_measure` builds ``bn_gain:<norm>``'s measure,
 and :func:`recompute_elementwise` makes a factory's backward pass recompute
 its elementwise work.

@@ -1,7 +1,7 @@
 """Compiles the training suite's C++ kernels on first use, into a user cache.
 
-The training suite's compiled convolutions (:mod:`train.convolution`, sources
-in ``train/csrc``) are no part of the gbn_jax distribution, so no ``pip
+The training suite's compiled convolutions (:mod:`train.native.convolution`, sources
+in ``train/native/csrc``) are no part of the gbn_jax distribution, so no ``pip
 install`` builds them: the first process that needs them compiles them
 (:func:`conv_library`, a few seconds) with the system's C++ compiler
 (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the XLA FFI headers
@@ -230,7 +230,7 @@ def build(
 
 def conv_sources() -> list[Source]:
   """The convolution kernels' sources: the handlers, and on x86 the register
-  tiles once per instruction set (``train/csrc/conv_isa.h``)."""
+  tiles once per instruction set (``train/native/csrc/conv_isa.h``)."""
   sources = [Source(CSRC / "conv_cpu.cc")]
   if platform.machine().lower() in ("x86_64", "amd64"):
     tiles = CSRC / "conv_tiles_x86.cc"
@@ -242,7 +242,7 @@ def conv_sources() -> list[Source]:
 
 
 def conv_library() -> Path | None:
-  """The convolution kernels (``train/csrc/conv_cpu.cc``), built if need be.
+  """The convolution kernels (``train/native/csrc/conv_cpu.cc``), built if need be.
 
   Returns:
     The library's path; None without a C++ compiler or with

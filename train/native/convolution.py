@@ -16,8 +16,8 @@ ResNet20's shapes (``docs/performance.md``). ``GBN_CONV_MAX_ISA``
 instruction set: AVX-512 and AVX2 give the same bits; ``scalar``'s plain
 loops round twice per term, not once.
 
-The kernels (``train/csrc/conv_cpu.cc``) are compiled on first use with the
-system's C++ compiler and cached per user (:mod:`train.native_build`: a few
+The kernels (``train/native/csrc/conv_cpu.cc``) are compiled on first use with the
+system's C++ compiler and cached per user (:mod:`train.native.build`: a few
 seconds, once). Without a compiler, with ``GBN_CONV_NATIVE=0``, and on every
 other backend, XLA computes the same things; a compiler that fails warns
 once, naming its log. Under ``jit`` with the batch sharded over devices,
@@ -42,7 +42,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 import jax.numpy as jnp
 import numpy as np
 
-from train import native_build
+from train.native import build as native_build
 
 Array = jax.Array
 Padding = str | Sequence[tuple[int, int]]
@@ -71,7 +71,7 @@ def native_available() -> bool:
   """Whether the compiled kernels are built and registered with XLA:CPU.
 
   The first call builds them if need be
-  (:func:`train.native_build.conv_library`). A build that fails, or a
+  (:func:`train.native.build.conv_library`). A build that fails, or a
   library that does not load, warns (once: the result is cached), and XLA
   computes the convolutions.
   """

@@ -1,6 +1,6 @@
 // A 2-D NHWC x HWIO -> NHWC float32 convolution and both its gradients as
-// XLA FFI handlers for the CPU, used by train/convolution.py (which has
-// train/native_build.py compile them on first use): the forward convolution,
+// XLA FFI handlers for the CPU, used by train/native/convolution.py (which has
+// train/native/build.py compile them on first use): the forward convolution,
 // the kernel gradient, and the input gradient at any stride. All three are
 // matrix products whose one operand is a window of an image ("patches");
 // they read the windows where they lie, in a zero-padded copy of one image at
@@ -333,9 +333,9 @@ ffi::Error Guarded(Kernel&& kernel) {
     kernel();
     return ffi::Error::Success();
   } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "convolution kernel (train/csrc): out of memory");
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "convolution kernel (train/native/csrc): out of memory");
   } catch (...) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "convolution kernel (train/csrc) failed");
+    return ffi::Error(ffi::ErrorCode::kInternal, "convolution kernel (train/native/csrc) failed");
   }
 }
 

@@ -1,5 +1,5 @@
 // The register tiles (conv_tiles.h) in one x86 instruction set, as the
-// Tiles<Set> that conv_isa.h declares. train/native_build.py compiles this
+// Tiles<Set> that conv_isa.h declares. train/native/build.py compiles this
 // file twice, with -mavx2 -mfma (AVX2 + FMA: 16 ymm registers, 6 rows x 2
 // vectors of accumulators) and with -mavx512f (AVX-512: 32 zmm registers,
 // 12 rows x 2 vectors), and conv_cpu.cc calls the set the CPU has at run
@@ -34,7 +34,7 @@ struct Isa {
   static Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-// Alike train/csrc/conv_tiles_x86.cc::Isa (AVX-512): the same traits, each
+// Alike train/native/csrc/conv_tiles_x86.cc::Isa (AVX-512): the same traits, each
 // set's own intrinsics and widths.
 using ThisSet = Avx2;
 struct Isa {

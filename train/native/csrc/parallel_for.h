@@ -2,7 +2,7 @@
 // [0, n_items) on XLA's intra-op thread pool (ffi::ThreadPool, or any pool
 // with num_threads() and Schedule(task)). The training suite's own copy of
 // gbn_jax/csrc/cpu_kernel.h's: train/ builds its kernels apart from the
-// library (train/native_build.py), from train/csrc alone.
+// library (train/native/build.py), from train/native/csrc alone.
 #ifndef GBN_TRAIN_CSRC_PARALLEL_FOR_H_
 #define GBN_TRAIN_CSRC_PARALLEL_FOR_H_
 
