@@ -3,10 +3,10 @@
 ``python -m train.cifar`` (ResNet20, batch 256) compiled for 50.8 s with
 ``bn`` and 86.0 s with ``sqd2`` on an H100 before its first epoch (issue 36).
 This benchmark builds the programs exactly as the CLI does: each child
-process calls ``train.programs.compile_program`` (the function
+process calls ``train.loop.programs.compile_program`` (the function
 ``train_and_evaluate`` calls) on a synthetic dataset of the real sizes, after
 the same pre-JAX setup as ``python -m train.cifar`` / ``train.mnist``
-(``host_devices``, ``host_memory``). ``jax.jit`` as ``train.programs`` sees it
+(``host_devices``, ``host_memory``). ``jax.jit`` as ``train.loop.programs`` sees it
 is wrapped, so each program's ``.lower()`` (tracing and lowering) and
 ``.compile()`` (XLA) are timed on their own, and the lowered StableHLO and the
 optimized HLO are counted.
@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("lenet", "resnet20")
 NORMS = ("bn", "sqd2", "rsd")
-#: The programs of ``train.programs.Program``, by the function each one jits.
+#: The programs of ``train.loop.programs.Program``, by the function each one jits.
 PROGRAMS = {
     "create_train_state": "init",
     "prepare_epoch": "prepare",
@@ -315,8 +315,8 @@ def _norm_layers(state: Any) -> int:
 def _child(args: argparse.Namespace) -> dict[str, Any]:
   """Compiles one config's programs as the CLI does; their records."""
   # The CLI's own setup before JAX starts (python -m train.cifar/mnist).
-  from train import host_devices  # pylint: disable=g-import-not-at-top
-  from train import host_memory  # pylint: disable=g-import-not-at-top
+  from train.loop import host_devices  # pylint: disable=g-import-not-at-top
+  from train.loop import host_memory  # pylint: disable=g-import-not-at-top
 
   host_devices.configure(args.models)
   host_memory.configure()
@@ -327,10 +327,10 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
   from benchmarks.machine import machine_info
   from train import compile_cache
   from train import configs
-  from train import programs
-  from train import sharding
-  from train import train as trainlib
   from train.data import info as data_info
+  from train.loop import programs
+  from train.loop import sharding
+  from train.loop import trainer as trainlib
 
   # pylint: enable=g-import-not-at-top
   if args.cache_dir is None:
@@ -367,7 +367,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     jitted = real_jit(fn, *a, **k)
     return _TimedJit(jitted, name, records, jax.default_backend(), dump)
 
-  # Only train.programs' `jax` sees the wrapper: gbn_jax's own jits are
+  # Only train.loop.programs' `jax` sees the wrapper: gbn_jax's own jits are
   # untouched.
   proxy = types.ModuleType("jax")
   proxy.__dict__.update(jax.__dict__)

@@ -1,8 +1,8 @@
 """Where the LeNet train step's time goes on XLA:CPU, and what makes it faster.
 
-Times the training suite's real jitted step (``train.train_steps.train_step``,
-with ``train.train_state.create_train_state``/``create_optimizer`` and the
-mesh and shardings of ``train.programs.compile_program``) on
+Times the training suite's real jitted step (``train.loop.train_steps.train_step``,
+with ``train.loop.train_state.create_train_state``/``create_optimizer`` and the
+mesh and shardings of ``train.loop.programs.compile_program``) on
 Fashion-MNIST-shaped random data (batch 1000, 28x28x1), ``--norm bn`` and
 ``sqd2``. Each section runs in fresh subprocesses (XLA flags and the host
 device count are fixed when JAX starts):

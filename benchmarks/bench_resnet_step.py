@@ -1,10 +1,10 @@
 """Where the ResNet20 train step's time goes on XLA:CPU, and what makes it faster.
 
-Times the training suite's real jitted step (``train.train_steps.train_step``
+Times the training suite's real jitted step (``train.loop.train_steps.train_step``
 and the state, optimizer, mesh and shardings training builds) on random
 CIFAR-10-shaped data (``train.cifar``'s defaults: batch 256, 32x32x3, plain
 SGD), ``--norm bn`` and ``sqd2``, each section in fresh subprocesses, whose
-host memory is set up as the CLI's (:mod:`train.host_memory`):
+host memory is set up as the CLI's (:mod:`train.loop.host_memory`):
 
 1. ``convs``: ResNet20's six convolution shapes alone, forward and
    forward+backward, in each exact formulation (:data:`FORMULATIONS`),
@@ -82,9 +82,9 @@ from benchmarks.step_report import print_ratio_line
 from benchmarks.step_setup import random_train_step
 from benchmarks.step_setup import time_variants
 from train import configs
-from train import sharding
-from train import train as trainlib
-from train import train_state
+from train.loop import sharding
+from train.loop import train_state
+from train.loop import trainer as trainlib
 
 DEFAULT_PEER = REPO / "peers" / "torch_resnet20.py"
 DATASET = "cifar10"
@@ -351,7 +351,7 @@ def _per_norm_processes(spec, norms, devices, flag_set) -> dict[str, Any]:
   """``time`` children, one per norm, as one result.
 
   A process of its own per norm, as the CLI trains one: a second compiled
-  step in the same process shares its heap (:mod:`train.host_memory`) and
+  step in the same process shares its heap (:mod:`train.loop.host_memory`) and
   made ``sqd2``'s step about 7 % slower in a scratch A/B.
   """
   merged = {"norms": {}, "flag_set": flag_set, "wall_s": 0.0}

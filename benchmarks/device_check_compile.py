@@ -58,10 +58,10 @@ from train.native import build as native_build
 _HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
 _MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
 _NOT_WRITTEN = re.compile(r"Not writing persistent cache entry for '([^']+)'")
-# What the CLI logs (train/train.py).
+# What the CLI logs (train/loop/trainer.py).
 _COMPILED = re.compile(r"; compiled in (\d+(?:\.\d+)?)s$")
 _EPOCH_ONE = re.compile(r"^epoch 1/\d+: ")
-#: The names JAX gives the CLI's programs (``train.programs``' jitted functions).
+#: The names JAX gives the CLI's programs (``train.loop.programs``' jitted functions).
 CLI_PROGRAMS = tuple(f"jit_{name}" for name in bench_compile.PROGRAMS)
 # Settings of the user's that would bypass or turn off the CLI's own cache.
 _CACHE_ENV = (

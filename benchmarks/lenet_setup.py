@@ -1,6 +1,6 @@
 """The real LeNet train step of ``bench_lenet_step``, and its variants' checks.
 
-:class:`Setup` lays out ``train.train_steps.train_step`` for one norm as
+:class:`Setup` lays out ``train.loop.train_steps.train_step`` for one norm as
 training does (:func:`benchmarks.step_setup.random_train_step`) on
 Fashion-MNIST-shaped random data; a variant of :mod:`benchmarks.lenet_variants`
 swaps ``state.apply_fn``, parameters kept.
@@ -25,10 +25,10 @@ from benchmarks.lenet_variants import make_model
 from benchmarks.step_setup import random_train_step
 from benchmarks.step_setup import rel_diff
 from train import configs
-from train import sharding
-from train import train as trainlib
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import sharding
+from train.loop import train_steps
+from train.loop import trainer as trainlib
 
 
 class Setup:

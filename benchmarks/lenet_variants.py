@@ -16,7 +16,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from train import train_state
+from train.loop import train_state
 from train.model import models
 from train.model.models import im2col
 

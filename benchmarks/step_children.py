@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from train import host_memory
+from train.loop import host_memory
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
@@ -55,7 +55,7 @@ FLAG_SETS: dict[str, tuple[str, dict[str, str]]] = {
     "nproc1": ("", {"PJRT_NPROC": "1"}),  # intra-op thread pool size
     "nproc4": ("", {"PJRT_NPROC": "4"}),
     # glibc's malloc defaults instead of the CLI's heap reuse
-    # (train/host_memory.py): each step's temporaries in fresh pages.
+    # (train/loop/host_memory.py): each step's temporaries in fresh pages.
     "glibc_malloc": ("", {"GBN_HOST_MALLOC": "default"}),
 }
 #: Flag sets that may change results (never picked as "best" automatically).
@@ -158,7 +158,7 @@ def child_main(
 ) -> dict[str, Any]:
   """A child's run (``--child KIND SPEC``): the result, printed as JSON.
 
-  Host memory is set up as the CLI sets it (:mod:`train.host_memory`; the
+  Host memory is set up as the CLI sets it (:mod:`train.loop.host_memory`; the
   ``glibc_malloc`` flag set keeps glibc's defaults instead), so the step is
   timed as training runs it.
   """

@@ -1,7 +1,7 @@
 """The real train step on random data, and timing its variants against it.
 
 Shared by ``bench_lenet_step`` and ``bench_resnet_step``:
-:func:`random_train_step` lays out ``train.train_steps.train_step`` for a
+:func:`random_train_step` lays out ``train.loop.train_steps.train_step`` for a
 config as training does (``create_train_state``/``create_optimizer``, the mesh
 and shardings of ``compile_program``); :func:`time_variants` times a model's
 variants (each a ``state.apply_fn`` with the same parameters) interleaved,
@@ -22,10 +22,10 @@ import numpy as np
 
 from benchmarks.bench_gbn import interleaved_samples
 from train import configs
-from train import sharding
-from train import train_state
-from train import train_steps
 from train.data import datasets
+from train.loop import sharding
+from train.loop import train_state
+from train.loop import train_steps
 
 
 def random_train_step(
@@ -44,7 +44,7 @@ def random_train_step(
   Returns:
     ``(state, images, labels, step)``: the replicated initial state, ``steps``
     batches of uint8 images and int32 labels split over ``mesh``'s data axis,
-    and the step jitted as ``train.programs.compile_program`` builds it (no
+    and the step jitted as ``train.loop.programs.compile_program`` builds it (no
     donation on CPU).
   """
   if steps < 1:

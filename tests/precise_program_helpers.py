@@ -14,10 +14,10 @@ import jax
 import numpy as np
 
 from train import configs
-from train import programs
-from train import sharding
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import programs
+from train.loop import sharding
+from train.loop import train_steps
 
 
 @dataclasses.dataclass

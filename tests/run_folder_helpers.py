@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train import checkpointing
 from train import configs
+from train.loop import checkpointing
 
 from training_helpers import TINY
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from train import report
-from train import train
-from train import train_state
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import train_state
+from train.loop import train_steps
+from train.loop import trainer as train
 from train.model import activations
 
 from training_helpers import TINY

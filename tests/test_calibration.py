@@ -555,10 +555,10 @@ def test_help_says_calibration_is_a_no_op_for_bn_and_sd(capsys):
 
 
 def test_sweep_names_and_old_run_dirs(tmp_path):
-  from train import checkpointing  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import sweep_grid  # pylint: disable=g-import-not-at-top
   from train import sweep_runs  # pylint: disable=g-import-not-at-top
+  from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
 
   runs = sweep_grid.expand(
       ["--norm", "bn,mad", "--calibration", "none,normal", "--epochs", "2"],
@@ -591,8 +591,8 @@ def test_sweep_names_and_old_run_dirs(tmp_path):
 
 def test_training_with_calibration(tmp_path):
   sys.path.insert(0, str(HERE))
-  from train import train  # pylint: disable=g-import-not-at-top
-  from train import train_state  # pylint: disable=g-import-not-at-top
+  from train.loop import train_state  # pylint: disable=g-import-not-at-top
+  from train.loop import trainer as train  # pylint: disable=g-import-not-at-top
 
   from training_helpers import TINY  # pylint: disable=g-import-not-at-top
   from training_helpers import run_quiet  # pylint: disable=g-import-not-at-top

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from train import checkpointing
 from train import configs
 from train import main as train_main
+from train.loop import checkpointing
 
 
 def _run_cli(argv, capsys):

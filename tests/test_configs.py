@@ -11,7 +11,7 @@ import pytest
 from train import cli_flags
 from train import configs
 from train import sweep_grid
-from train import train
+from train.loop import trainer as train
 
 REPO = Path(__file__).resolve().parents[1]
 

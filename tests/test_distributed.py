@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from train import checkpointing
+from train.loop import checkpointing
 
 from process_helpers import run_module
 from process_helpers import start_module

@@ -464,9 +464,9 @@ def _no_tfds(*args, **kwargs):
 def test_training_cli_downloads_only_without_data_dir(
     server, places, monkeypatch, tmp_path, capsys
 ):
-  from train import checkpointing  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
   from train import main as train_main  # pylint: disable=g-import-not-at-top
+  from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
 
   _serve_mnist(server, monkeypatch, n_train=32, n_test=8)
   # tensorflow-datasets reads TFDS_DATA_DIR once, when first imported: a test

@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from train import checkpointing
 from train import configs
 from train import main as train_main
 from train import plot
+from train.loop import checkpointing
 
 from process_helpers import run_module
 from process_helpers import run_python_result

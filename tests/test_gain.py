@@ -15,13 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-from train import capture
-from train import checkpointing
 from train import gain
-from train import train
-from train import train_state
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import capture
+from train.loop import checkpointing
+from train.loop import train_state
+from train.loop import train_steps
+from train.loop import trainer as train
 
 from training_helpers import TINY
 from training_helpers import run_quiet

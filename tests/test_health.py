@@ -1,4 +1,4 @@
-"""Tests of train.health: telling the user that training is dead, and why.
+"""Tests of train.loop.health: telling the user that training is dead, and why.
 
 The decision is checked on synthetic loss sequences against chance level
 written out here (``math.log`` of the class count); one short training run
@@ -21,9 +21,9 @@ import pytest
 import gbn_jax
 from train import cli_flags
 from train import configs
-from train import health
-from train import train
 from train.data import input_pipeline
+from train.loop import health
+from train.loop import trainer as train
 
 import training_helpers
 

@@ -1,4 +1,4 @@
-"""train.host_devices: one XLA host device per core, set before JAX starts."""
+"""train.loop.host_devices: one XLA host device per core, set before JAX starts."""
 
 import os
 
@@ -7,8 +7,8 @@ import pytest
 from train import cifar
 from train import cli_flags
 from train import configs
-from train import host_devices
 from train import mnist
+from train.loop import host_devices
 
 from process_helpers import run_python
 
@@ -24,8 +24,8 @@ def test_choose():
 
 def _devices_seen(env_extra, batch):
   code = (
-      "import sys; from train import host_devices; host_devices.configure();"
-      "import jax; from train import sharding;"
+      "import sys; from train.loop import host_devices; host_devices.configure();"
+      "import jax; from train.loop import sharding;"
       f"print(jax.device_count(), len(sharding.data_parallel_devices({batch})))"
   )
   out = run_python(code, env_extra, drop=["XLA_FLAGS"])
@@ -72,7 +72,7 @@ def test_each_clis_default_model_is_its_configs():
 @pytest.mark.slow
 def test_resnet20_gets_one_device_and_lenet_every_core_before_jax_starts():
   code = (  # what train.cifar does before JAX starts
-      "import sys; from train import host_devices;"
+      "import sys; from train.loop import host_devices;"
       "host_devices.configure(host_devices.model_from_argv(sys.argv[1:],"
       f" {cifar.DEFAULT_MODEL!r})); import jax; print(jax.device_count())"
   )

@@ -1,10 +1,10 @@
-"""train.host_memory: a step's temporaries reused from the heap, not new pages."""
+"""train.loop.host_memory: a step's temporaries reused from the heap, not new pages."""
 
 import json
 
 import pytest
 
-from train import host_memory
+from train.loop import host_memory
 
 from process_helpers import run_python
 
@@ -12,7 +12,7 @@ from process_helpers import run_python
 # faults of each call and the result.
 _CHILD = r"""
 import json, resource
-from train import host_memory
+from train.loop import host_memory
 applied = host_memory.configure()
 import jax, jax.numpy as jnp
 import numpy as np

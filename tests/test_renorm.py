@@ -499,8 +499,8 @@ def test_flax_batchnorm_model_swap():
 def test_training_cli_renorm_trains_and_precise_stats_are_finite(tmp_path):
   import gbn_jax  # pylint: disable=g-import-not-at-top
   from train import configs  # pylint: disable=g-import-not-at-top
-  from train import train  # pylint: disable=g-import-not-at-top
-  from train import train_state  # pylint: disable=g-import-not-at-top
+  from train.loop import train_state  # pylint: disable=g-import-not-at-top
+  from train.loop import trainer as train  # pylint: disable=g-import-not-at-top
 
   from training_helpers import TINY  # pylint: disable=g-import-not-at-top
   from training_helpers import run_quiet  # pylint: disable=g-import-not-at-top

@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from train import capture
 from train import configs
 from train import report
 from train import report_gain
 from train import report_runs
+from train.loop import capture
 
 from process_helpers import run_python
 from run_folder_helpers import write_run

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import device_check_compile
-from train import checkpointing
 from train import plot
 from train import report_runs
 from train import run_files
 from train import sweep_runs
+from train.loop import checkpointing
 
 import process_helpers
 

@@ -18,14 +18,14 @@ import time
 import numpy as np
 import pytest
 
-from train import capture
-from train import checkpointing
 from train import configs
 from train import gain as gain_lib
 from train import report
 from train import sweep
 from train import sweep_grid
 from train import sweep_runs
+from train.loop import capture
+from train.loop import checkpointing
 
 from process_helpers import run_module
 from process_helpers import start_module

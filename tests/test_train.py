@@ -20,17 +20,17 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from train import checkpointing
 from train import compile_cache
 from train import configs
 from train import main as train_main
 from train import plot
-from train import programs
-from train import sharding
-from train import train
-from train import train_state
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import checkpointing
+from train.loop import programs
+from train.loop import sharding
+from train.loop import train_state
+from train.loop import train_steps
+from train.loop import trainer as train
 
 from process_helpers import run_module
 from process_helpers import run_python_result
@@ -807,7 +807,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax
 from training_helpers import TINY, small_dataset, run_quiet
-from train import sharding
+from train.loop import sharding
 ds = small_dataset()
 out = {{"devices": jax.device_count()}}
 for norm in ("sqd1", "wcd"):

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from train import checkpointing
 from train import configs
-from train import train
 from train.data import datasets
 from train.data import input_pipeline
 from train.data import locate as data_locate
+from train.loop import checkpointing
+from train.loop import trainer as train
 
 import data_helpers
 

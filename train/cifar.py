@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 import sys
 
-from train import host_devices
-from train import host_memory
+from train.loop import host_devices
+from train.loop import host_memory
 
 # configs.CIFAR.model (a test checks), known before JAX starts.
 DEFAULT_MODEL = "resnet20"

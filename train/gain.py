@@ -13,7 +13,7 @@ every run), captures every norm layer's input, and per feature takes
 exactly as the layer computes them, over the same axes).
 
 It does this twice: with the parameters the run started from (``init``: the
-run's seed, as ``train.train_steps.init_key`` gives) and with its last
+run's seed, as ``train.loop.train_steps.init_key`` gives) and with its last
 checkpoint (``final``; left out, with a note, when the run directory has none,
 as the committed ``results/`` runs have not). Each run directory gets
 ``gain.json``::
@@ -34,7 +34,7 @@ constants whatever the run's own norm. ``bn`` (flax's BatchNorm) has gain 1
 by definition and is measured as ``sd``.
 
 ``--norm-layers`` writes only ``norm_layers.json`` (each norm layer's ``n``
-and Gaussian gain, see :mod:`train.capture`), which training records since
+and Gaussian gain, see :mod:`train.loop.capture`), which training records since
 it exists, for older runs; it needs no data.
 """
 
@@ -55,12 +55,12 @@ import numpy as np
 
 import gbn_jax
 from gbn_jax import measures as measures_lib
-from train import capture
-from train import checkpointing
-from train import train as train_lib
-from train import train_state
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import capture
+from train.loop import checkpointing
+from train.loop import train_state
+from train.loop import train_steps
+from train.loop import trainer as train_lib
 
 _PROG = "python -m train.gain"
 GAIN_FILE = "gain.json"

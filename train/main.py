@@ -136,7 +136,8 @@ def _remove_unstarted(created: Sequence[str]) -> None:
   """
   if not created or not os.path.isdir(created[0]):
     return
-  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  # Deferred (load time): checkpointing loads JAX and orbax.
+  from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
 
   workdir = created[0]
   checkpoints = os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
@@ -209,9 +210,9 @@ def run(
     return _fail(prog, str(e), distributed)
 
   # Imported here so that `--help` and flag errors stay fast.
-  from train import checkpointing  # pylint: disable=g-import-not-at-top
-  from train import train  # pylint: disable=g-import-not-at-top
   from train.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
+  from train.loop import trainer as train  # pylint: disable=g-import-not-at-top
   from train.model import activations  # pylint: disable=g-import-not-at-top
 
   record = None
@@ -270,7 +271,8 @@ def run(
 
 def _resume_hint(workdir: str) -> str:
   """What rerunning the command will do, given the checkpoints on disk."""
-  from train import checkpointing  # pylint: disable=g-import-not-at-top
+  # Deferred (load time): checkpointing loads JAX and orbax.
+  from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
 
   rows = checkpointing.read_metrics(workdir) if os.path.isdir(workdir) else []
   if not rows:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 import sys
 
-from train import host_devices
-from train import host_memory
+from train.loop import host_devices
+from train.loop import host_memory
 
 # Alike train/cifar.py (the whole module): each dataset's own entry point,
 # whose pre-JAX setup must run in it before its imports.

@@ -18,7 +18,7 @@ found recursively. ``OUT/report.md`` then holds:
 * **Gain**, where a run has ``gain.json`` (``python -m train.gain``) or
   with ``--gain``: per setting and norm, the gain ``sigma/D`` a Gaussian
   feature meets (from ``gbn_jax``'s normal-consistency constants, as
-  training recorded them in ``norm_layers.json``, see :mod:`train.capture`),
+  training recorded them in ``norm_layers.json``, see :mod:`train.loop.capture`),
   the gain measured on real activations, the best
   error; and Spearman's rank correlation of gain with best error across
   the norms of each setting.

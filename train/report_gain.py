@@ -1,7 +1,7 @@
 """The report's gain section: Gaussian and measured gains against error.
 
 The Gaussian gain of each norm layer is what training recorded in
-``norm_layers.json`` (``train.capture``); the measured one is ``gain.json``
+``norm_layers.json`` (``train.loop.capture``); the measured one is ``gain.json``
 (``python -m train.gain``). Both are read, never computed here, so that the
 report needs no jax.
 """
@@ -53,7 +53,7 @@ def measured_gains(runs: Sequence[Run], stage: str) -> list[float]:
 
 
 #: What training records of its norm layers: each one's ``n`` and Gaussian
-#: gain (``train.capture.NORM_LAYERS_FILE``; a test keeps the two equal).
+#: gain (``train.loop.capture.NORM_LAYERS_FILE``; a test keeps the two equal).
 NORM_LAYERS_FILE = "norm_layers.json"
 #: Fields of ``norm_layers.json`` that must match the run's config.
 _RECORDED_FIELDS = ("dataset", "model", "batch_size", "norm", "calibration")
@@ -63,7 +63,7 @@ def gaussian_layer_gains(run: Run) -> dict[str, float] | None:
   """``{norm layer: Gaussian gain}`` as the run recorded it.
 
   The gain ``sigma/D`` a Gaussian feature of each layer's ``n`` values
-  meets (``train.capture.gaussian_gain``), from the run's
+  meets (``train.loop.capture.gaussian_gain``), from the run's
   ``norm_layers.json``. ``None`` (the table shows '–') where the run has no
   readable one, or one of another config: runs trained before training
   wrote it get it from ``python -m train.gain --norm-layers RUN...``.

@@ -1,6 +1,6 @@
 """A run directory's ``metrics.jsonl``, read without JAX.
 
-`train.checkpointing` writes run directories (and re-exports these names);
+`train.loop.checkpointing` writes run directories (and re-exports these names);
 the report, the plots, the sweep and the device checks read them, and the
 report and the plots run where JAX is not installed, so the reader lives
 here, importing nothing but the standard library.

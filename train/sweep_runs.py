@@ -22,9 +22,9 @@ import sys
 import time
 from typing import TextIO
 
-from train import checkpointing
 from train import configs
 from train import run_files
+from train.loop import checkpointing
 from train.sweep_grid import Run
 from train.sweep_progress import Progress
 

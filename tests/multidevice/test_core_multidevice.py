@@ -308,8 +308,8 @@ def test_precise_batch_stats_over_sharded_batches_equal_one_device(measure):
 
 def test_train_precise_evaluation_four_devices_equal_one():
   """The training loop's --precise-stats evaluation on a 4-device Auto mesh."""
-  from train import sharding  # pylint: disable=g-import-not-at-top
-  from train import train  # pylint: disable=g-import-not-at-top
+  from train.loop import sharding  # pylint: disable=g-import-not-at-top
+  from train.loop import trainer as train  # pylint: disable=g-import-not-at-top
 
   from precise_program_helpers import compile_precise_run  # pylint: disable=g-import-not-at-top
   from precise_program_helpers import precise_evaluation  # pylint: disable=g-import-not-at-top

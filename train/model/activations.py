@@ -1,7 +1,7 @@
 """Activation recording (``--record-activations K``, the paper's Figure 1).
 
 :class:`ActivationRecording` says which norm layer, feature and percentiles
-the train step records (:func:`train.train_steps.train_step`, every ``K``
+the train step records (:func:`train.loop.train_steps.train_step`, every ``K``
 steps); the rows go to ``activations.jsonl`` (:data:`ACTIVATIONS_FILE`):
 :func:`append_activations` adds an epoch's, and
 :func:`keep_activations` drops those after the checkpoint a run resumes

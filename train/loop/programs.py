@@ -1,7 +1,7 @@
 """Compiling a run's functions ahead of time, and reusing them in-process.
 
-:func:`compile_program` jits and compiles :mod:`train.train_steps`' functions
-(and :func:`train.train_state.create_train_state`) for a run's config, mesh
+:func:`compile_program` jits and compiles :mod:`train.loop.train_steps`' functions
+(and :func:`train.loop.train_state.create_train_state`) for a run's config, mesh
 and shapes into a :class:`Program`; compiling ahead of time keeps compilation
 out of the epoch times. Programs are cached in the process, keyed on all that
 decides them (:func:`_program_context`), so that runs of the same shapes
@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 from gbn_jax._selection import config as selection_config
 from gbn_jax._selection import native as selection_native
 from train import configs
-from train import sharding
-from train import train_state
-from train import train_steps
+from train.loop import sharding
+from train.loop import train_state
+from train.loop import train_steps
 from train.model import activations
 from train.native import convolution
 
@@ -38,13 +38,13 @@ class Program:
     init: ``init(key) -> TrainState``, replicated.
     prepare: ``prepare(images, labels, key) -> (images, labels)``: one
       epoch's shuffled, augmented batches (see
-      :func:`train.train_steps.prepare_epoch`).
+      :func:`train.loop.train_steps.prepare_epoch`).
     step: ``step(state, images, labels, index) -> (state, metrics)``.
     evaluate: ``evaluate(state, images, labels, mask) -> sums``.
     steps: Batches per epoch.
     precise: With ``--precise-stats``, ``precise(state, epoch_images,
       images, labels, mask) -> sums`` (see
-      :func:`train.train_steps.precise_eval_model`).
+      :func:`train.loop.train_steps.precise_eval_model`).
   """
 
   init: Callable[..., Any]

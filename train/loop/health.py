@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import capture
 from train import configs
-from train import train_state
-from train import train_steps
 from train.data import datasets
 from train.data import input_pipeline
+from train.loop import capture
+from train.loop import train_state
+from train.loop import train_steps
 
 #: Relative distance to ``ln(num_classes)`` that counts as chance level.
 TOLERANCE = 0.01

@@ -53,11 +53,11 @@ checkpoints hold the whole train state plus the metrics history, so a run
 resumed after a kill ends with the same metrics as an uninterrupted one.
 
 This module is the loop (:func:`train_and_evaluate`); its parts live in
-:mod:`train.train_state` (model, optimizer, initial state),
-:mod:`train.train_steps` (the jitted functions and the random keys),
-:mod:`train.sharding` (mesh and data placement), :mod:`train.programs`
+:mod:`train.loop.train_state` (model, optimizer, initial state),
+:mod:`train.loop.train_steps` (the jitted functions and the random keys),
+:mod:`train.loop.sharding` (mesh and data placement), :mod:`train.loop.programs`
 (compiling them, cached in-process), :mod:`train.model.activations` (recording)
-and :mod:`train.step_progress` (the progress bar, which counts the steps
+and :mod:`train.loop.step_progress` (the progress bar, which counts the steps
 that completed).
 """
 
@@ -75,16 +75,16 @@ import jax
 import numpy as np
 import tqdm
 
-from train import capture
-from train import checkpointing
 from train import configs
-from train import health
-from train import programs
-from train import sharding
-from train import step_progress
-from train import train_state
-from train import train_steps
 from train.data import input_pipeline
+from train.loop import capture
+from train.loop import checkpointing
+from train.loop import health
+from train.loop import programs
+from train.loop import sharding
+from train.loop import step_progress
+from train.loop import train_state
+from train.loop import train_steps
 from train.model import activations
 
 
@@ -193,7 +193,7 @@ def train_and_evaluate(
 
   Args:
     config: The run's config (``augment=None`` picks the dataset default).
-    workdir: Run directory (see :mod:`train.checkpointing`).
+    workdir: Run directory (see :mod:`train.loop.checkpointing`).
     dataset: Use this dataset instead of loading ``config.dataset``.
     data_dir: Where ``input_pipeline.load_dataset`` looks for files.
     overwrite: Start over, deleting an existing run in ``workdir``.

@@ -1,7 +1,7 @@
 """A progress bar that follows the train steps that completed.
 
 :class:`StepProgress` counts the steps of the training loop
-(``train.train``) whose loss is ready, rather than those dispatched.
+(``train.loop.trainer``) whose loss is ready, rather than those dispatched.
 """
 
 from __future__ import annotations

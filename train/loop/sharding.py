@@ -6,7 +6,7 @@ replicates the uint8 training set on every device, :func:`place_test` pads
 the test set to whole batches and shards each batch along it. On several
 hosts each process supplies only its own devices' parts. Why the axis is
 ``AxisType.Auto`` and how the GBN statistics stay those of the global batch:
-:mod:`train.train`.
+:mod:`train.loop.trainer`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def data_parallel_devices(batch_size: int) -> list[jax.Device]:
   """All devices, or on one host the most that split the batch evenly.
 
   ``python -m train.*`` splits the CPU into one device per core
-  (:mod:`train.host_devices`); a batch size that some of them do not divide
+  (:mod:`train.loop.host_devices`); a batch size that some of them do not divide
   then runs on fewer rather than failing. Several hosts always use them all.
   """
   devices = jax.devices()

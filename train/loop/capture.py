@@ -1,7 +1,7 @@
 """What a model's norm layers see: their calls, sizes and Gaussian gains.
 
 :func:`capture_calls` is the one ``nn.intercept_methods`` interceptor of the
-training package: ``train.train_steps`` records one layer's activations with
+training package: ``train.loop.train_steps`` records one layer's activations with
 it, ``train.gain`` every norm layer's input and :func:`norm_layer_sizes` the
 shapes. Training writes :data:`NORM_LAYERS_FILE` beside ``metrics.jsonl``::
 
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 import gbn_jax
-from train import checkpointing
 from train import configs
+from train.loop import checkpointing
 from train.model import models
 
 NORM_LAYERS_FILE = "norm_layers.json"

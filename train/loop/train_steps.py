@@ -6,7 +6,7 @@ asked, :mod:`train.model.activations`); :func:`eval_model` sums the test loss an
 errors with the norms' running averages, :func:`precise_eval_model` with
 statistics recomputed over training batches (PreciseBN). Every random number
 is a function of ``(seed, epoch, step)``: :func:`init_key`, :func:`epoch_key`.
-:mod:`train.programs` compiles these functions and :mod:`train.train` runs
+:mod:`train.loop.programs` compiles these functions and :mod:`train.loop.trainer` runs
 them.
 """
 
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import optax
 
 import gbn_jax
-from train import capture
-from train import train_state
 from train.data import input_pipeline
+from train.loop import capture
+from train.loop import train_state
 from train.model import activations
 
 # fold_in tags that keep the random streams apart.

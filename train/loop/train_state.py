@@ -3,7 +3,7 @@
 :func:`create_model` builds the config's model with the config's norm (the one
 norm factory), :func:`create_optimizer` its SGD, :func:`create_train_state`
 the parameters, norm statistics and optimizer state a run starts from (jitted
-by :mod:`train.programs`), and :func:`state_dict` the pytree a checkpoint
+by :mod:`train.loop.programs`), and :func:`state_dict` the pytree a checkpoint
 holds.
 """
 
