@@ -257,6 +257,11 @@ def precise_batch_stats(
   with up to 7 decimals (:func:`_complement`), else to about ``2^-25 / (1 -
   m)`` relative.
 
+  Each batch also runs from ``B``: a statistic that this leaves at ``B`` was
+  kept by its layer (a masked feature with no masked-in element in that
+  batch), and that batch does not count for it; a feature that no batch
+  holds keeps its running value. So every batch costs two calls.
+
   This needs a training-mode output that does not read the running
   statistics (true of BatchNorm and GBN, not of ``renorm=True``). Outside a
   trace, the outputs of the first batch's two calls are compared, and
@@ -368,21 +373,38 @@ def average_batch_statistics(
         run, old, first, outputs_zero, new_zero, calls, names
     )
 
-  def statistics(new):
-    return [n / c for n, c in zip(new, complements)]
+  # A masked layer keeps a feature's statistic where its batch has no
+  # masked-in element: such a batch holds no value of it, and is told by a
+  # second run from ``B``, which an update always moves (momentum < 1).
+  limits = [jnp.full_like(v, _probe(jnp.result_type(v))) for v in old]
 
-  def add(total, batch):
-    return [t + s for t, s in zip(total, statistics(run(zeros, batch)[1]))]
+  def add(totals, counts, new, batch):
+    moved = [n != b for n, b in zip(run(limits, batch)[1], limits)]
+    totals = [
+        t + jnp.where(m, n / c, 0)
+        for t, m, n, c in zip(totals, moved, new, complements)
+    ]
+    counts = [k + m for k, m in zip(counts, moved)]
+    return totals, counts
 
-  total = statistics(new_zero)
+  start = (
+      [jnp.zeros_like(n / c) for n, c in zip(new_zero, complements)],
+      [jnp.zeros(v.shape, jnp.int32) for v in old],
+  )
+  state = add(*start, new_zero, first)
   if stacked:
-    total, _ = jax.lax.scan(lambda t, b: (add(t, b), None), total, rest)
+    state, _ = jax.lax.scan(
+        lambda c, b: (add(*c, run(zeros, b)[1], b), None), state, rest
+    )
   else:
-    count = 1
     for batch in iterator:
-      total = add(total, batch)
-      count += 1
-  return [(t / count).astype(v.dtype) for t, v in zip(total, old)]
+      state = add(*state, run(zeros, batch)[1], batch)
+  totals, counts = state
+  # A feature that no batch holds keeps its running statistic.
+  return [
+      jnp.where(k > 0, t / jnp.maximum(k, 1), v).astype(v.dtype)
+      for t, k, v in zip(totals, counts, old)
+  ]
 
 
 def _probed_complements(
