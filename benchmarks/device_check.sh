@@ -184,7 +184,7 @@ step_env() {
     git status --short 2>/dev/null | head -20
     nvidia-smi -L 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null
     "$PYTHON" -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__); print(jax.devices())"
-    "$PYTHON" -c "import gbn_jax, train.sweep; print('gbn_jax and train import')"
+    "$PYTHON" -c "import gbn_jax, train.sweep.cli; print('gbn_jax and train import')"
     "$PYTHON" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tail -1
   } 2>&1 | tee "$WORK/env.txt" | tee -a "$LOG"
   # The data for table2, converted while the other steps run (CPU only).

@@ -57,12 +57,12 @@ from IPython.display import Image, Markdown, display
 
 
 def find_root(start: Path) -> Path:
-  """The repository: the first folder up from ``start`` with train/report.py."""
+  """The repository: the first folder up from ``start`` with train/report/cli.py."""
   for folder in [start, *start.parents]:
-    if (folder / "train" / "report.py").is_file():
+    if (folder / "train" / "report" / "cli.py").is_file():
       return folder
   raise FileNotFoundError(
-      f"no gbn-jax checkout (train/report.py) at or above {start}; open this"
+      f"no gbn-jax checkout (train/report/cli.py) at or above {start}; open this"
       " notebook from the repository's notebooks/ folder")
 
 
@@ -70,7 +70,8 @@ ROOT = find_root(Path.cwd().resolve())
 if str(ROOT) not in sys.path:  # this checkout's train package, not another
   sys.path.insert(0, str(ROOT))
 
-from train import plot, report  # noqa: E402  (needs ROOT on sys.path)
+from train.report import cli as report  # noqa: E402  (needs ROOT on sys.path)
+from train.report import plot  # noqa: E402
 
 RESULTS = Path(os.environ.get("GBN_RESULTS_DIR") or ROOT / "results").resolve()
 SWEEPS = RESULTS / "sweeps"

@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from train import report
 from train.data import input_pipeline
 from train.loop import train_state
 from train.loop import train_steps
 from train.loop import trainer as train
 from train.model import activations
+from train.report import cli as report
 
 from training_helpers import TINY
 from training_helpers import exact

@@ -556,9 +556,9 @@ def test_help_says_calibration_is_a_no_op_for_bn_and_sd(capsys):
 
 def test_sweep_names_and_old_run_dirs(tmp_path):
   from train import configs  # pylint: disable=g-import-not-at-top
-  from train import sweep_grid  # pylint: disable=g-import-not-at-top
-  from train import sweep_runs  # pylint: disable=g-import-not-at-top
   from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
+  from train.sweep import grid as sweep_grid  # pylint: disable=g-import-not-at-top
+  from train.sweep import runs as sweep_runs  # pylint: disable=g-import-not-at-top
 
   runs = sweep_grid.expand(
       ["--norm", "bn,mad", "--calibration", "none,normal", "--epochs", "2"],

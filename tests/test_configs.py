@@ -10,8 +10,8 @@ import pytest
 
 from train import cli_flags
 from train import configs
-from train import sweep_grid
 from train.loop import trainer as train
+from train.sweep import grid as sweep_grid
 
 REPO = Path(__file__).resolve().parents[1]
 

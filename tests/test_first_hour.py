@@ -10,8 +10,8 @@ import pytest
 
 from train import configs
 from train import main as train_main
-from train import plot
 from train.loop import checkpointing
+from train.report import plot
 
 from process_helpers import run_module
 from process_helpers import run_python_result

@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from train import configs
-from train import plot
-from train import sweep_grid
+from train.report import plot
+from train.sweep import grid as sweep_grid
 
 from run_folder_helpers import saved_figure_calls
 from run_folder_helpers import saved_width_fraction

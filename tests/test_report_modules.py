@@ -13,20 +13,22 @@ import json
 import pytest
 
 from train import configs
-from train import report
-from train import report_gain
-from train import report_runs
 from train.loop import capture
+from train.report import cli as report
+from train.report import gain as report_gain
+from train.report import runs as report_runs
 
 from process_helpers import run_python
 from run_folder_helpers import write_run
 
 REPORT_MODULES = (
-    "train.report",
-    "train.report_runs",
-    "train.report_tables",
-    "train.report_gain",
-    "train.report_figures",
+    "train.report.cli",
+    "train.report.runs",
+    "train.report.tables",
+    "train.report.gain",
+    "train.report.figures",
+    "train.report.plot",
+    "train.report.labels",
 )
 # What the report must not load: the training stack.
 FORBIDDEN = (
@@ -43,7 +45,7 @@ import json, sys
 from pathlib import Path
 for name in json.loads(sys.argv[1]):
   __import__(name)
-from train import report
+from train.report import cli as report
 run, out = Path(sys.argv[2]), Path(sys.argv[3])
 assert report.main([str(run), "--out", str(out), "--gain"]) == 0
 print(json.dumps(sorted(sys.modules)))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from train import report
+from train.report import cli as report
 
 from run_folder_helpers import write_run
 

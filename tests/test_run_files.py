@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import device_check_compile
-from train import plot
-from train import report_runs
 from train import run_files
-from train import sweep_runs
 from train.loop import checkpointing
+from train.report import plot
+from train.report import runs as report_runs
+from train.sweep import runs as sweep_runs
 
 import process_helpers
 
@@ -82,7 +82,7 @@ def test_written_history_reads_back(tmp_path):
 
 def test_readers_of_reports_and_plots_import_no_jax():
   loaded = process_helpers.run_python(
-      "import sys; import train.run_files, train.report, train.plot; "
+      "import sys; import train.run_files, train.report.cli, train.plot; "
       "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
   )
   assert loaded.strip() == "[]", loaded

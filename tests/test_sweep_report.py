@@ -20,12 +20,12 @@ import pytest
 
 from train import configs
 from train import gain as gain_lib
-from train import report
-from train import sweep
-from train import sweep_grid
-from train import sweep_runs
 from train.loop import capture
 from train.loop import checkpointing
+from train.report import cli as report
+from train.sweep import cli as sweep
+from train.sweep import grid as sweep_grid
+from train.sweep import runs as sweep_runs
 
 from process_helpers import run_module
 from process_helpers import start_module
@@ -868,7 +868,7 @@ def test_report_without_gain_or_calibrated_runs(fake_sweep, tmp_path):
 def test_plot_one_colour_per_norm_and_dataset_in_title(tmp_path, monkeypatch):
   from matplotlib import colors  # pylint: disable=g-import-not-at-top
 
-  from train import plot  # pylint: disable=g-import-not-at-top
+  from train.report import plot  # pylint: disable=g-import-not-at-top
 
   runs = [
       write_run(

@@ -23,7 +23,6 @@ import gbn_jax
 from train import compile_cache
 from train import configs
 from train import main as train_main
-from train import plot
 from train.data import input_pipeline
 from train.loop import checkpointing
 from train.loop import programs
@@ -31,6 +30,7 @@ from train.loop import sharding
 from train.loop import train_state
 from train.loop import train_steps
 from train.loop import trainer as train
+from train.report import plot
 
 from process_helpers import run_module
 from process_helpers import run_python_result

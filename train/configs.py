@@ -104,7 +104,7 @@ class FieldSpec:
 
   The CLI's flags (``train.cli_flags.build_parser``), the config they give
   (``train.cli_flags.config_from_args``), :func:`validate`, the sweep's run
-  names (``train.sweep_grid.run_name``) and the loading of older
+  names (``train.sweep.grid.run_name``) and the loading of older
   ``config.json`` files all follow from these, so a new field is one
   declaration in :class:`Config`.
 
@@ -118,7 +118,7 @@ class FieldSpec:
     choices: The flag's allowed values, for argparse.
     run_name: Its prefix in sweep run names; ``None``: never in a name.
       Named fields appear where their value differs from the sweep's
-      defaults, in field order, except where ``train.sweep_grid.run_name``
+      defaults, in field order, except where ``train.sweep.grid.run_name``
       says.
     added: Newer than the first ``config.json`` files: an older file lacks
       it and means its default.

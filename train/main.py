@@ -26,7 +26,7 @@ import time
 from train import cli_flags
 from train import compile_cache
 from train import configs
-from train import sweep_grid
+from train.sweep import grid as sweep_grid
 
 _EXIT_ERROR = 1
 _EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
@@ -43,7 +43,7 @@ def default_workdir(
 ) -> str:
   """The run folder of ``config`` when no ``--workdir`` is given.
 
-  ``workdir/`` and the config's name (``train.sweep_grid.run_name``):
+  ``workdir/`` and the config's name (``train.sweep.grid.run_name``):
   dataset, model, norm, each setting that differs from ``defaults``, then
   the seed, so that a changed setting gets a folder of its own rather than
   a refusal to resume the run in the other one; ``epochs`` never appears
@@ -54,7 +54,7 @@ def default_workdir(
   Args:
     config: The run's config.
     defaults: The config the command starts from (default: the one its
-      dataset implies, ``train.sweep_grid.dataset_defaults``).
+      dataset implies, ``train.sweep.grid.dataset_defaults``).
   """
   if defaults is None:
     defaults = sweep_grid.dataset_defaults(config.dataset)
@@ -209,7 +209,7 @@ def run(
   except ValueError as e:
     return _fail(prog, str(e), distributed)
 
-  # Imported here so that `--help` and flag errors stay fast.
+  # Imported here for load time: `--help` and flag errors stay fast.
   from train.data import input_pipeline  # pylint: disable=g-import-not-at-top
   from train.loop import checkpointing  # pylint: disable=g-import-not-at-top
   from train.loop import trainer as train  # pylint: disable=g-import-not-at-top

@@ -10,16 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from train.report_runs import Cell
-from train.report_runs import Run
-from train.report_runs import first_config
-from train.report_runs import group_runs
-from train.report_runs import mean_std
-from train.report_runs import norm_order
-from train.report_runs import pm
-from train.report_runs import row_extra
-from train.report_runs import setting_key
-from train.report_runs import setting_label
+from train.report.runs import Cell
+from train.report.runs import Run
+from train.report.runs import first_config
+from train.report.runs import group_runs
+from train.report.runs import mean_std
+from train.report.runs import norm_order
+from train.report.runs import pm
+from train.report.runs import row_extra
+from train.report.runs import setting_key
+from train.report.runs import setting_label
 
 #: The paper's Table 2 (original CIFAR-10, LeNet, batch 1024, lr 0.1,
 #: 200 epochs; best test error %, mean ± std over runs). Its SD is BatchNorm.

@@ -25,8 +25,8 @@ from typing import TextIO
 from train import configs
 from train import run_files
 from train.loop import checkpointing
-from train.sweep_grid import Run
-from train.sweep_progress import Progress
+from train.sweep.grid import Run
+from train.sweep.progress import Progress
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG_FILE = "sweep.log"

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from train import plot_labels
 from train import run_files
+from train.report import labels as plot_labels
 
 PROG = "python -m train.report"
 #: Fields that tell settings (table rows) apart, always shown.

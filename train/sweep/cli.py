@@ -14,7 +14,7 @@ is an error that asks for ``--defaults``.
 
 Each run is a ``python -m train.cifar`` (or ``train.mnist`` with
 ``--defaults mnist``) subprocess in its own run directory under
-``--sweep-dir``, named after its config (:func:`train.sweep_grid.run_name`): ``config.json``,
+``--sweep-dir``, named after its config (:func:`train.sweep.grid.run_name`): ``config.json``,
 ``metrics.jsonl`` and ``checkpoints/`` as the CLI writes them, plus
 ``sweep.log`` (the run's output) and, after a failure, ``sweep_status.json``.
 
@@ -47,8 +47,8 @@ import subprocess
 import sys
 
 from train import cli_flags
-from train import sweep_grid
-from train import sweep_runs
+from train.sweep import grid as sweep_grid
+from train.sweep import runs as sweep_runs
 
 _PROG = "python -m train.sweep"
 
@@ -196,7 +196,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:
     return 130
   return 1 if failed else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

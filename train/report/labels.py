@@ -5,7 +5,7 @@ A run's config as read from its ``config.json`` becomes a setting
 whose values differ between the runs (`varying_fields`) label them, spelled
 as the run folders' names spell them (`setting_text`, `run_labels`), and
 runs alike in every setting by their folders (`run_dir_names`). Shared by
-:mod:`train.plot` and the report (:mod:`train.report_runs`), and free of jax
+:mod:`train.report.plot` and the report (:mod:`train.report.runs`), and free of jax
 as they are.
 """
 
@@ -43,7 +43,7 @@ ADDED_FIELD_DEFAULTS = {
     "calibration": "none",
     "norm_bias": 0.0,
 }
-#: A field's prefix in the run names of ``train.sweep_grid.run_name``
+#: A field's prefix in the run names of ``train.sweep.grid.run_name``
 #: (``train.configs.FIELDS``' ``run_name``; a test keeps the two equal), so
 #: that a label reads as the part of a run folder's name that tells the run
 #: apart. Spelled out here for the same reason.

@@ -42,9 +42,9 @@ unfinished or failed run is listed as such in its cell and in the run list,
 never dropped silently.
 
 This module is the command line; the work is done, with numpy and
-matplotlib only, by :mod:`train.report_runs` (finding and reading runs),
-:mod:`train.report_tables`, :mod:`train.report_gain` and
-:mod:`train.report_figures`, whose public names are also this module's.
+matplotlib only, by :mod:`train.report.runs` (finding and reading runs),
+:mod:`train.report.tables`, :mod:`train.report.gain` and
+:mod:`train.report.figures`, whose public names are also this module's.
 """
 
 from __future__ import annotations
@@ -56,43 +56,43 @@ import sys
 
 # The public names of the report modules are this module's too (the
 # notebooks and older scripts use ``report.find_runs`` etc.).
-from train.report_figures import activations_figure
-from train.report_figures import curves_figure
-from train.report_figures import read_activations
-from train.report_figures import slug
-from train.report_gain import GAIN_FILE
-from train.report_gain import GAIN_STAGES
-from train.report_gain import NORM_LAYERS_FILE
-from train.report_gain import gain_tables
-from train.report_gain import gaussian_layer_gains
-from train.report_gain import measured_gains
-from train.report_gain import rank_correlation
-from train.report_gain import read_gain
-from train.report_runs import ACTIVATIONS_FILE
-from train.report_runs import ADDED_FIELD_DEFAULTS
-from train.report_runs import NORM_ORDER
-from train.report_runs import PROG
-from train.report_runs import ROW_FIELDS
-from train.report_runs import Cell
-from train.report_runs import Run
-from train.report_runs import distinct_runs
-from train.report_runs import find_runs
-from train.report_runs import first_config
-from train.report_runs import group_runs
-from train.report_runs import mean_std
-from train.report_runs import norm_order
-from train.report_runs import row_extra
-from train.report_runs import run_list
-from train.report_runs import run_names
-from train.report_runs import setting_label
-from train.report_tables import PAPER_TABLE2_CIFAR10_LENET
-from train.report_tables import Reach
-from train.report_tables import best_lr_table
-from train.report_tables import calibration_table
-from train.report_tables import convergence_table
-from train.report_tables import epoch_seconds
-from train.report_tables import error_table
-from train.report_tables import precise_table
+from train.report.figures import activations_figure
+from train.report.figures import curves_figure
+from train.report.figures import read_activations
+from train.report.figures import slug
+from train.report.gain import GAIN_FILE
+from train.report.gain import GAIN_STAGES
+from train.report.gain import NORM_LAYERS_FILE
+from train.report.gain import gain_tables
+from train.report.gain import gaussian_layer_gains
+from train.report.gain import measured_gains
+from train.report.gain import rank_correlation
+from train.report.gain import read_gain
+from train.report.runs import ACTIVATIONS_FILE
+from train.report.runs import ADDED_FIELD_DEFAULTS
+from train.report.runs import NORM_ORDER
+from train.report.runs import PROG
+from train.report.runs import ROW_FIELDS
+from train.report.runs import Cell
+from train.report.runs import Run
+from train.report.runs import distinct_runs
+from train.report.runs import find_runs
+from train.report.runs import first_config
+from train.report.runs import group_runs
+from train.report.runs import mean_std
+from train.report.runs import norm_order
+from train.report.runs import row_extra
+from train.report.runs import run_list
+from train.report.runs import run_names
+from train.report.runs import setting_label
+from train.report.tables import PAPER_TABLE2_CIFAR10_LENET
+from train.report.tables import Reach
+from train.report.tables import best_lr_table
+from train.report.tables import calibration_table
+from train.report.tables import convergence_table
+from train.report.tables import epoch_seconds
+from train.report.tables import error_table
+from train.report.tables import precise_table
 
 __all__ = [
     "ACTIVATIONS_FILE",
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog=PROG,
       description=__doc__.split("\n\n")[0].split(": ", 1)[1]
-      + " Writes OUT/report.md plus PNGs; see train/report.py.",
+      + " Writes OUT/report.md plus PNGs; see train/report/cli.py.",
   )
   parser.add_argument(
       "dirs",
@@ -412,7 +412,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   print(path)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from train import plot
-from train.report_runs import ACTIVATIONS_FILE
-from train.report_runs import NORM_ORDER
-from train.report_runs import Run
-from train.report_runs import norm_order
+from train.report import plot
+from train.report.runs import ACTIVATIONS_FILE
+from train.report.runs import NORM_ORDER
+from train.report.runs import Run
+from train.report.runs import norm_order
 
 
 def slug(text: str) -> str:

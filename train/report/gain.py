@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from train.report_runs import Cell
-from train.report_runs import Run
-from train.report_runs import first_config
-from train.report_runs import mean_std
-from train.report_runs import norm_order
-from train.report_runs import pm
-from train.report_runs import row_extra
-from train.report_runs import setting_label
-from train.report_runs import warn
+from train.report.runs import Cell
+from train.report.runs import Run
+from train.report.runs import first_config
+from train.report.runs import mean_std
+from train.report.runs import norm_order
+from train.report.runs import pm
+from train.report.runs import row_extra
+from train.report.runs import setting_label
+from train.report.runs import warn
 
 GAIN_FILE = "gain.json"
 #: Stages of ``gain.json`` (``python -m train.gain``), in table order.

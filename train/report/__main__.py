@@ -1,0 +1,7 @@
+"""``python -m train.report``: see :mod:`train.report.cli`."""
+
+import sys
+
+from train.report import cli
+
+sys.exit(cli.main())
