@@ -13,7 +13,7 @@ first and flattened, masked-out elements replaced by ``+inf``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import math
 from typing import Any
 
@@ -148,9 +148,35 @@ def check_input(x: Any) -> Array:
   return x
 
 
-def check_element_count(n: int) -> None:
-  """Raises ``ValueError`` unless ``n`` elements fit one selection (int32 ranks)."""
-  if n > MAX_ELEMENTS:
+def is_symbolic(n: Any) -> bool:
+  """Whether the size ``n`` is symbolic (``jax.export.symbolic_shape``), not an int."""
+  return jax.export.is_symbolic_dim(n)
+
+
+def surely(predicate: Callable[[], Any]) -> bool:
+  """Whether ``predicate()``, a comparison of shapes, holds for every size.
+
+  With concrete shapes it is the comparison itself. A symbolic dimension
+  (``jax.export.symbolic_shape``) decides it only where its constraints do;
+  elsewhere it is ``False``: the caller takes the path that is valid for
+  any size.
+
+  >>> surely(lambda: 3 < 4), surely(lambda: 5 < 4)
+  (True, False)
+  """
+  try:
+    return bool(predicate())
+  except jax.errors.InconclusiveDimensionOperation:
+    return False
+
+
+def check_element_count(n: Any) -> None:
+  """Raises ``ValueError`` unless ``n`` elements fit one selection (int32 ranks).
+
+  A symbolic ``n`` that its constraints do not bound is not checked: the
+  caller promises a size that fits (see ``docs/export.md``).
+  """
+  if surely(lambda: n > MAX_ELEMENTS):
     raise ValueError(
         f"kth_smallest reduces over at most 2**31 - 1 = {MAX_ELEMENTS} elements per"
         f" position (ranks and counts are int32), got {n}; reduce over fewer axes or"

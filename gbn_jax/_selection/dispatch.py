@@ -13,6 +13,7 @@ scopes the choice.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 from jax import lax
@@ -65,6 +66,9 @@ _BACKENDS = {
 #: compiled on GPUs, run in Pallas's interpret mode (exact, but the slowest
 #: method) on CPUs and TPUs; a lowering for the CPU and a GPU at once fails (JAX
 #: lowers a compiled kernel's every per-platform branch for the CPU too).
+#: Where the row count is symbolic (``jax.export``), ``"adaptive"`` runs as
+#: ``"bisect"`` and ``"bracket"`` and ``"pallas"`` as ``"accelerator"``: they
+#: size a sample or a buffer from it.
 METHODS = ("native",) + loop.METHODS + ("sort",) + tuple(_BACKENDS)
 
 _ADAPTIVE_MIN_ROWS = (
@@ -78,14 +82,35 @@ _ADAPTIVE_MIN_ROWS = (
 _ACCELERATOR_LARGE_METHOD = "bracket"
 
 
-def default_method(n_rows: int) -> str:
+# Methods that size a sample or a buffer from the row count, and what runs
+# for them when it is symbolic (``jax.export``): the same answers, by passes
+# whose shapes follow the rows for any count.
+_FOR_SYMBOLIC_ROWS = {
+    "adaptive": "bisect",
+    "bracket": "accelerator",
+    "pallas": "accelerator",
+}
+
+
+def sized_method(method: str, n_rows: Any) -> str:
+  """``method``, or what runs for it where the row count ``n_rows`` is symbolic."""
+  if common.is_symbolic(n_rows):
+    return _FOR_SYMBOLIC_ROWS.get(method, method)
+  return method
+
+
+def default_method(n_rows: Any) -> str:
   """The method for ``n_rows`` reduced rows (over all devices).
 
   For the platform being traced for (``common.per_platform``; outside one,
-  the default backend).
+  the default backend). A symbolic ``n_rows`` (``jax.export``) may be large:
+  off the native kernel it gets the fixed passes valid for any size, the
+  radix select on accelerators and bisection on a CPU.
   """
   if native.applies(None):
     return "native"
+  if common.is_symbolic(n_rows):
+    return "bisect" if common.on_cpu() else "accelerator"
   large = n_rows >= _ADAPTIVE_MIN_ROWS
   if not common.on_cpu():
     # Measured on an H200 (benchmarks/device_check.sh): each pass of a loop
@@ -118,12 +143,15 @@ def fused_sums_backend(
   if jnp.result_type(x) not in (F32, jnp.bfloat16, jnp.float16):
     return None
   method = config.current().method
+  rows = math.prod(x.shape[a] for a in axes)
+  rows *= common.axis_size(axis_name, axis_index_groups)
   if method is None:
-    rows = math.prod(x.shape[a] for a in axes)
-    method = default_method(
-        rows * common.axis_size(axis_name, axis_index_groups)
-    )
-  return method if method in ("accelerator", "pallas") else None
+    method = default_method(rows)
+  # A method replaced for a symbolic row count keeps its sums as they were:
+  # fused for "pallas", apart for "bracket".
+  if method in ("accelerator", "pallas"):
+    return sized_method(method, rows)
+  return None
 
 
 def check_forced_native(axis_name: str | None) -> None:
@@ -170,7 +198,8 @@ def kth_smallest(
     x: float32 array without NaN (``+-inf`` allowed). Other float dtypes use
       the sort-based reference. At most ``common.MAX_ELEMENTS`` (2**31 - 1)
       reduced elements per position, over all devices (``ValueError``
-      otherwise, when tracing).
+      otherwise, when tracing; a symbolic count only where its constraints
+      decide it).
     k: Python int or int32 array broadcastable to the reduced shape (may differ
       per position and be traced); must satisfy ``1 <= k <= n``, the number of
       masked-in elements. Positions violating it get NaN.
@@ -249,6 +278,7 @@ def _select(x, k, axes, where, axis_name, groups, method, return_ties):
     method = default_method(n_total)
     if method == "native" and not native.applies(axis_name):
       method = "adaptive"  # the kernel cannot pool devices
+  method = sized_method(method, n_total)
   if method in _BACKENDS:
     result = _BACKENDS[method](
         x,

@@ -24,8 +24,10 @@ from gbn_jax._selection.common import INT_MAX
 from gbn_jax._selection.common import INT_MIN
 from gbn_jax._selection.common import Comm
 from gbn_jax._selection.common import float_to_key
+from gbn_jax._selection.common import is_symbolic
 from gbn_jax._selection.common import key_to_float
 from gbn_jax._selection.common import replicate_explicit
+from gbn_jax._selection.common import surely
 
 Array = jax.Array
 
@@ -35,8 +37,12 @@ Array = jax.Array
 
 
 def chunk_rows(n_rows: int, n_cols: int, elements: int | None) -> int:
-  """Rows per block holding about ``elements`` elements (all rows: None)."""
-  if elements is None:
+  """Rows per block holding about ``elements`` elements (all rows: None).
+
+  All rows too for a symbolic ``n_rows`` (``jax.export``), which a static
+  block length need not divide, nor fit in.
+  """
+  if elements is None or is_symbolic(n_rows):
     return n_rows
   return max(1, min(n_rows, elements // max(n_cols, 1)))
 
@@ -78,7 +84,7 @@ def count_pass(rows: Array, thresholds: Array, chunk: int, comm: Comm) -> Array:
   def count(compare):
     def block(b):
       hit = compare(b[:, None, :])
-      if b.shape[0] < (1 << 24):
+      if surely(lambda: b.shape[0] < (1 << 24)):
         # A float sum of 0/1 is exact below 2**24 and is the fast path on CPU.
         return jnp.sum(jnp.where(hit, 1.0, 0.0), axis=0, dtype=F32).astype(I32)
       return jnp.sum(hit, axis=0, dtype=I32)

@@ -15,6 +15,7 @@ from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import axis_size
 from gbn_jax._selection.common import global_sum
 from gbn_jax._selection.common import reduction_axes
+from gbn_jax._selection.common import surely
 
 Array = jax.Array
 Axis = int | Sequence[int] | None
@@ -55,15 +56,17 @@ def quantile_rank(alpha: float, n: int | Array) -> int | Array:
   """The 1-based rank ``k = ceil(alpha * n)`` of ``q_alpha`` among ``n`` values.
 
   ``alpha * n`` is computed exactly for the decimal value of ``alpha``. ``n``
-  may be a Python int (the result is an int) or an integer array (masked
-  batches; the result is an int32 array, exact when alpha's reduced decimal
-  fraction ``p/q`` has ``p*q < 2**31``, e.g. any alpha with four decimals, and
-  rounded in float32 otherwise). The rank is clipped to ``[1, n]`` (to 1 when
-  ``n == 0``).
+  may be a Python int (the result is an int), an integer array (masked
+  batches) or a symbolic size (``jax.export``); for the latter two the rank
+  is computed in the program, an int32 array, exact when alpha's reduced
+  decimal fraction ``p/q`` has ``p*q < 2**31``, e.g. any alpha with four
+  decimals, and rounded in float32 otherwise. The rank is clipped to
+  ``[1, n]`` (to 1 when ``n == 0``).
 
   Args:
     alpha: the quantile level, strictly between 0 and 1.
-    n: the number of values: a Python int, or an integer array of counts.
+    n: the number of values: a Python int, an integer array of counts or a
+      symbolic dimension.
 
   Returns:
     ``ceil(alpha * n)`` clipped to ``[1, max(n, 1)]``: an int for an int
@@ -90,10 +93,11 @@ def quantile_rank(alpha: float, n: int | Array) -> int | Array:
 def count_true(flags: Array, axes: tuple[int, ...]) -> Array:
   """Number of true flags over ``axes``.
 
-  Summed in float32 while that is exact (fewer than 2**24 elements): XLA:CPU
-  vectorizes float reductions but runs int32 ones through a slow generic loop.
+  Summed in float32 while that is exact (fewer than 2**24 elements, for any
+  size a symbolic shape may take), else in int32: XLA:CPU vectorizes float
+  reductions but runs int32 ones through a slow generic loop.
   """
-  if math.prod(flags.shape[a] for a in axes) < 2**24:
+  if surely(lambda: math.prod(flags.shape[a] for a in axes) < 2**24):
     return jnp.sum(flags, axes, dtype=jnp.float32)
   return jnp.sum(flags, axes, dtype=jnp.int32)
 
@@ -136,7 +140,7 @@ def has_nan(x, axes, where, axis_name, groups) -> Array:
   nan = jnp.isnan(x)
   if where is not None:
     nan = nan & where
-  if math.prod(x.shape[a] for a in axes) >= 2**24:
+  if not surely(lambda: math.prod(x.shape[a] for a in axes) < 2**24):
     # count_true would sum int32 here, which XLA:CPU does over a materialized
     # int32 copy of the flags (as large as a float32 input); any() reduces
     # bytes.
