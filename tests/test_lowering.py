@@ -22,7 +22,7 @@ import pytest
 import gbn_jax
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
-from train import models
+from train.model import models
 
 from process_helpers import run_python
 import reference as ref
@@ -178,7 +178,7 @@ def test_cpu_export_runs_in_a_fresh_process(tmp_path):
 
 def test_disabled_checks_name_every_compiled_target():
   # The library's kernel only: the training suite's convolutions list their
-  # own (train.convolution.export_disabled_checks).
+  # own (train.native.convolution.export_disabled_checks).
   checks = gbn_jax.export_disabled_checks()
   assert len(checks) == len(native.TARGETS) == 2
   for target, check in zip(native.TARGETS, checks):
@@ -230,7 +230,7 @@ def test_forced_native_runs_on_the_cpu_and_the_default_elsewhere():
 _BROKEN = textwrap.dedent("""
     import json, pathlib, sys, warnings
     from gbn_jax._selection import native
-    from train import convolution, native_build
+    from train.native import build as native_build, convolution
     native.library_path = lambda: sys.argv[1]
     native_build.conv_library = lambda: pathlib.Path(sys.argv[1])
     with warnings.catch_warnings(record=True) as caught:
