@@ -21,14 +21,14 @@ import gbn_jax
 from gbn_jax import GBatchNorm
 from gbn_jax import precise_batch_stats
 import gbn_jax.nnx as gnnx
-from train import checkpointing
 from train import configs
-from train import input_pipeline
 from train import main as train_main
-from train import sharding
-from train import train
-from train import train_state
-from train import train_steps
+from train.data import input_pipeline
+from train.loop import checkpointing
+from train.loop import sharding
+from train.loop import train_state
+from train.loop import train_steps
+from train.loop import trainer as train
 
 from measure_helpers import COMPLETE_MEASURES
 from precise_program_helpers import compile_precise_run

@@ -25,8 +25,8 @@ namespace ffi = xla::ffi;
 
 namespace gbn_jax {
 
-// Alike train/csrc/parallel_for.h: its copy, as train/ builds from train/csrc
-// alone (its header says so); a fix to one goes to the other.
+// Alike train/native/csrc/parallel_for.h: its copy, as train/ builds from
+// train/native/csrc alone (its header says so); a fix to one goes to the other.
 // Runs fn(i) for i in [0, n_items) on the caller and the pool's threads.
 // Items are claimed from a shared counter and the caller waits only for items
 // already started, so it cannot deadlock on a busy pool (nor when fn itself
