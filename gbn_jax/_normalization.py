@@ -291,41 +291,39 @@ def normalize_batch(
     correct: Correct | None = None,
     correction_operands: Any = (),
 ) -> tuple[Array, Array, Array]:
-  """Normalizes with the batch's own statistics: ``(y, S, D^2)``.
+  """Normalizes ``x`` with the batch's own statistics.
 
-  :func:`batch_statistics`, then :func:`normalize`. ``correct(S, D^2,
-  correction_operands) -> (r, d)``, if given, is the batch renormalization
-  correction passed to :func:`normalize`. It is a static argument of the
-  nested jit below: it must hash and compare by value (a frozen dataclass
-  of its settings, not a closure, which would hash by identity and trace
-  every layer anew), and whatever arrays it reads are in
-  ``correction_operands``, a pytree the nested jit traces.
+  :func:`batch_statistics`, then :func:`normalize`, as one nested ``jax.jit``
+  per layer configuration under a staging trace, else inline.
 
-  Plain GBN on one device (or under SPMD ``jit``) has its derivative
-  written out (:func:`_fused_normalize`, a JVP that JAX transposes), so that
-  its backward pass costs what BatchNorm's does plus the measure's own
-  vector-Jacobian product, and forward mode works as well. With
-  ``axis_name``, complex input or a correction it is left to autodiff, whose
-  collectives JAX transposes for pmap and shard_map alike.
+  Args:
+    measure: the bound measure giving ``(S, D)``.
+    x: the activations.
+    scale: the learned scale, or None.
+    bias: the learned bias, or None.
+    mask: a boolean mask of ``x``'s shape (the elements that count), or None.
+    reduction: the axes and device pooling to reduce over.
+    correct: the batch renormalization correction, ``correct(S, D^2,
+      correction_operands) -> (r, d)``, or None. It must hash and compare by
+      value (a frozen dataclass of its settings, not a closure).
+    correction_operands: a pytree of the arrays ``correct`` reads.
 
-  Under a staging trace (``jit``, ``make_jaxpr``, ``scan``, ``remat``,
-  ``jax.export``) the layer, with or without a correction, is a nested
-  ``jax.jit``, traced once per measure, reduction, correction settings,
-  shapes, dtypes and JAX trace context and then bound as one call by every
-  layer that shares them: a quantile measure traces a branch per kind of
-  platform, over a thousand equations a layer otherwise. A correction's
-  operands that are not all JAX arrays, or settings that do not hash,
-  leave the layer inline. The whole layer nests, not its statistics alone:
-  reverse mode sums the cotangents of a nested call's uses of ``x`` before
-  adding those from outside it, so statistics nested apart from
-  :func:`normalize` would round the gradients unlike the inline program
-  (measured: sd, mad, rsd and rbd, by an ulp). Eagerly (and under eager
-  ``vmap``, ``grad`` or ``jvp``) the layer runs op by op as before: a
-  nested jit would compile it as one program, whose fusions need not round
-  like flax's separate operations. Nesting assumes, as ``jax.jit`` does,
-  that a measure function traces the same for the same arguments and trace
-  context.
+  Returns:
+    ``(y, S, D^2)``: the normalized output and the batch's statistic and
+    squared deviation.
   """
+  # Under a staging trace (jit, make_jaxpr, scan, remat, jax.export) the
+  # whole layer is one nested jit, traced once per measure, reduction,
+  # correction settings, shapes, dtypes and trace context and bound by every
+  # layer sharing them: a quantile measure traces a branch per kind of
+  # platform, a large program to trace once per layer otherwise. The whole
+  # layer nests, not its statistics alone: reverse mode sums a nested call's
+  # cotangents of x before those from outside it, so statistics nested apart
+  # from normalize() would round the gradients unlike the inline program.
+  # Eagerly the layer runs op by op, as flax's does: one compiled program's
+  # fusions need not round like separate operations. Nesting assumes, as
+  # jax.jit does, that a measure traces the same for the same arguments and
+  # trace context; unhashable settings or non-array operands stay inline.
   if _under_staging_trace(x):
     key = _static_key(measure, reduction, correct)
     if key is not None and _arrays(
@@ -348,7 +346,11 @@ def _normalize_inline(
     correction_operands: Any = (),
 ) -> tuple[Array, Array, Array]:
   """:func:`normalize_batch`, traced inline (the static arguments first)."""
-  # The written-out backward is for real x and an uncorrected output.
+  # Plain GBN on one device (or under SPMD jit) has its derivative written out
+  # (_fused_normalize, a JVP that JAX transposes): its backward pass costs
+  # BatchNorm's plus the measure's own VJP, and forward mode works too. With
+  # axis_name, complex input or a correction it is left to autodiff, whose
+  # collectives JAX transposes for pmap and shard_map alike.
   if (
       reduction.axis_name is None
       and correct is None

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gbn_jax import _quantiles
 from gbn_jax import deviations
-from gbn_jax import quantiles
 
 Array = jax.Array
 #: ``D`` of a standard normal feature: a float, or ``f(n, **params)`` of the
@@ -174,7 +174,7 @@ def sqd_normal_scale(n: int | Array, *, alpha: float, **unused: Any) -> float:
     The constant, a float.
   """
   del n, unused
-  alpha = quantiles.validate_alpha(alpha)
+  alpha = _quantiles.validate_alpha(alpha)
   return _NORMAL.pdf(_NORMAL.inv_cdf(alpha)) / (1 - alpha)
 
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gbn_jax import quantiles
+from gbn_jax import _quantiles
+from gbn_jax._quantiles import extreme
 from gbn_jax._selection import reductions
 from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import global_sum
 from gbn_jax._selection.reductions import Axis
 from gbn_jax._selection.reductions import global_mean
 from gbn_jax._selection.reductions import prepare_reduction
-from gbn_jax.quantiles import extreme
 
 Array = jax.Array
 
@@ -241,9 +241,9 @@ def sqd(
     ``(q_alpha, qbar_alpha - mean)``, as :func:`gbn_jax.quantile` and
     :func:`gbn_jax.superquantile` define them.
   """
-  alpha = quantiles.validate_alpha(alpha)
+  alpha = _quantiles.validate_alpha(alpha)
   x, axes, where = _prepare(x, axis, where, "sqd")
-  q, qbar, mean = quantiles._superquantile_and_mean(  # pylint: disable=protected-access
+  q, qbar, mean = _quantiles._superquantile_and_mean(  # pylint: disable=protected-access
       x, alpha, axes, where, axis_name, axis_index_groups
   )
   return q, qbar - mean

@@ -1,4 +1,10 @@
-"""``GBatchNorm`` for flax.linen: a drop-in for ``flax.linen.BatchNorm``."""
+"""GBN for flax.linen: a drop-in for ``flax.linen.BatchNorm``.
+
+The layer is :class:`gbn_jax.GBatchNorm` (defined here, documented at the
+top level); this module adds :class:`BatchNorm`, the layer under flax's class
+name, and :func:`batchnorm_as_gbn`, which computes every ``nn.BatchNorm`` as
+GBN while a context is open.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,12 @@ import jax.numpy as jnp
 
 from gbn_jax import _layer
 from gbn_jax import _normalization
-from gbn_jax._convert import batchnorm_as_gbn as batchnorm_as_gbn
+from gbn_jax._convert import batchnorm_as_gbn
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
 
-__all__ = ["BatchNorm", "GBatchNorm"]
+__all__ = ["BatchNorm", "batchnorm_as_gbn"]
 
 
 class GBatchNorm(nn.BatchNorm):

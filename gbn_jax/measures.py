@@ -2,8 +2,9 @@
 
 A *measure* maps a batch and the axes to reduce to ``(S, D)``, one value per
 remaining (feature) position: the statistic GBN centers on and the deviation
-it divides by. The built-ins are the functions of :mod:`gbn_jax.deviations`
-(re-exported here); this module names them, and yours:
+it divides by. The built-ins are the functions of :mod:`gbn_jax.deviations`;
+this module names them, and yours (documented at the top level, as
+``gbn_jax.register_measure`` and so on):
 
 * :func:`register_measure` stores a function under a name with what it
   declares it supports: a ``mask`` (``supports_mask``) and pooling devices
@@ -37,17 +38,15 @@ import numbers
 import types
 from typing import Any
 
-from gbn_jax import bound_measure
+from gbn_jax import _bound_measure
+from gbn_jax import _quantiles
 from gbn_jax import calibration as calibration_lib
-from gbn_jax import quantiles
-from gbn_jax.bound_measure import MEASURE_CONTRACT  # noqa: F401
-from gbn_jax.bound_measure import REQUIRED
-from gbn_jax.bound_measure import Measure
-from gbn_jax.bound_measure import MeasureFn
-from gbn_jax.bound_measure import keyword_params
-from gbn_jax.calibration import CALIBRATIONS
+from gbn_jax._bound_measure import MEASURE_CONTRACT  # noqa: F401
+from gbn_jax._bound_measure import REQUIRED
+from gbn_jax._bound_measure import Measure
+from gbn_jax._bound_measure import MeasureFn
+from gbn_jax._bound_measure import keyword_params
 from gbn_jax.calibration import NormalScale
-from gbn_jax.calibration import expected_normal_max
 from gbn_jax.deviations import bpoe
 from gbn_jax.deviations import mad
 from gbn_jax.deviations import rbd
@@ -56,29 +55,8 @@ from gbn_jax.deviations import sd
 from gbn_jax.deviations import sqd
 from gbn_jax.deviations import wcd
 
-__all__ = [
-    "CALIBRATIONS",
-    "MEASURES",
-    "FixedParamsError",
-    "Measure",
-    "MeasureFn",
-    "MeasureSpec",
-    "get_measure",
-    "parse_measure_name",
-    "register_measure",
-    "registered_measure",
-    "resolve_measure",
-    "unregister_measure",
-    # The built-ins, defined in gbn_jax.deviations and gbn_jax.calibration.
-    "sd",
-    "mad",
-    "rsd",
-    "sqd",
-    "rbd",
-    "wcd",
-    "bpoe",
-    "expected_normal_max",
-]
+# The rest of the registry's API is documented at the top level (gbn_jax).
+__all__ = ["MeasureFn", "resolve_measure"]
 
 # Every built-in supports masks and pools devices; a name registered for a
 # built-in function inherits these declarations and its normal scale.
@@ -132,7 +110,7 @@ _REGISTRY: dict[str, MeasureSpec] = {}
 MEASURES: Mapping[str, MeasureSpec] = types.MappingProxyType(_REGISTRY)
 
 
-# Alike gbn_jax/quantiles.py::quantile: a signature alike in shape only.
+# Alike gbn_jax/_quantiles.py::quantile: a signature alike in shape only.
 def register_measure(
     name: str,
     fn: MeasureFn,
@@ -213,10 +191,10 @@ def register_measure(
     supports_mask = builtin
   if pools_devices is None:
     pools_devices = builtin
-  supports_mask = bound_measure.check_declared(
+  supports_mask = _bound_measure.check_declared(
       name, "supports_mask", supports_mask
   )
-  pools_devices = bound_measure.check_declared(
+  pools_devices = _bound_measure.check_declared(
       name, "pools_devices", pools_devices
   )
   if normal_scale is None:
@@ -305,7 +283,7 @@ def _check_params(name: str, fn: MeasureFn, params: Mapping[str, Any]) -> None:
         f" accepts {sorted(accepted) or 'none'}."
     )
   if "alpha" in params:
-    quantiles.validate_alpha(params["alpha"])
+    _quantiles.validate_alpha(params["alpha"])
 
 
 def _general_name(name: str) -> str | None:
@@ -409,7 +387,7 @@ def get_measure(
   if missing:
     raise TypeError(f"measure {name!r} needs parameter(s) {missing}.")
   if calibration is not None and spec.normal_scale is None:
-    raise ValueError(bound_measure.no_constant_message(name))
+    raise ValueError(_bound_measure.no_constant_message(name))
   return Measure(
       name,
       spec.fn,
@@ -519,7 +497,7 @@ def resolve_measure(
           " normal_scale=...) and pass its name."
       )
     if measure.normal_scale is None:
-      raise ValueError(bound_measure.no_constant_message(measure.name))
+      raise ValueError(_bound_measure.no_constant_message(measure.name))
     measure = dataclasses.replace(measure, calibration=calibration)
   if params:
     raise TypeError(

@@ -1,7 +1,9 @@
 """``GBatchNorm`` for flax.nnx: a drop-in for ``flax.nnx.BatchNorm``.
 
-Also :func:`precise_batch_stats`, the precise running statistics of
-:func:`gbn_jax.precise_batch_stats` for an nnx model, updated in place.
+Also :func:`convert_batchnorm`, which replaces a model's ``nnx.BatchNorm``
+layers by GBN keeping their Variables, and :func:`precise_batch_stats`, the
+precise running statistics of :func:`gbn_jax.precise_batch_stats` for an nnx
+model, updated in place.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import jax.numpy as jnp
 
 from gbn_jax import _layer
 from gbn_jax import _normalization
-from gbn_jax import precise
-from gbn_jax._convert import convert_batchnorm as convert_batchnorm
+from gbn_jax import _precise
+from gbn_jax._convert import convert_batchnorm
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
 
-__all__ = ["GBatchNorm", "precise_batch_stats"]
+__all__ = ["GBatchNorm", "convert_batchnorm", "precise_batch_stats"]
 
 
 class GBatchNorm(nnx.BatchNorm):
@@ -318,7 +320,7 @@ def precise_batch_stats(
     outputs = forward(copy, batch)
     calls = []
     for layer, values in zip(copy_layers, given):
-      call = precise.LayerCall.of(layer, False)
+      call = _precise.LayerCall.of(layer, False)
       # A layer that the forward call ran with use_running_average=True
       # leaves its Variables holding the very arrays given to them.
       for variable, value in zip(_pair(layer), values):
@@ -334,7 +336,7 @@ def precise_batch_stats(
 
   old = [v[...] for _, layer in layers for v in _pair(layer)]
   names = [f"{path}/{n}" for path, _ in layers for n in ("mean", "var")]
-  means = precise.average_batch_statistics(
+  means = _precise.average_batch_statistics(
       run, old, batches, stacked=stacked, names=names
   )
   for i, (_, layer) in enumerate(layers):

@@ -1,11 +1,15 @@
 """The selection's tunables: an advanced knob, for benchmarks and tests.
 
-Every order statistic (:func:`gbn_jax.reductions.quantile`, the measures
-built on it such as ``'sqd'``) selects the k-th smallest value exactly; which
-backend does it is picked by batch size and platform. :func:`selection_config`
-forces a backend (one of :data:`METHODS`) or tunes one inside a ``with``
-block, as a :class:`SelectionConfig`. Results do not depend on it: every
-method is exact; speed does.
+Every order statistic (:func:`gbn_jax.quantile`, the measures built on it
+such as ``'sqd'``) selects the k-th smallest value exactly; which backend does
+it is picked by batch size and platform. :func:`selection_config` forces a
+backend (one of :data:`METHODS`) or tunes one inside a ``with`` block, as a
+:class:`SelectionConfig`. Results do not depend on it: every method is exact;
+speed does.
+
+``"pallas_experimental"`` (radix select as a Pallas kernel) is experimental:
+it is exact everywhere, but never a default, since its speed on a GPU, where
+it is meant to run, is not yet measured.
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ def selection_config(
       non-finite ``bracket_sigmas``.
 
   >>> import jax.numpy as jnp
-  >>> from gbn_jax import reductions, selection
+  >>> import gbn_jax
+  >>> from gbn_jax import selection
   >>> with selection.selection_config(method="sort") as scoped:
-  ...   reductions.quantile(jnp.array([3., 1., 2.]), 0.5)
+  ...   gbn_jax.quantile(jnp.array([3., 1., 2.]), 0.5)
   Array(2., dtype=float32)
   >>> scoped
   SelectionConfig(method='sort', bracket_sigmas=3.0)

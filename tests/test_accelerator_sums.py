@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import gbn_jax
+from gbn_jax import _quantiles
 from gbn_jax import measures
-from gbn_jax import quantiles
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
@@ -41,7 +41,7 @@ def fused(monkeypatch):
   def unfused(*args, **kwargs):
     raise AssertionError("sqd fell back to the unfused selection and means")
 
-  monkeypatch.setattr(quantiles, "_quantile_and_mean_excess", unfused)
+  monkeypatch.setattr(_quantiles, "_quantile_and_mean_excess", unfused)
   # Traced for the CPU only (as a CPU jit lowers it), not once per kind of
   # platform: the calls counted are then one trace's.
   with gbn_jax.selection.selection_config(method="accelerator"):
@@ -49,7 +49,7 @@ def fused(monkeypatch):
       yield calls
 
 
-_QUANTILE_AND_MEAN_EXCESS = quantiles._quantile_and_mean_excess  # pylint: disable=protected-access
+_QUANTILE_AND_MEAN_EXCESS = _quantiles._quantile_and_mean_excess  # pylint: disable=protected-access
 
 
 def _unfused(fn, *args, monkeypatch):
@@ -58,7 +58,9 @@ def _unfused(fn, *args, monkeypatch):
       gbn_jax.selection.selection_config(method="sort"),
       monkeypatch.context() as m,
   ):
-    m.setattr(quantiles, "_quantile_and_mean_excess", _QUANTILE_AND_MEAN_EXCESS)
+    m.setattr(
+        _quantiles, "_quantile_and_mean_excess", _QUANTILE_AND_MEAN_EXCESS
+    )
     return fn(*args)
 
 
@@ -346,7 +348,7 @@ def test_half_precision_keeps_dtypes(dtype, fused, monkeypatch):
 
   def parts_and_grad(x):
     def loss(x):
-      parts = quantiles._superquantile_and_mean(  # pylint: disable=protected-access
+      parts = _quantiles._superquantile_and_mean(  # pylint: disable=protected-access
           x, 0.75, (0,), None, None, None
       )
       return (

@@ -18,6 +18,7 @@ from scipy import stats
 
 import gbn_jax
 from gbn_jax import GBatchNorm
+from gbn_jax import calibration
 from gbn_jax import get_measure
 from gbn_jax import measures
 import gbn_jax.nnx as gnnx
@@ -91,7 +92,7 @@ def test_population_constants_equal_scipy():
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 10, 100, 1000, 10**5, 10**8, 2**40])
 def test_expected_max_equals_scipy_quad(n):
-  got = measures.expected_normal_max(n)
+  got = calibration.expected_normal_max(n)
   np.testing.assert_allclose(got, _scipy_max(n), rtol=1e-12)
   np.testing.assert_allclose(get_measure("wcd").normal_constant(n), got, rtol=0)
   np.testing.assert_allclose(
@@ -101,16 +102,18 @@ def test_expected_max_equals_scipy_quad(n):
 
 def test_expected_max_closed_forms_and_degenerate_n():
   np.testing.assert_allclose(
-      measures.expected_normal_max(2), 1 / math.sqrt(math.pi), rtol=1e-14
+      calibration.expected_normal_max(2), 1 / math.sqrt(math.pi), rtol=1e-14
   )
   np.testing.assert_allclose(
-      measures.expected_normal_max(3), 1.5 / math.sqrt(math.pi), rtol=1e-14
+      calibration.expected_normal_max(3), 1.5 / math.sqrt(math.pi), rtol=1e-14
   )
   assert (
-      measures.expected_normal_max(1) == measures.expected_normal_max(0) == 0.0
+      calibration.expected_normal_max(1)
+      == calibration.expected_normal_max(0)
+      == 0.0
   )
   np.testing.assert_array_equal(
-      measures.expected_normal_max(jnp.array([0, 1])), 0
+      calibration.expected_normal_max(jnp.array([0, 1])), 0
   )
 
 
@@ -132,9 +135,9 @@ def test_traced_table_error_is_below_2e7():
           ),
       ]
   )
-  exact = np.array([measures.expected_normal_max(int(n)) for n in ns])
+  exact = np.array([calibration.expected_normal_max(int(n)) for n in ns])
   table = np.asarray(
-      jax.jit(measures.expected_normal_max)(jnp.asarray(ns, jnp.int32))
+      jax.jit(calibration.expected_normal_max)(jnp.asarray(ns, jnp.int32))
   )
   error = np.abs(table - exact) / np.maximum(exact, 1e-300)
   assert error.max() < 2e-7, (ns[error.argmax()], error.max())
@@ -142,7 +145,7 @@ def test_traced_table_error_is_below_2e7():
 
 def test_constants_do_not_import_scipy():
   code = (
-      "import sys, gbn_jax; gbn_jax.measures.expected_normal_max(10**6);"
+      "import sys, gbn_jax; gbn_jax.calibration.expected_normal_max(10**6);"
       "gbn_jax.get_measure('sqd', alpha=0.3, calibration='normal')"
       ".normal_constant(5); assert 'scipy' not in sys.modules"
   )

@@ -435,11 +435,9 @@ def test_reductions_share_their_argument_names():
 
 PUBLIC_MODULES = [
     "gbn_jax",
-    "gbn_jax.bound_measure",
     "gbn_jax.calibration",
     "gbn_jax.deviations",
     "gbn_jax.measures",
-    "gbn_jax.quantiles",
     "gbn_jax.reductions",
     "gbn_jax.selection",
 ]

@@ -4,7 +4,7 @@ On this CPU the kernel runs in Pallas's interpret mode: the exactness suite
 shared with the radix and bracket selects (tests/selection_helpers.py: data
 kinds, ranks, numpy oracle) runs on it, values bit for bit, tie and "above"
 counts exactly; the sums of its last pass against numpy written from the
-definitions; ``method="pallas"`` through ``kth_smallest`` and a GBatchNorm
+definitions; ``method="pallas_experimental"`` through ``kth_smallest`` and a GBatchNorm
 sqd layer against the default method; and the CUDA lowering (Triton) of the
 same functions, which needs no GPU to export.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax import quantiles
+from gbn_jax import _quantiles
 from gbn_jax import selection
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
@@ -159,16 +159,16 @@ def test_vmap_axis_name_pools_histograms_and_sums():
 
 @pytest.mark.parametrize("gpu_compares", [False, True])
 def test_dispatch_through_kth_smallest(monkeypatch, gpu_compares):
-  assert "pallas" in dispatch.METHODS
-  assert_dispatch_with_ties("pallas", monkeypatch, gpu_compares)
+  assert "pallas_experimental" in dispatch.METHODS
+  assert_dispatch_with_ties("pallas_experimental", monkeypatch, gpu_compares)
 
 
 def test_never_a_default():
   for rows in (10, 100_000, 10_000_000):
     with common.platform_scope(common.GPU):
-      assert dispatch.default_method(rows) != "pallas"
+      assert dispatch.default_method(rows) != "pallas_experimental"
     with common.platform_scope(common.CPU):
-      assert dispatch.default_method(rows) != "pallas"
+      assert dispatch.default_method(rows) != "pallas_experimental"
 
 
 def test_gbatchnorm_sqd2_equals_the_default_method(monkeypatch):
@@ -187,7 +187,7 @@ def test_gbatchnorm_sqd2_equals_the_default_method(monkeypatch):
   step = lambda: jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
   (_, y0), g0 = step()
   assert not calls
-  with selection.selection_config(method="pallas"):
+  with selection.selection_config(method="pallas_experimental"):
     (_, y), g = step()
   assert calls  # the kernel's fused sums, not the unfused path
   np.testing.assert_allclose(
@@ -200,8 +200,8 @@ def test_gbatchnorm_sqd2_equals_the_default_method(monkeypatch):
 
 def test_superquantile_through_quantiles_module():
   x = data("normal", (500, 4), seed=4)
-  with selection.selection_config(method="pallas"):
-    got = jax.jit(lambda v: quantiles.superquantile(v, 0.9, axis=0))(x)
+  with selection.selection_config(method="pallas_experimental"):
+    got = jax.jit(lambda v: _quantiles.superquantile(v, 0.9, axis=0))(x)
   q = np.sort(x, axis=0)[449]
   want = q + np.maximum(x - q, 0).mean(axis=0, dtype=np.float64) / 0.1
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -228,7 +228,9 @@ def test_cuda_lowering_compiles_the_kernel_cpu_lowering_interprets_it():
   # The first pass, the loop's pass and the summing last pass: three Triton
   # kernels (two without sums) whatever the passes, no interpreted copy.
   assert cuda_text(fn, spec, mask).count(f"@{TRITON_TARGET}") == 3
-  chosen = lambda x: dispatch.kth_smallest(x, 500, (0,), method="pallas")
+  chosen = lambda x: dispatch.kth_smallest(
+      x, 500, (0,), method="pallas_experimental"
+  )
   assert cuda_text(chosen, spec).count(f"@{TRITON_TARGET}") == 2
   cpu = jax.export.export(jax.jit(chosen), platforms=["cpu"])(spec)
   assert TRITON_TARGET not in cpu.mlir_module()

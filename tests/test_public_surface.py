@@ -1,5 +1,5 @@
-"""The public surface (issue 39): what each ``__all__`` lists is documented
-and public, the moved names warn from their old home, and measure
+"""The public surface: each public name has one home, the module whose
+``__all__`` lists it and under which docs/api.rst documents it; measure
 registrations can be undone and scoped."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pkgutil
 import re
 import types
 from typing import Any
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,18 +27,15 @@ from measure_helpers import BUILTIN_MEASURES
 API_RST = pathlib.Path(__file__).parent.parent / "docs" / "api.rst"
 
 # The modules users import from; every other module of the package must be
-# private (underscore-named). The package is normalization only (issue 39):
-# the training suite's convolutions are train.native.convolution.
+# private (underscore-named). The package is normalization only: the training
+# suite's convolutions are train.native.convolution.
 PUBLIC_MODULES = [
     "gbn_jax",
-    "gbn_jax.bound_measure",
     "gbn_jax.calibration",
     "gbn_jax.deviations",
     "gbn_jax.linen",
     "gbn_jax.measures",
     "gbn_jax.nnx",
-    "gbn_jax.precise",
-    "gbn_jax.quantiles",
     "gbn_jax.reductions",
     "gbn_jax.selection",
 ]
@@ -62,29 +58,53 @@ def _resolve(dotted: str) -> Any:
   raise ImportError(dotted)
 
 
-def _documented() -> dict[str, Any]:
-  """Each fully qualified name docs/api.rst documents (an ``auto*``
-  directive or an ``autosummary`` entry), to the object it names."""
-  current, names, in_summary = "gbn_jax", [], False
+def _api_entries() -> list[tuple[str, str]]:
+  """Each entry of docs/api.rst, in order, as ``(kind, qualified name)``:
+  ``kind`` is the ``auto*`` directive (``'autofunction'``, ...) or
+  ``'autosummary'`` for a row of a summary table."""
+  current, entries, in_summary = "gbn_jax", [], False
   for line in API_RST.read_text().splitlines():
+    name = None
     if m := re.match(r"\.\. currentmodule:: (\S+)", line):
       current, in_summary = m.group(1), False
     elif line.startswith(".. autosummary::"):
       in_summary = True
-    elif m := re.match(r"\.\. auto\w+:: (\S+)", line):
-      names.append(m.group(1))
+    elif m := re.match(r"\.\. (auto\w+):: (\S+)", line):
+      kind, name = m.group(1), m.group(2)
       in_summary = False
     elif (
         in_summary
         and line.startswith("   ")
         and not line.strip().startswith(":")
     ):
-      names.append(line.strip())
+      kind, name = "autosummary", line.strip()
     elif in_summary and line and not line.startswith(" "):
       in_summary = False
-    if names and not names[-1].startswith("gbn_jax"):
-      names[-1] = f"{current}.{names[-1]}"
-  return {n: _resolve(n) for n in names}
+    if name is not None:
+      if not name.startswith("gbn_jax"):
+        name = f"{current}.{name}"
+      entries.append((kind, name))
+  return entries
+
+
+def _documented() -> dict[str, Any]:
+  """Each fully qualified name docs/api.rst documents (an ``auto*``
+  directive or an ``autosummary`` entry), to the object it names."""
+  return {n: _resolve(n) for _, n in _api_entries()}
+
+
+def _home(dotted: str) -> tuple[str, str]:
+  """``(module, name)`` of a documented ``module.name``: the longest
+  importable module prefix, and the rest."""
+  parts = dotted.split(".")
+  for i in range(len(parts) - 1, 0, -1):
+    module = ".".join(parts[:i])
+    try:
+      importlib.import_module(module)
+    except ImportError:
+      continue
+    return module, ".".join(parts[i:])
+  raise ImportError(dotted)
 
 
 def _registry() -> dict[str, measures.MeasureSpec]:
@@ -126,24 +146,60 @@ def test_all_lists_no_internal_name(module_name):
 
 
 @pytest.mark.parametrize("module_name", PUBLIC_MODULES)
-def test_every_name_in_all_is_documented_in_the_api_page(module_name):
-  documented = _documented()
+def test_every_name_in_all_is_documented_under_its_module(module_name):
+  # Under this module's own path: a re-export documented elsewhere is a
+  # second home, not documentation.
+  documented = {n for kind, n in _api_entries() if kind != "autosummary"}
   module = importlib.import_module(module_name)
-  missing = []
-  for name in module.__all__:
-    obj = getattr(module, name)
-    qualified = f"{module_name}.{name}"
-    # A re-export counts as documented where its defining module's is.
-    if qualified not in documented and not any(
-        d is obj for d in documented.values()
+  missing = [
+      f"{module_name}.{name}"
+      for name in module.__all__
+      if f"{module_name}.{name}" not in documented
+  ]
+  assert not missing, f"not documented in docs/api.rst: {missing}"
+
+
+def test_every_documented_name_is_in_its_modules_all():
+  outside = []
+  for _, dotted in _api_entries():
+    module, name = _home(dotted)
+    if module not in PUBLIC_MODULES or name not in getattr(
+        importlib.import_module(module), "__all__", ()
     ):
-      missing.append(qualified)
-  assert not missing, f"not in docs/api.rst: {missing}"
+      outside.append(dotted)
+  assert not outside, f"documented but not in their module's __all__: {outside}"
+
+
+def test_the_api_page_documents_each_name_once():
+  directives = [n for kind, n in _api_entries() if kind != "autosummary"]
+  twice = sorted({n for n in directives if directives.count(n) > 1})
+  assert not twice, twice
+  # Every summary row links to a name documented below it.
+  rows = {n for kind, n in _api_entries() if kind == "autosummary"}
+  assert rows <= set(directives), rows - set(directives)
+
+
+def test_each_public_object_has_one_home():
+  homes: dict[int, list[str]] = {}
+  for module_name in PUBLIC_MODULES:
+    module = importlib.import_module(module_name)
+    for name in module.__all__:
+      obj = getattr(module, name)
+      homes.setdefault(id(obj), []).append(f"{module_name}.{name}")
+  shared = [names for names in homes.values() if len(names) > 1]
+  assert not shared, f"listed in more than one __all__: {shared}"
+
+
+def test_documented_conversions_are_exported():
+  # The conversions the getting-started guide presents.
+  assert "convert_batchnorm" in gbn_jax.nnx.__all__
+  assert "batchnorm_as_gbn" in gbn_jax.linen.__all__
 
 
 def test_the_api_page_documents_only_what_resolves():
   documented = _documented()  # raises on a stale name
   assert "gbn_jax.reductions.mean" in documented
+  assert "gbn_jax.quantile" in documented
   assert "gbn_jax.selection.selection_config" in documented
   assert "gbn_jax.measures.MEASURE_CONTRACT" not in documented
 
@@ -151,11 +207,8 @@ def test_the_api_page_documents_only_what_resolves():
 def test_internal_helpers_are_not_exported():
   internals = {
       "gbn_jax.calibration": ["INV_SQRT_2_PI", "check_calibration"],
-      "gbn_jax.quantiles": ["validate_alpha"],
       "gbn_jax.deviations": ["COMPLEX_OK", "check_real"],
       "gbn_jax.measures": ["MEASURE_CONTRACT"],
-      "gbn_jax.bound_measure": ["MEASURE_CONTRACT"],
-      "gbn_jax": ["mean", "extreme", "selection_config"],
   }
   for name, hidden in internals.items():
     exported = set(importlib.import_module(name).__all__)
@@ -173,40 +226,17 @@ def test_reductions_agree_with_numpy():
       reductions.extreme(x, 0, largest=False), x.min(0)
   )
   np.testing.assert_array_equal(
-      reductions.quantile(x, 0.3, 0),
+      gbn_jax.quantile(x, 0.3, 0),
       np.quantile(x, 0.3, axis=0, method="inverted_cdf"),
   )
   # qbar_alpha = q + E[(x - q)+] / (1 - alpha), from the definition.
   q = np.quantile(x, 0.75, axis=0, method="inverted_cdf")
   qbar = q + np.maximum(x - q, 0).mean(0) / 0.25
-  np.testing.assert_allclose(
-      reductions.superquantile(x, 0.75, 0), qbar, rtol=1e-5
-  )
-  assert reductions.quantile_rank(0.3, 37) == int(np.ceil(0.3 * 37))
+  np.testing.assert_allclose(gbn_jax.superquantile(x, 0.75, 0), qbar, rtol=1e-5)
+  assert gbn_jax.quantile_rank(0.3, 37) == int(np.ceil(0.3 * 37))
 
 
-@pytest.mark.parametrize(
-    "name,new",
-    [
-        ("mean", "gbn_jax.reductions.mean"),
-        ("extreme", "gbn_jax.reductions.extreme"),
-        ("selection_config", "gbn_jax.selection.selection_config"),
-    ],
-)
-def test_moved_names_warn_and_still_work(name, new):
-  with pytest.warns(DeprecationWarning, match=re.escape(new)):
-    old = getattr(gbn_jax, name)
-  assert old is _resolve(new)
-  with pytest.warns(DeprecationWarning, match=re.escape(new)):
-    exec(f"from gbn_jax import {name}", {})  # pylint: disable=exec-used
-
-
-def test_the_new_paths_do_not_warn():
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    assert gbn_jax.reductions.mean is reductions.mean
-    assert gbn_jax.selection.selection_config is selection.selection_config
-    assert gbn_jax.quantile is reductions.quantile
+def test_unknown_attributes_raise():
   with pytest.raises(AttributeError, match="no_such_name"):
     gbn_jax.no_such_name  # pylint: disable=pointless-statement
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gbn_jax
-from gbn_jax import quantiles
+from gbn_jax import _quantiles
 from gbn_jax._selection import common
 from gbn_jax._selection import fused
 from gbn_jax._selection import native
@@ -63,10 +63,10 @@ def test_whole_alpha_n_selects_that_rank(n, alpha):
   # alpha*N whole (or nearly, in binary) must select exactly the alpha*N-th value.
   x = np.arange(n, dtype=np.float32)[::-1].copy()
   k = math.ceil(fractions.Fraction(repr(alpha)) * n)
-  assert quantiles.quantile_rank(alpha, n) == k
+  assert _quantiles.quantile_rank(alpha, n) == k
   assert float(gbn_jax.quantile(x, alpha, axis=0)) == float(k - 1)
   # Same rank when the count is traced (masked path).
-  assert int(quantiles.quantile_rank(alpha, jnp.int32(n))) == k
+  assert int(_quantiles.quantile_rank(alpha, jnp.int32(n))) == k
 
 
 def test_agrees_with_numpy_inverted_cdf_where_unambiguous():

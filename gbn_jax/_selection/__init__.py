@@ -1,4 +1,4 @@
-"""Exact k-th smallest selection: the machinery under :mod:`gbn_jax.quantiles`.
+"""Exact k-th smallest selection: the machinery under :mod:`gbn_jax._quantiles`.
 
 Layers, imports pointing down only (``tests/test_structure.py`` checks it):
 

@@ -4,8 +4,8 @@
 axes, the k-th smallest (1-based) of ``x`` over ``axis``: an element of ``x``,
 bit for bit (``-0.0`` and ``+0.0`` compare equal and come back as ``+0.0``).
 Sorting is the obvious way, but on XLA:CPU a float sort calls a comparator per
-comparison and is ~60x slower than a batch-norm layer; the backends below
-select without sorting the batch. This module validates, lays the input out
+comparison, which makes it many times the cost of a batch-norm layer; the
+backends below select without sorting the batch. This module validates, lays the input out
 (``common``) and picks a backend; :func:`gbn_jax.selection.selection_config`
 scopes the choice.
 """
@@ -48,8 +48,8 @@ _BACKENDS = {
     # on a miss.
     "bracket": bracket.kth_smallest_bracket,
     # Radix select as a Pallas kernel (Triton on GPUs, interpreted elsewhere):
-    # never a default until a GPU times it.
-    "pallas": pallas.kth_smallest_pallas,
+    # experimental, never a default until a GPU times it.
+    "pallas_experimental": pallas.kth_smallest_pallas,
 }
 
 #: Exact methods accepted by ``kth_smallest(..., method=...)`` and
@@ -62,23 +62,24 @@ _BACKENDS = {
 #: split the int32 key range in four (17 passes, data-independent cost) (both
 #: ``loop``). ``"sort"``: sorts int keys (the reference, ``sort``).
 #: ``"accelerator"``: radix select (``radix``). ``"bracket"``: sampled bracket
-#: (``bracket``). ``"pallas"``: radix select in a Pallas kernel (``pallas``):
+#: (``bracket``). ``"pallas_experimental"``: radix select in a Pallas kernel
+#: (``pallas``), experimental (never a default, its GPU speed unmeasured):
 #: compiled on GPUs, run in Pallas's interpret mode (exact, but the slowest
 #: method) on CPUs and TPUs; a lowering for the CPU and a GPU at once fails (JAX
 #: lowers a compiled kernel's every per-platform branch for the CPU too).
 #: Where the row count is symbolic (``jax.export``), ``"adaptive"`` runs as
-#: ``"bisect"`` and ``"bracket"`` and ``"pallas"`` as ``"accelerator"``: they
-#: size a sample or a buffer from it.
+#: ``"bisect"`` and ``"bracket"`` and ``"pallas_experimental"`` as
+#: ``"accelerator"``: they size a sample or a buffer from it.
 METHODS = ("native",) + loop.METHODS + ("sort",) + tuple(_BACKENDS)
 
 _ADAPTIVE_MIN_ROWS = (
     16384  # default method: "bisect" below this many rows (CPU)
 )
 # Default at least that many rows on a GPU/TPU: no data-dependent loop, so no
-# host sync per pass (the adaptive loop's cost there). Measured on an H100
-# (results/benchmarks/h100_methods.json, h100_radix.json): the sampled
-# bracket's sqd layers are 2.5-3.9x BatchNorm, the radix select's 4.8-13x (its
-# scatter histograms cost 0.66-2.4 ms a pass) and the adaptive loop's 8-11x.
+# host sync per pass (the adaptive loop's cost there), and of the exact
+# methods the fastest on the GPUs measured (docs/performance.md): one counting
+# pass and a small sort, where the radix select makes several histogram
+# passes.
 _ACCELERATOR_LARGE_METHOD = "bracket"
 
 
@@ -88,7 +89,7 @@ _ACCELERATOR_LARGE_METHOD = "bracket"
 _FOR_SYMBOLIC_ROWS = {
     "adaptive": "bisect",
     "bracket": "accelerator",
-    "pallas": "accelerator",
+    "pallas_experimental": "accelerator",
 }
 
 
@@ -113,8 +114,8 @@ def default_method(n_rows: Any) -> str:
     return "bisect" if common.on_cpu() else "accelerator"
   large = n_rows >= _ADAPTIVE_MIN_ROWS
   if not common.on_cpu():
-    # Measured on an H200 (benchmarks/device_check.sh): each pass of a loop
-    # costs a launch and a host sync there, so small batches sort outright.
+    # Each pass of a loop costs a kernel launch and a host sync on an
+    # accelerator, so small batches sort outright (docs/performance.md).
     return _ACCELERATOR_LARGE_METHOD if large else "sort"
   # The adaptive method's fixed costs (sample sort, fold resolution) only pay
   # off once a pass over the rows costs more than they do.
@@ -131,12 +132,13 @@ def fused_sums_backend(
   """Which backend gives a superquantile's sums in its selection's sweep.
 
   Read per platform (inside ``common.per_platform``, as
-  ``fused.superquantile_parts`` does). ``"native"`` where ``native.sums_apply``; ``"accelerator"``
-  (``"pallas"``) where :func:`kth_smallest` would select with the radix
-  select (its Pallas kernel) -- the method in scope, else the default for
-  the pooled row count -- and ``x`` is float32 or
-  half precision (upcast exactly; float64 keeps its float64 selection and
-  sums, since the radix sums are float32); else ``None``.
+  ``fused.superquantile_parts`` does). ``"native"`` where
+  ``native.sums_apply``; ``"accelerator"`` (``"pallas_experimental"``) where
+  :func:`kth_smallest` would select with the radix select (its Pallas
+  kernel) -- the method in scope, else the default for the pooled row count
+  -- and ``x`` is float32 or half precision (upcast exactly; float64 keeps its
+  float64 selection and sums, since the radix sums are float32); else
+  ``None``.
   """
   if native.sums_apply(x, where, axis_name):
     return "native"
@@ -148,8 +150,8 @@ def fused_sums_backend(
   if method is None:
     method = default_method(rows)
   # A method replaced for a symbolic row count keeps its sums as they were:
-  # fused for "pallas", apart for "bracket".
-  if method in ("accelerator", "pallas"):
+  # fused for "pallas_experimental", apart for "bracket".
+  if method in ("accelerator", "pallas_experimental"):
     return sized_method(method, rows)
   return None
 

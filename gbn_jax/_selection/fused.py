@@ -81,12 +81,12 @@ def _native_all_jvp(alpha, axes, primals, tangents):
 
 
 #: ``dispatch.fused_sums_backend``'s names of the radix selections with sums.
-_RADIX_BACKENDS = ("accelerator", "pallas")
+_RADIX_BACKENDS = ("accelerator", "pallas_experimental")
 
 
 def _with_sums(backend: str) -> Callable[..., tuple[Array, ...]]:
   # Looked up when traced, so that tests may wrap the module functions.
-  if backend == "pallas":
+  if backend == "pallas_experimental":
     return pallas.kth_smallest_with_sums_pallas
   return radix.kth_smallest_with_sums_accelerator
 

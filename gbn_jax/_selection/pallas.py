@@ -1,7 +1,7 @@
-"""Exact k-th smallest by radix select in a Pallas kernel (GPU candidate, issue 36).
+"""Exact k-th smallest by radix select in a Pallas kernel (experimental).
 
 The ``radix`` backend's passes are XLA ops: a scatter-add histogram (atomics
-into ``256 x F`` global counters, 0.64-2.4 ms a pass on an H100) or a
+into ``256 x F`` global counters, the costliest pass on a GPU) or a
 compare-and-sum whose ``N x 16 x F`` temporary XLA must fuse. Here each pass
 is one call of a ``pallas_call`` (Triton lowering on GPUs) in which every
 program owns a block of feature columns, walks their rows in chunks and keeps
@@ -17,7 +17,7 @@ atomics, no temporary in memory.
   prefix chosen so far. The kernel does one pass per call; between calls JAX
   chooses the bins (``radix.first_descent``/``next_descent``), where the
   per-device histograms are ``psum``-ed over ``axis_name`` (exact: integer
-  counts). As in ``radix`` (issue 36), the first pass is traced on its own and
+  counts). As in ``radix``, the first pass is traced on its own and
   the passes after it as one ``lax.fori_loop`` body of static trip count (no
   data-dependent ``while``), calling one kernel whose digit's shift is a
   traced operand; with ``sums`` the last pass, which also sums, is a third
@@ -45,8 +45,9 @@ Under ``shard_map`` (device-varying rows) the interpreter fails JAX's
 whole arrays. A lowering for the CPU and CUDA at once fails: JAX lowers every
 ``platform_dependent`` branch for every platform, and Pallas has no CPU
 lowering of a compiled kernel.
-It is selectable as ``method="pallas"`` and never a default: it awaits its
-timing on a GPU (``benchmarks/device_check.sh``).
+It is experimental: selectable as ``method="pallas_experimental"`` and never
+a default, since its speed on a GPU is not yet measured
+(``benchmarks/device_check.sh`` measures it).
 """
 
 from __future__ import annotations
@@ -435,7 +436,9 @@ def kth_smallest_pallas(
     block_cols: int | None = None,
     interpret: bool | None = None,
 ) -> Array | tuple[Array, Array | None]:
-  """``dispatch.kth_smallest`` by the Pallas radix kernel (``method="pallas"``).
+  """``dispatch.kth_smallest`` by the Pallas radix kernel (experimental).
+
+  Selected by ``method="pallas_experimental"``.
 
   The contract of ``radix.kth_smallest_accelerator``: the k-th smallest
   (1-based) over ``axis`` of the masked-in elements of all devices along

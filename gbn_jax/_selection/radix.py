@@ -18,9 +18,8 @@ idles while the host decides. Radix select needs no decision on the host:
   the counts below it leave the rank. After the last pass the prefix *is* the
   answer's key. The pass count is static: the first pass (which also counts
   the masked-in elements) is traced on its own, the others as one
-  ``lax.fori_loop`` body of static trip count (issue 36: an unrolled Python
-  loop made the jaxpr of one sqd layer hold every pass; the program to trace
-  and compile now holds two). Nothing is data-dependent: XLA knows the trip
+  ``lax.fori_loop`` body of static trip count, so the program to trace and
+  compile holds two passes, not every one. Nothing is data-dependent: XLA knows the trip
   count (the tests check it in the CPU's compiled module), and XLA:GPU's
   ``WhileThunk`` runs a loop of known trip count without copying a predicate
   back to the host.
@@ -44,15 +43,15 @@ Histogram kernels (``histogram=``):
   into the ``256 x F`` counters (without a hand-written kernel's
   shared-memory privatisation). Elements off the prefix add 0 to a bin spread
   by their row index, not to one dump bin, so they do not all contend for one
-  address. On an H100 one such pass took 0.66 ms on (256, 32, 32, 16) and
-  2.4 ms on (1024, 32, 32, 16), 5-18 times a BatchNorm statistics pass
-  (``results/benchmarks/h100_radix.json``). TPUs serialise scatters
+  address. On the GPUs measured such a pass costs several BatchNorm
+  statistics passes (docs/performance.md). TPUs serialise scatters
   (unmeasured).
 * ``"compare"`` (the default elsewhere, with 4-bit digits): cumulative counts
   ``#{match & digit <= t}`` for every bin ``t`` as one fused compare-and-sum
   reduction over the rows (no atomics, but ``2**digit_bits`` compare-adds per
   element: with 8-bit digits compute-bound; ``digit_bits=4`` gives 16 per
-  element over 8 passes, 0.13-0.18 ms a pass on the H100 above). On XLA:CPU
+  element over 8 passes, each about a BatchNorm statistics pass on the GPUs
+  measured). On XLA:CPU
   the ``N x 2**digit_bits x F`` temporary may be materialised: small inputs
   only.
 
@@ -101,11 +100,9 @@ HISTOGRAMS = ("scatter", "compare")
 def default_histogram() -> tuple[str, int]:
   """``(histogram, digit_bits)`` for the platform being traced for.
 
-  Measured on an H100 (``results/benchmarks/h100_radix.json``): one 256-bin
-  scatter pass took 0.66 ms on (256, 32, 32, 16) and 2.4 ms on
-  (1024, 32, 32, 16), one 16-bin compare pass 0.13 and 0.18 ms, so the whole
-  select took 0.76/2.83 ms with 8-bit scatter digits against 0.46/1.38 ms with
-  4-bit compare digits.
+  Off the CPU, 4-bit compare digits: on the GPUs measured the whole select
+  is faster with them than with 8-bit scatter digits, whose atomic
+  histogram passes cost several compare passes each (docs/performance.md).
   XLA:CPU may materialise the compare pass's ``N x 16 x F`` temporary, so the
   CPU keeps the scatter. TPUs (unmeasured) serialise scatters: compare there.
   """

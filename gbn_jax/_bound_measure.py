@@ -266,7 +266,7 @@ class Measure:
       return s, d
     return s, _divide(d, self._constant(x, axis, keywords))
 
-  # Alike gbn_jax/bound_measure.py::Measure.__call__: the same call, for D^2.
+  # Alike gbn_jax/_bound_measure.py::Measure.__call__: the same call, for D^2.
   def squared_deviation(
       self,
       x: Array,

@@ -139,7 +139,7 @@ def _selected(
 _selected.defjvp(_tie_split_jvp_rule)
 
 
-# Alike gbn_jax/quantiles.py::_selected: the value alone of that custom_jvp.
+# Alike gbn_jax/_quantiles.py::_selected: the value alone of that custom_jvp.
 def _tie_split(
     select: Callable[[Array, Array | None], Array],
     axes: tuple[int, ...],
@@ -326,7 +326,7 @@ def quantile(
   )
 
 
-# Alike gbn_jax/quantiles.py::quantile: the reductions' contract, per function.
+# Alike gbn_jax/_quantiles.py::quantile: the reductions' contract, per function.
 def superquantile(
     x: Array,
     alpha: float,
@@ -385,7 +385,7 @@ def _select_extreme(x, where, *, largest, axes, axis_name, groups):
   return value, None
 
 
-# Alike gbn_jax/quantiles.py::quantile: the reductions' contract, per function.
+# Alike gbn_jax/_quantiles.py::quantile: the reductions' contract, per function.
 def extreme(
     x: Array,
     axis: Axis = None,
@@ -428,7 +428,7 @@ def extreme(
   return _tie_split(select, axes, axis_name, groups, x, where)
 
 
-# Alike gbn_jax/quantiles.py::quantile: the reductions' contract, per function.
+# Alike gbn_jax/_quantiles.py::quantile: the reductions' contract, per function.
 def mean(
     x: Array,
     axis: Axis = None,
