@@ -1,4 +1,4 @@
-"""train.native.convolution.conv (forward pass and gradients) against the definition.
+"""train.native.convolution.conv and its gradients against the definition.
 
 The references are numpy in float64, written from the definition
 (``conv_helpers``): the input zero-padded, each output the sum over the

@@ -1,4 +1,4 @@
-"""train.loop.host_devices: one XLA host device per core, set before JAX starts."""
+"""train.loop.host_devices: one XLA host device per core, set before JAX."""
 
 import os
 
@@ -24,8 +24,8 @@ def test_choose():
 
 def _devices_seen(env_extra, batch):
   code = (
-      "import sys; from train.loop import host_devices; host_devices.configure();"
-      "import jax; from train.loop import sharding;"
+      "import sys; from train.loop import host_devices;"
+      "host_devices.configure(); import jax; from train.loop import sharding;"
       f"print(jax.device_count(), len(sharding.data_parallel_devices({batch})))"
   )
   out = run_python(code, env_extra, drop=["XLA_FLAGS"])

@@ -1,4 +1,4 @@
-"""train.loop.host_memory: a step's temporaries reused from the heap, not new pages."""
+"""train.loop.host_memory: a step's temporaries reused from the heap."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Tests of train/model/models.py: architectures, parameter counts, the norm factory."""
+"""train/model/models.py: architectures, parameter counts, the norm factory."""
 
 from __future__ import annotations
 

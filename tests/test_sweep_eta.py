@@ -1,4 +1,4 @@
-"""The sweep's ETA (``train.sweep.progress``): from the work done, on a fake clock.
+"""The sweep's ETA (``train.sweep.progress``): from the work done, fake clock.
 
 The ETA must come from the time per finished epoch and count down (or hold)
 while nothing finishes; it once counted up, one second per second.

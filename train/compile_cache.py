@@ -22,8 +22,8 @@ ENV = "GBN_COMPILE_CACHE"
 #: JAX's own variable for the cache folder; a user-set value wins.
 JAX_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 # Programs that took less than this to compile are not written: the tiny
-# ones of eager jnp calls. A small model's train and eval steps take ~0.2 s
-# and more (JAX's default of 1 s would skip them on a fast machine).
+# ones of eager jnp calls. Low enough that a small model's train and eval
+# steps are kept, which JAX's default threshold would skip on a fast machine.
 MIN_COMPILE_SECONDS = 0.1
 
 _OFF = ("0", "false", "no", "off")

@@ -325,10 +325,9 @@ def _first_epoch_notes(
       and remaining >= 5
   ):
     lines.append(
-        f"{prog}: note: this runs on the CPU; ResNet20 is meant for a GPU. "
-        "On 2 cores a ResNet20 epoch at batch 256 takes 2-3 minutes (a train "
-        "step 0.6-0.9 s, about PyTorch's speed on the same cores); for a quick "
-        "CPU run, --model lenet takes 25-45 s per CIFAR-10 epoch."
+        f"{prog}: note: this runs on the CPU; ResNet20 is meant for a GPU "
+        "(CPU step and epoch times: docs/performance.md). For a quicker CPU "
+        "run, use --model lenet."
     )
   return lines
 

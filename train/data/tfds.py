@@ -120,8 +120,8 @@ def _tfds_split_to_arrays(
   """Copies a tfds data source's images and labels into numpy arrays.
 
   Records are fetched ``chunk`` at a time with ``__getitems__``, which reads
-  the array_record file in one batched call: about 3x faster than indexing
-  record by record (PNG decoding is the rest of the cost).
+  the array_record file in one batched call, faster than indexing record by
+  record (PNG decoding is the rest of the cost).
   """
   n = len(source)
   images = np.empty((n, *info.image_shape), np.uint8)

@@ -1,9 +1,9 @@
 """What a model's norm layers see: their calls, sizes and Gaussian gains.
 
 :func:`capture_calls` is the one ``nn.intercept_methods`` interceptor of the
-training package: ``train.loop.train_steps`` records one layer's activations with
-it, ``train.gain`` every norm layer's input and :func:`norm_layer_sizes` the
-shapes. Training writes :data:`NORM_LAYERS_FILE` beside ``metrics.jsonl``::
+training package: ``train.loop.train_steps`` records one layer's activations
+with it, ``train.gain`` every norm layer's input and :func:`norm_layer_sizes`
+the shapes. Training writes :data:`NORM_LAYERS_FILE` beside ``metrics.jsonl``::
 
   {"dataset": "fashion_mnist", "model": "lenet", "batch_size": 1000,
    "norm": "rbd", "calibration": "none",

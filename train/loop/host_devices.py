@@ -1,10 +1,10 @@
-"""Use every CPU core: one XLA host device per core (ResNet20: one), set before JAX starts.
+"""Use every CPU core: one XLA host device per core, set before JAX starts.
 
 XLA:CPU runs most of a small model's step on one thread; splitting the host
 into several devices and the batch across them (the training loop is data
-parallel over all devices) keeps every core busy. Measured on 2 cores: a LeNet
-step at batch 1000 took 618-674 ms on 2 host devices against 796-1023 ms on one
-(``README.md``, "Using every core").
+parallel over all devices) keeps every core busy. ResNet20 keeps one device
+(:data:`ONE_DEVICE_MODELS`). Step times on one and on several host devices,
+with the commands that measure them: ``docs/performance.md``.
 
 ``GBN_HOST_DEVICES`` controls it: ``auto`` (default) makes one device per core,
 except for the models in :data:`ONE_DEVICE_MODELS`, ``1`` turns it off, any
@@ -28,9 +28,8 @@ _FLAG = "--xla_force_host_platform_device_count"
 #: Models that ``auto`` keeps on one host device. ResNet20's convolutions,
 #: selections and large elementwise work already run on every core through
 #: XLA's intra-op threads, and a split adds the norms' statistics across
-#: devices at every layer: on 2 cores its epoch took 108 s on one device
-#: against 119 s on two (``bn``; ``sqd2`` 118 against 127), while LeNet's was
-#: faster on two (``docs/performance.md``, "Host memory").
+#: devices at every layer, so its epochs are faster on one device
+#: (``docs/performance.md``, "Host memory").
 ONE_DEVICE_MODELS = frozenset({"resnet20"})
 
 

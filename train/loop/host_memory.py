@@ -1,15 +1,15 @@
 """Reuse host memory between steps: glibc malloc settings, set before JAX starts.
 
-XLA:CPU allocates each step's temporaries as one buffer (about 400 MB for a
-ResNet20 step at batch 256) and frees it when the step ends. glibc serves an
-allocation that large from a fresh ``mmap`` (always, from a worker thread's
-arena, whose heaps cannot exceed 64 MB), so every step touches 100,000 new
-pages, and the kernel faults in and zeroes each one: about 100 ms of a 600 ms
-step on the 2-core development machine. Three ``mallopt`` settings make the
-buffer come from the process heap and stay there for the next step: one arena
-for every thread, no ``mmap`` for large blocks, no trimming of the heap's top.
-The price is resident memory: the freed buffers stay in the heap. Figures and
-the commands that measure them: ``docs/performance.md``, "Host memory".
+XLA:CPU allocates each step's temporaries as one buffer (hundreds of MB for
+a ResNet20 step at batch 256) and frees it when the step ends. glibc serves
+an allocation that large from a fresh ``mmap`` (always, from a worker
+thread's arena, whose heaps cannot exceed 64 MB), so every step maps fresh
+pages, and the kernel faults in and zeroes each one. Three ``mallopt``
+settings make the buffer come from the process heap and stay there for the
+next step: one arena for every thread, no ``mmap`` for large blocks, no
+trimming of the heap's top. The price is resident memory: the freed buffers
+stay in the heap. Figures and the commands that measure them:
+``docs/performance.md``, "Host memory".
 
 ``GBN_HOST_MALLOC`` controls it: ``reuse`` (default) applies the settings,
 ``default`` leaves glibc's own. Nothing happens where the C library is not

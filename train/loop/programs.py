@@ -1,11 +1,11 @@
 """Compiling a run's functions ahead of time, and reusing them in-process.
 
-:func:`compile_program` jits and compiles :mod:`train.loop.train_steps`' functions
-(and :func:`train.loop.train_state.create_train_state`) for a run's config, mesh
-and shapes into a :class:`Program`; compiling ahead of time keeps compilation
-out of the epoch times. Programs are cached in the process, keyed on all that
-decides them (:func:`_program_context`), so that runs of the same shapes
-(tests, sweeps in a notebook, a resumed run) compile once.
+:func:`compile_program` jits and compiles :mod:`train.loop.train_steps`'
+functions (and :func:`train.loop.train_state.create_train_state`) for a run's
+config, mesh and shapes into a :class:`Program`; compiling ahead of time keeps
+compilation out of the epoch times. Programs are cached in the process, keyed on
+all that decides them (:func:`_program_context`), so that runs of the same
+shapes (tests, sweeps in a notebook, a resumed run) compile once.
 """
 
 from __future__ import annotations

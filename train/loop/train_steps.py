@@ -2,12 +2,12 @@
 
 :func:`prepare_epoch` shuffles, batches and augments one epoch on the devices;
 :func:`train_step` is one SGD step (recording one norm layer's activations if
-asked, :mod:`train.model.activations`); :func:`eval_model` sums the test loss and
-errors with the norms' running averages, :func:`precise_eval_model` with
+asked, :mod:`train.model.activations`); :func:`eval_model` sums the test loss
+and errors with the norms' running averages, :func:`precise_eval_model` with
 statistics recomputed over training batches (PreciseBN). Every random number
 is a function of ``(seed, epoch, step)``: :func:`init_key`, :func:`epoch_key`.
-:mod:`train.loop.programs` compiles these functions and :mod:`train.loop.trainer` runs
-them.
+:mod:`train.loop.programs` compiles these functions and
+:mod:`train.loop.trainer` runs them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and the steps are plain ``jax.jit`` functions. XLA's SPMD partitioner then
 reduces over the whole batch wherever the model does, so the GBN statistics
 (means, quantiles, maxima...) are those of the GLOBAL batch, exactly as on
 one device; no ``axis_name`` is needed. The mesh is built with
-``AxisType.Auto``: ``jax.make_mesh`` now defaults to ``Explicit`` axes,
+``AxisType.Auto``: ``jax.make_mesh`` defaults to ``Explicit`` axes,
 under which the sort of the quantile measures (``sqd*``) over the sharded
 batch axis is rejected ("Arguments to sort must be unsharded over the
 sorting dimension"), while with ``Auto`` XLA inserts the communication.

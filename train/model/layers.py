@@ -20,15 +20,16 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
   goes to each window's maximum, split equally over tied maxima, where
   ``nn.max_pool``'s (``select_and_scatter``) gives it all to one of them; the
   two agree wherever a window's maximum is unique, and after a ReLU the ties
-  are zeros, whose ReLU gradient is zero either way. Why not ``nn.max_pool``:
-  on XLA:CPU its gradient builds index arrays and a scatter and took about a
-  third of a LeNet step (``benchmarks/bench_lenet_step.py``).
+  are zeros, whose ReLU gradient is zero either way.
 
   >>> x = jnp.arange(16.).reshape(1, 4, 4, 1)
   >>> max_pool_2x2(x)[0, :, :, 0]
   Array([[ 5.,  7.],
          [13., 15.]], dtype=float32)
   """
+  # Not nn.max_pool: on XLA:CPU its gradient builds index arrays and a
+  # scatter, a large part of a LeNet step (benchmarks/step/bench_lenet_step.py
+  # profiles it).
   n, h, w, c = x.shape
   x = x[:, : h // 2 * 2, : w // 2 * 2, :]
   return jnp.max(x.reshape(n, h // 2, 2, w // 2, 2, c), axis=(2, 4))
@@ -66,14 +67,12 @@ def im2col(
 
 
 class PatchConv(nn.Module):
-  """``nn.Conv(features, kernel_size, padding='VALID', use_bias=False)`` as a matmul.
+  """``nn.Conv`` (VALID padding, no bias) as an im2col matmul.
 
   The same parameter (``kernel``, HWIO, flax's default LeCun-normal init, so
   the same values from the same key) and the same function up to float32
   summation order, computed as an im2col matmul: the patches side by side,
-  times the flattened kernel. Why: on XLA:CPU (jaxlib 0.10) LeNet's
-  convolutions, and above all their gradients, ran several times slower
-  than these matmuls (``benchmarks/bench_lenet_step.py``).
+  times the flattened kernel.
 
   Attributes:
     features: Output channels.
@@ -85,6 +84,8 @@ class PatchConv(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    # On XLA:CPU LeNet's convolutions, and above all their gradients, run
+    # slower than these matmuls (benchmarks/step/bench_lenet_step.py).
     kh, kw = self.kernel_size
     kernel = self.param(
         "kernel",

@@ -15,8 +15,8 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   Caffe's LeNet, so a 28x28 input gives a 4x4x50 feature map before the dense
   layers (5x5x50 for 32x32 inputs). On a CPU its convolutions run as im2col
   matmuls and its pools as a reshape and a max (:class:`PatchConv`,
-  :func:`max_pool_2x2`): the same parameters and function, and 1.4-1.8x
-  faster train steps on XLA:CPU (``results/benchmarks/lenet_step_cpu*.json``).
+  :func:`max_pool_2x2`): the same parameters and function, and faster train
+  steps on XLA:CPU (``results/benchmarks/lenet_step_cpu*.json``).
 * ResNet20 (He et al. 2016, CIFAR variant): 3x3 conv 16 -> norm -> ReLU, then
   3 stages x 3 basic blocks with 16/32/64 channels (stride 2 at the start of
   stages 2 and 3), global average pooling and a dense classifier. Shortcuts
@@ -25,11 +25,11 @@ Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
   parameters, so "a norm after every conv" holds without a projection conv,
   and the CIFAR-10 model has 0.27M parameters as in the paper. On a CPU its
   convolutions run in the training suite's compiled kernels (forward pass,
-  kernel gradient and input gradient, :func:`train.native.convolution.conv`), every
-  convolution's input is computed once (:class:`ResNetConv`), and the norm
-  layers' backward pass recomputes their elementwise work
+  kernel gradient and input gradient, :func:`train.native.convolution.conv`),
+  every convolution's input is computed once (:class:`ResNetConv`), and the
+  norm layers' backward pass recomputes their elementwise work
   (:func:`recompute_elementwise`): the same parameters and function, up to
-  float32 summation order (``benchmarks/bench_resnet_step.py``).
+  float32 summation order (``benchmarks/step/bench_resnet_step.py``).
 
 Convolutions followed by a norm have no bias: every GBN statistic S is
 translation-equivariant (S(x + c) = S(x) + c) and every deviation D is
@@ -85,7 +85,7 @@ def conv_col2im_dgrad(
   ``col2im(g @ kernel^T)`` (the transpose of :func:`im2col`: each patch's
   gradient summed back into place) instead of XLA's transposed convolution,
   which for ``strides > 1`` convolves a zero-dilated gradient (4 times the
-  positions at stride 2) and ran slower on XLA:CPU.
+  positions at stride 2) and runs slower on XLA:CPU.
   """
   return conv_same(x, kernel, strides)
 
@@ -158,19 +158,25 @@ def conv_compiled(x: jax.Array, kernel: jax.Array, strides: int) -> jax.Array:
 def computed_once(x: jax.Array) -> jax.Array:
   """``x`` itself, which XLA:CPU then computes once, not in every consumer.
 
-  XLA:CPU fuses cheap elementwise producers into each of their consumers,
-  duplicating them. In ResNet20 a convolution's input is a chain of them
-  (the norm, shortcut addition and ReLU of the blocks before it), and the
-  kernel gradient's batch-minor copy of that input recomputed the whole
-  chain, reading one image apart per element written: up to 105 ms for one
-  copy, whose chain reached back to the stem (``docs/performance.md``). XLA does not
-  duplicate a division, so dividing by ones it can't fold (``1 + 0 * x``,
-  whole-shape: a broadcast scalar divisor becomes a multiplication by its
-  reciprocal) ends the chain where it is first computed. For finite ``x``
-  the result is ``x`` exactly and so is the gradient (the divisor is a
-  constant to autodiff), up to the backend's flushing of subnormals, as
-  after any arithmetic; an infinite element becomes NaN.
+  For finite ``x`` the result is ``x`` exactly and so is the gradient, up to
+  the backend's flushing of subnormals, as after any arithmetic; an infinite
+  element becomes NaN.
+
+  Args:
+    x: Any array.
+
+  Returns:
+    ``x / ones``, with ones XLA can't fold.
   """
+  # XLA:CPU fuses cheap elementwise producers into each of their consumers,
+  # duplicating them. In ResNet20 a convolution's input is a chain of them
+  # (the norm, shortcut addition and ReLU of the blocks before it), and the
+  # kernel gradient's batch-minor copy of that input recomputes the whole
+  # chain, reading one image apart per element written, back to the stem
+  # (docs/performance.md). XLA does not duplicate a division, so dividing by
+  # ones it can't fold ends the chain where it is first computed. The
+  # divisor is whole-shape (a broadcast scalar divisor becomes a
+  # multiplication by its reciprocal) and a constant to autodiff.
   return x / lax.stop_gradient(1 + 0 * x)
 
 
@@ -183,7 +189,7 @@ class ResNetConv(nn.Module):
   compiled forward pass, kernel gradient and input gradient of
   :mod:`train.native.convolution`), with the input through
   :func:`computed_once`. ResNet's formulation on a CPU
-  (``benchmarks/bench_resnet_step.py``).
+  (``benchmarks/step/bench_resnet_step.py``).
 
   Attributes:
     features: Output channels.
@@ -193,16 +199,17 @@ class ResNetConv(nn.Module):
       signature).
     kernel_init: The kernel's initializer (``nn.Conv``'s default).
     compute_input_once: Pass the input through :func:`computed_once` (the
-      default; ``False`` is an earlier formulation, for the benchmark).
+      default; ``False``: the input as given, a formulation the benchmark
+      compares).
     matmul_kernel_gradient: Take the gradients from
       :func:`conv_matmul_grads` (the default; ``False``: XLA's kernel
-      gradient, :func:`conv_col2im_dgrad` for strided convolutions, an
-      earlier formulation, for the benchmark).
+      gradient, :func:`conv_col2im_dgrad` for strided convolutions, a
+      formulation the benchmark compares).
     compiled_forward: With ``matmul_kernel_gradient``, compute the forward
       pass and the input gradients by the compiled kernels too
       (:func:`conv_compiled`, the default; ``False``: XLA's forward pass and
-      stride-1 input gradient, :func:`conv_col2im_dgrad`'s when strided, an
-      earlier formulation, for the benchmark).
+      stride-1 input gradient, :func:`conv_col2im_dgrad`'s when strided, a
+      formulation the benchmark compares).
   """
 
   features: int

@@ -246,17 +246,11 @@ def _save_all_but_elementwise(prim, *_, **__) -> bool:
 def recompute_elementwise(norm: ModuleDef) -> ModuleDef:
   """``norm`` whose backward pass recomputes its elementwise work.
 
-  Autodiff keeps what a norm layer's backward pass needs, ``x - S(x)`` among
-  it, as arrays the size of the activations, and XLA:CPU then writes and
-  reads each of them once more: in ResNet20 ``x - mean`` alone took 52-59 ms
-  of the 650-735 ms of op time in a step (one device,
-  ``benchmarks/bench_resnet_step.py``'s profile). Under
-  :func:`flax.linen.remat` with this policy the layer keeps only its input
-  and what is not elementwise (the statistics, a selection), and the
-  backward pass recomputes the rest inside its own fusions. The
-  function, parameters and ``batch_stats`` are unchanged, and so are the
-  values up to float rounding (the same operations, fused differently; the
-  benchmark's step agreed bit for bit).
+  Under :func:`flax.linen.remat` with this policy the layer keeps only its
+  input and what is not elementwise (the statistics, a selection), and the
+  backward pass recomputes the rest inside its own fusions. The function,
+  parameters and ``batch_stats`` are unchanged, and so are the values up to
+  float rounding (the same operations, fused differently).
 
   Args:
     norm: A norm factory (:func:`make_norm`'s): a Module class or a
@@ -273,6 +267,10 @@ def recompute_elementwise(norm: ModuleDef) -> ModuleDef:
         recompute_elementwise(norm.func), *norm.args, **norm.keywords
     )
   if isinstance(norm, type) and issubclass(norm, nn.Module):
+    # Autodiff would keep what the backward pass needs, x - S(x) among it,
+    # as arrays the size of the activations, which XLA:CPU then writes and
+    # reads once more: a visible share of a ResNet20 step's op time
+    # (benchmarks/step/bench_resnet_step.py's profile, docs/performance.md).
     return nn.remat(norm, policy=_save_all_but_elementwise)
   raise TypeError(
       f"expected a Module class or a functools.partial of one, got {norm!r}"

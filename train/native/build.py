@@ -1,8 +1,8 @@
 """Compiles the training suite's C++ kernels on first use, into a user cache.
 
-The training suite's compiled convolutions (:mod:`train.native.convolution`, sources
-in ``train/native/csrc``) are no part of the gbn_jax distribution, so no ``pip
-install`` builds them: the first process that needs them compiles them
+The training suite's compiled convolutions (:mod:`train.native.convolution`,
+sources in ``train/native/csrc``) are no part of the gbn_jax distribution, so
+no ``pip install`` builds them: the first process that needs them compiles them
 (:func:`conv_library`, a few seconds) with the system's C++ compiler
 (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the XLA FFI headers
 that jaxlib ships (``jax.ffi.include_dir()``), and later processes load the
@@ -125,7 +125,14 @@ def _build_key(cxx: str, commands: Sequence[Sequence[str]], folders) -> str:
 
 
 def _compile_all(commands: Sequence[Sequence[str]]) -> list[tuple]:
-  """Runs the compile commands side by side: ``(command, returncode, output)``."""
+  """Runs the compile commands side by side.
+
+  Args:
+    commands: Compiler command lines.
+
+  Returns:
+    ``(command, returncode, output)`` for each.
+  """
   running = [
       (
           command,
@@ -242,7 +249,7 @@ def conv_sources() -> list[Source]:
 
 
 def conv_library() -> Path | None:
-  """The convolution kernels (``train/native/csrc/conv_cpu.cc``), built if need be.
+  """The compiled convolution kernels (``csrc/conv_cpu.cc``), built if need be.
 
   Returns:
     The library's path; None without a C++ compiler or with

@@ -16,16 +16,15 @@ ResNet20's shapes (``docs/performance.md``). ``GBN_CONV_MAX_ISA``
 instruction set: AVX-512 and AVX2 give the same bits; ``scalar``'s plain
 loops round twice per term, not once.
 
-The kernels (``train/native/csrc/conv_cpu.cc``) are compiled on first use with the
-system's C++ compiler and cached per user (:mod:`train.native.build`: a few
+The kernels (``train/native/csrc/conv_cpu.cc``) are compiled on first use with
+the system's C++ compiler and cached per user (:mod:`train.native.build`: a few
 seconds, once). Without a compiler, with ``GBN_CONV_NATIVE=0``, and on every
-other backend, XLA computes the same things; a compiler that fails warns
-once, naming its log. Under ``jit`` with the batch sharded over devices,
-each device convolves its own images, and for the kernel gradient the
-devices' parts are summed (``custom_partitioning``): the results are the
-whole batch's. Under ``vmap`` the kernels run once per mapped pair. A CPU
-``jax.export`` of a program that uses them needs
-:func:`export_disabled_checks`.
+other backend, XLA computes the same things; a compiler that fails warns once,
+naming its log. Under ``jit`` with the batch sharded over devices, each device
+convolves its own images, and for the kernel gradient the devices' parts are
+summed (``custom_partitioning``): the results are the whole batch's. Under
+``vmap`` the kernels run once per mapped pair. A CPU ``jax.export`` of a program
+that uses them needs :func:`export_disabled_checks`.
 """
 
 from __future__ import annotations
@@ -425,15 +424,15 @@ def conv(
 
   The convolution is ``lax.conv_general_dilated(x, kernel, strides, padding,
   dimension_numbers=('NHWC', 'HWIO', 'NHWC'))`` (``flax.linen.Conv``'s, no
-  dilation, one feature group, no bias). On XLA:CPU with the compiled
-  kernels and float32 operands all three run there, the same sums in
-  another order: the forward pass, the kernel gradient
-  (:func:`conv_kernel_gradient`) and the input gradient, which at stride 1
-  is a forward convolution of the output gradient with the kernel turned
-  half round and otherwise (strided, or padded wider than the kernel) a
-  kernel of its own (each window's gradient, the output gradient times the
-  transposed kernel, added into place). Elsewhere (other backends and dtypes, negative padding) XLA
-  computes them. Differentiable once (reverse mode, a ``custom_vjp``).
+  dilation, one feature group, no bias). On XLA:CPU with the compiled kernels
+  and float32 operands all three run there, the same sums in another order: the
+  forward pass, the kernel gradient (:func:`conv_kernel_gradient`) and the input
+  gradient, which at stride 1 is a forward convolution of the output gradient
+  with the kernel turned half round and otherwise (strided, or padded wider than
+  the kernel) a kernel of its own (each window's gradient, the output gradient
+  times the transposed kernel, added into place). Elsewhere (other backends and
+  dtypes, negative padding) XLA computes them. Differentiable once (reverse
+  mode, a ``custom_vjp``).
 
   Args:
     x: ``(N, H, W, C)``.

@@ -18,8 +18,8 @@ found recursively. ``OUT/report.md`` then holds:
 * **Gain**, where a run has ``gain.json`` (``python -m train.gain``) or
   with ``--gain``: per setting and norm, the gain ``sigma/D`` a Gaussian
   feature meets (from ``gbn_jax``'s normal-consistency constants, as
-  training recorded them in ``norm_layers.json``, see :mod:`train.loop.capture`),
-  the gain measured on real activations, the best
+  training recorded them in ``norm_layers.json``, see
+  :mod:`train.loop.capture`), the gain measured on real activations, the best
   error; and Spearman's rank correlation of gain with best error across
   the norms of each setting.
 * **Calibrated against raw measures and BatchNorm**, where runs with
@@ -55,7 +55,7 @@ from pathlib import Path
 import sys
 
 # The public names of the report modules are this module's too (the
-# notebooks and older scripts use ``report.find_runs`` etc.).
+# notebooks and scripts use ``report.find_runs`` etc.).
 from train.report.figures import activations_figure
 from train.report.figures import curves_figure
 from train.report.figures import read_activations

@@ -5,8 +5,8 @@ A run's config as read from its ``config.json`` becomes a setting
 whose values differ between the runs (`varying_fields`) label them, spelled
 as the run folders' names spell them (`setting_text`, `run_labels`), and
 runs alike in every setting by their folders (`run_dir_names`). Shared by
-:mod:`train.report.plot` and the report (:mod:`train.report.runs`), and free of jax
-as they are.
+:mod:`train.report.plot` and the report (:mod:`train.report.runs`), and free
+of jax as they are.
 """
 
 from __future__ import annotations

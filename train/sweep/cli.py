@@ -14,9 +14,10 @@ is an error that asks for ``--defaults``.
 
 Each run is a ``python -m train.cifar`` (or ``train.mnist`` with
 ``--defaults mnist``) subprocess in its own run directory under
-``--sweep-dir``, named after its config (:func:`train.sweep.grid.run_name`): ``config.json``,
-``metrics.jsonl`` and ``checkpoints/`` as the CLI writes them, plus
-``sweep.log`` (the run's output) and, after a failure, ``sweep_status.json``.
+``--sweep-dir``, named after its config (:func:`train.sweep.grid.run_name`):
+``config.json``, ``metrics.jsonl`` and ``checkpoints/`` as the CLI writes
+them, plus ``sweep.log`` (the run's output) and, after a failure,
+``sweep_status.json``.
 
 Resuming: a run whose ``metrics.jsonl`` already lists all its epochs is
 skipped without starting a process, and an unfinished one resumes from its
@@ -27,10 +28,8 @@ once its row is in ``metrics.jsonl``, and a lock per run directory keeps
 two sweeps sharing a folder from running the same run twice.
 
 Using the machine: on a CPU the default is one run at a time over all cores
-(one XLA host device per core, as the CLI makes). Two single-core runs at
-once were measured no faster in total on the 2-core development machine
-(Fashion-MNIST LeNet, 2 runs x 2 epochs: 1m56s against 1m59s), and one run
-at a time keeps each run's seconds free of the other's load, which the
+(one XLA host device per core, as the CLI makes): such a run already keeps
+every core busy, and its seconds stay free of another run's load, which the
 wall-clock comparisons need. ``--jobs N --devices-per-run M`` runs N at once,
 each pinned to its own M cores. On a GPU the default is one run at a time;
 ``--jobs N`` shares the card between N runs, each limited to ``0.9 / N`` of

@@ -333,9 +333,11 @@ ffi::Error Guarded(Kernel&& kernel) {
     kernel();
     return ffi::Error::Success();
   } catch (const std::bad_alloc&) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "convolution kernel (train/native/csrc): out of memory");
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "convolution kernel (train/native/csrc): out of memory");
   } catch (...) {
-    return ffi::Error(ffi::ErrorCode::kInternal, "convolution kernel (train/native/csrc) failed");
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "convolution kernel (train/native/csrc) failed");
   }
 }
 

@@ -34,8 +34,8 @@ struct Isa {
   static Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-// Alike train/native/csrc/conv_tiles_x86.cc::Isa (AVX-512): the same traits, each
-// set's own intrinsics and widths.
+// Like the AVX-512 Isa above: the same traits, each set's own intrinsics and
+// widths.
 using ThisSet = Avx2;
 struct Isa {
   using Vec = __m256;
