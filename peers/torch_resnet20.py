@@ -1,7 +1,7 @@
 """PyTorch peer: the project's CIFAR ResNet20 train step, BatchNorm vs SQD.
 
 The reference point of issue 20 ("ResNet20 on a CPU at PyTorch's speed") and
-of ``benchmarks/bench_resnet_step.py --torch-python``: He et al.'s CIFAR
+of ``benchmarks/step/bench_resnet_step.py --torch-python``: He et al.'s CIFAR
 ResNet20 as ``train.model.models.ResNet20`` builds it (3x3 convolutions without
 bias, a norm after each, option-A shortcuts: subsampling and zero-padded
 channels), batch 256 on 32x32x3, one plain SGD step (lr 0.1, weight decay

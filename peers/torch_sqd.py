@@ -1,12 +1,12 @@
 """PyTorch peer: BatchNorm against an SQD layer as a PyTorch user would write it.
 
 This script is the reference point of the repository's performance numbers
-(``benchmarks/device_check.sh``'s ``torch`` step, ``benchmarks/
+(``benchmarks/device/device_check.sh``'s ``torch`` step, ``benchmarks/
 bench_lenet_step.py --torch-python``): it times forward + backward of
 ``torch.nn.BatchNorm2d``/``BatchNorm1d`` against a superquantile-deviation
 (SQD, alpha) GBN layer written with ``torch.kthvalue`` (``S`` = the alpha
 quantile, ``D`` = superquantile - mean, autograd through both), on the layer
-shapes of ``benchmarks/bench_gbn.py`` (NHWC there, NCHW here), plus one SGD
+shapes of ``benchmarks/layer/bench_gbn.py`` (NHWC there, NCHW here), plus one SGD
 step of a LeNet (batch 1000, 28x28x1) with either norm. Each time is the
 median of timed runs after a warm-up, BatchNorm and SQD interleaved per
 shape so that drift cancels in their ratio. CPU or CUDA.
@@ -25,7 +25,7 @@ The JSON holds ``torch`` (version), ``device``, ``threads``, ``alpha``,
 ``train_step`` (``model``, ``batch``, ``bn_ms``, ``sqd_ms``, ``ratio``).
 
 Importing the module has no side effect and works without torch (``SQD`` and
-``lenet`` then raise); ``benchmarks/bench_lenet_step.py`` imports it for
+``lenet`` then raise); ``benchmarks/step/bench_lenet_step.py`` imports it for
 ``SQD``, ``lenet`` and ``timed``.
 """
 
@@ -47,7 +47,7 @@ try:
 except ImportError:  # torch is no dependency of gbn-jax; see the docstring
   torch = nn = F = None
 
-#: Layer shapes, NCHW (``benchmarks/bench_gbn.py``'s, there NHWC).
+#: Layer shapes, NCHW (``benchmarks/layer/bench_gbn.py``'s, there NHWC).
 LAYER_SHAPES = (
     (256, 16, 32, 32),
     (1024, 16, 32, 32),

@@ -1,4 +1,4 @@
-"""benchmarks/bench_compile.py: its HLO counters and its JSON.
+"""benchmarks/compile/bench_compile.py: its HLO counters and its JSON.
 
 The counters are checked on hand-written HLO and StableHLO text and on
 programs whose contents are known by construction (a sort, a while loop, a
@@ -14,7 +14,7 @@ from jax import lax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import bench_compile as bench
+from benchmarks.compile import bench_compile as bench
 
 from process_helpers import REPO
 from process_helpers import run_module
@@ -150,7 +150,7 @@ def _positive_int(value) -> bool:
 def test_lenet_json_has_every_field(tmp_path):
   out = tmp_path / "compile.json"
   proc = run_module(
-      "benchmarks.bench_compile",
+      "benchmarks.compile.bench_compile",
       "--models=lenet",
       "--norms=bn,sqd2",
       "--batch=8",

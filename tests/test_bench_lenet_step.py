@@ -1,4 +1,4 @@
-"""benchmarks/bench_lenet_step.py's pieces: its model variants are exact.
+"""benchmarks/step/bench_lenet_step.py's pieces: its model variants are exact.
 
 Every variant the benchmark times must give the real LeNet's loss (the train
 step's), gradients and batch statistics up to float32 summation order
@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import bench_lenet_step
-from benchmarks import lenet_children
-from benchmarks import lenet_profile
-from benchmarks import lenet_setup
-from benchmarks import lenet_variants
-from benchmarks import step_profile
+from benchmarks.step import bench_lenet_step
+from benchmarks.step import lenet_children
+from benchmarks.step import lenet_profile
+from benchmarks.step import lenet_setup
+from benchmarks.step import lenet_variants
+from benchmarks.step import step_profile
 
 pytestmark = pytest.mark.slow  # about 15-40 s in all (compilations)
 

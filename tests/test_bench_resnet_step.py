@@ -1,4 +1,4 @@
-"""benchmarks/bench_resnet_step.py: exact formulations, profile, plumbing.
+"""benchmarks/step/bench_resnet_step.py: exact formulations, profile, plumbing.
 
 Every convolution formulation the benchmark times must be ``nn.Conv``'s
 function (forward and both gradients, float32 summation order aside), every
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import bench_resnet_step as bench
+from benchmarks.step import bench_resnet_step as bench
 from train.model import models
 
 
@@ -185,8 +185,8 @@ def test_final_runs_each_norm_in_a_process_of_its_own(monkeypatch):
   spec = {"variants": ["base"], "runs": 1}
   merged = bench._per_norm_processes(spec, ["bn", "sqd2"], 2, "default")  # pylint: disable=protected-access
   assert calls == [
-      ("benchmarks.bench_resnet_step", "time", ["bn"], 2, "default"),
-      ("benchmarks.bench_resnet_step", "time", ["sqd2"], 2, "default"),
+      ("benchmarks.step.bench_resnet_step", "time", ["bn"], 2, "default"),
+      ("benchmarks.step.bench_resnet_step", "time", ["sqd2"], 2, "default"),
   ]
   assert set(merged["norms"]) == {"bn"}
   assert merged["wall_s"] == 3.0 and merged["machine"] == {"cpu": "x"}

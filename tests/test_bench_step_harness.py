@@ -1,6 +1,6 @@
 """The step benchmarks' shared harness: children, the report, the checks.
 
-``benchmarks.step_children`` must start a child with exactly the flag set's
+``benchmarks.step.step_children`` must start a child with exactly the flag set's
 environment and read its ``RESULT`` line (or say why there is none);
 ``step_report`` must save what it is given and read step times back;
 ``step_setup``'s differences must be the definition's. No JAX in the
@@ -18,9 +18,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from benchmarks import step_children
-from benchmarks import step_report
-from benchmarks import step_setup
+from benchmarks.step import step_children
+from benchmarks.step import step_report
+from benchmarks.step import step_setup
 
 
 def test_child_env_sets_the_flag_set_and_drops_the_parents(monkeypatch):

@@ -9,8 +9,8 @@ What the script guarantees is checked, never how fast this machine is: every
 step ran (or was skipped for want of time) and logged how it ended, and every
 file it wrote is whole and says whether its step finished. A step its cap
 cut off logs ``NAME: rc=124`` (137: killed) and ``NAME: cut off by its cap``,
-and its JSON says ``"complete": false`` (see benchmarks/device_check.sh);
-what it did write is checked like a finished step's. A second rehearsal with
+and its JSON says ``"complete": false`` (see
+benchmarks/device/device_check.sh); what it did write is checked like a finished step's. A second rehearsal with
 a tiny budget makes the caps cut, so that those paths are checked too.
 """
 
@@ -24,7 +24,7 @@ import tarfile
 
 import pytest
 
-from benchmarks import device_check_compile
+from benchmarks.device import device_check_compile
 
 from process_helpers import run_shell_script
 
@@ -177,7 +177,9 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path, budget):
       PYTHON=sys.executable,
       BUDGET=budget,
   )
-  proc = run_shell_script("benchmarks/device_check.sh", env=env, timeout=1120)
+  proc = run_shell_script(
+      "benchmarks/device/device_check.sh", env=env, timeout=1120
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # What comes back from a device, whatever cut the run short: the log, the
   # results, and the ResNet20 runs to resume from.

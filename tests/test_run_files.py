@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import device_check_compile
+from benchmarks.device import device_check_compile
 from train import run_files
 from train.loop import checkpointing
 from train.report import plot

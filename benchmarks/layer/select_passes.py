@@ -7,8 +7,8 @@ on the CPU to count them without a device. Prints, per ``(first_eps, eps)``
 setting of the interpolation margins, the mean and worst pass count over data
 kinds x shapes x alpha levels.
 
-  python -m benchmarks.select_passes --accelerator
-  python -m benchmarks.select_passes --eps 5,1 5,2
+  python -m benchmarks.layer.select_passes --accelerator
+  python -m benchmarks.layer.select_passes --eps 5,1 5,2
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each setting runs in its own subprocess (the device count is fixed when JAX
 starts); the settings alternate for --repeats rounds and the medians are
 compared.
 
-  python -m benchmarks.bench_host_devices --model lenet --norm bn \\
+  python -m benchmarks.step.bench_host_devices --model lenet --norm bn \\
       --batch 1000 --out results/benchmarks/host_devices_lenet.json
 """
 

@@ -8,8 +8,8 @@ reports medians after warm-up and ratios to the mean+var yardstick.
 
 Example::
 
-  python benchmarks/bench_select.py --reps 15 --out /tmp/select.json
-  python benchmarks/bench_select.py --shapes 256x32x32x16:0,1,2 --alpha 0.25
+  python benchmarks/layer/bench_select.py --reps 15 --out /tmp/select.json
+  python benchmarks/layer/bench_select.py --shapes 256x32x32x16:0,1,2 --alpha 0.25
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
       "--data", default="normal", choices=["normal", "relu", "rounded"]
   )
   parser.add_argument("--reps", type=int, default=11)
-  # Alike benchmarks/bench_lenet_step.py::parse_args: argparse calls, each
+  # Alike benchmarks/step/bench_lenet_step.py::parse_args: argparse calls, each
   # benchmark's own flags.
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument(

@@ -1,9 +1,8 @@
-"""The CLI's compile time, first and cached, as a user meets it (issue 36).
+"""The CLI's compile time, first and cached, as a user meets it.
 
-On an H100, ``python -m train.cifar`` (ResNet20) compiled for 50.8 s with
-``bn`` and 86.0 s with ``sqd2`` before its first epoch; the CLI now keeps its
-compiled programs between runs (:mod:`train.compile_cache`). For each norm,
-this runs the real CLI twice, each time in a fresh process::
+The CLI keeps its compiled programs between runs
+(:mod:`train.compile_cache`); what they cost is in docs/performance.md
+("Compile time"). For each norm, this runs the real CLI twice, each time in a fresh process::
 
   python -m train.cifar --norm N --epochs E --data-dir D ...
 
@@ -21,14 +20,15 @@ Xs": tracing, lowering and XLA of its programs, before epoch 1);
 to the end of epoch 1 (the CLI logs no single step: its first step ends
 inside epoch 1); ``epoch_s`` (``metrics.jsonl``'s ``seconds``); ``wall_s``;
 ``cache_hits`` (programs read back), ``cache_written`` (programs compiled and
-written); ``cache_hit``: every one of the CLI's programs was read back. Then, unless ``--no-bench-compile``,
-``benchmarks.bench_compile --cached`` per norm (its own file per norm) splits
-the compile into tracing+lowering and XLA seconds, fresh and cached.
+written); ``cache_hit``: every one of the CLI's programs was read back.
+Then, unless ``--no-bench-compile``, ``benchmarks.compile.bench_compile
+--cached`` per norm (its own file per norm) splits the compile into
+tracing+lowering and XLA seconds, fresh and cached.
 ``--out`` is rewritten after every run, ``"complete": false`` until all ran;
 a run stopped by SIGTERM (the device check's cap) is recorded as far as it
 got, with ``"cut": true``.
 
-  python -m benchmarks.device_check_compile --data-dir /tmp/cifar10 \\
+  python -m benchmarks.device.device_check_compile --data-dir /tmp/cifar10 \\
       --work /tmp/compile --out /tmp/compile.json
 """
 
@@ -47,10 +47,10 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import bench_compile
-from benchmarks.bench_gbn import command_line
-from benchmarks.bench_gbn import write_json
-from benchmarks.machine import machine_info
+from benchmarks.compile import bench_compile
+from benchmarks.timing import command_line
+from benchmarks.timing import machine_info
+from benchmarks.timing import write_json
 from train import run_files
 from train.native import build as native_build
 
@@ -197,8 +197,13 @@ def _cache_entries(cache_home: Path) -> int:
 def run_bench_compile(
     args: argparse.Namespace, norm: str, out: Path
 ) -> dict[str, Any]:
-  """``benchmarks.bench_compile --cached`` for one norm; its row's seconds."""
-  command = [sys.executable, "-m", "benchmarks.bench_compile", "--cached"]
+  """``benchmarks.compile.bench_compile --cached`` for one norm: its seconds."""
+  command = [
+      sys.executable,
+      "-m",
+      "benchmarks.compile.bench_compile",
+      "--cached",
+  ]
   command += ["--models", args.model, "--norms", norm, "--out", str(out)]
   if args.batch_size is not None:
     command += ["--batch", str(args.batch_size)]
@@ -266,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.batch_size is not None:
     cli += ["--batch-size", str(args.batch_size)]
   result = {
-      "command": command_line("benchmarks.device_check_compile", argv),
+      "command": command_line("benchmarks.device.device_check_compile", argv),
       "model": args.model,
       "epochs": args.epochs,
       "norms": norms,

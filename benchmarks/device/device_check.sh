@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator check as one budgeted run, from the repository root:
 #
-#   BUDGET=575 OUT=/tmp/out bash benchmarks/device_check.sh [STEP...]
-#   DRY_RUN=1 OUT=/tmp/out bash benchmarks/device_check.sh      # the CPU rehearsal
+#   BUDGET=575 OUT=/tmp/out bash benchmarks/device/device_check.sh [STEP...]
+#   DRY_RUN=1 OUT=/tmp/out bash benchmarks/device/device_check.sh      # the CPU rehearsal
 #
 # Steps, in this order by default (name some to run only those):
 #   env      versions and the card (env.txt); starts the CIFAR-10 conversion
@@ -14,21 +14,20 @@
 #            selection method; picks the fastest exact one (methods.json)
 #   steps    LeNet b1000 and ResNet20 b256 sqd2 train steps against BatchNorm,
 #            with the picked method (steps.json)
-#   compile  the CLI's compile time as a user meets it (issue 36;
-#            benchmarks/device_check_compile.py): for bn, then sqd2,
+#   compile  the CLI's compile time as a user meets it
+#            (benchmarks/device/device_check_compile.py): for bn, then sqd2,
 #            `python -m train.cifar --norm N --epochs 2 --data-dir` (the env
 #            step's CIFAR-10) in a fresh process over an empty compile cache;
 #            then both again over their caches. Per run: the "compiled in"
 #            seconds the CLI logs, launch to that line and to epoch 1's end,
 #            the epochs' seconds, which programs the cache gave back
 #            (cache_hit) (compile.json; output in compile/). Then
-#            benchmarks.bench_compile --cached per norm: tracing+lowering
+#            benchmarks.compile.bench_compile --cached per norm: tracing+lowering
 #            and XLA seconds, fresh and cached (compile/bench_compile_N.json,
-#            summed up in compile.json). Cost on an H100: four CLI runs of
-#            about 10 s to start and train, plus the compiles (51 s bn and
-#            86 s sqd2 as issue 36 measured them; seconds from the cache),
-#            then four bench_compile children: 60-180 s; the cap (180 s)
-#            cuts bench_compile first. `env compile` alone fits any session.
+#            summed up in compile.json). Four CLI runs and their compiles,
+#            then four bench_compile children (their cost on a card:
+#            docs/performance.md, "Compile time"); the cap cuts
+#            bench_compile first. `env compile` alone fits any session.
 #   full     the whole layer table with the picked method (layers.json);
 #            with steps.json it becomes bench_<card>.json
 #   torch    the PyTorch peer (peers/torch_sqd.py, part of the working tree)
@@ -41,7 +40,7 @@
 #            its own session (setsid), so it outlives this call until the
 #            budget of a later `collect` call ends it.
 #            When the row is done, the same detached job goes on with the
-#            gain study's ResNet20 runs (issue 18 e): CIFAR-10 without
+#            gain study's ResNet20 runs: CIFAR-10 without
 #            augmentation, batch 256, lr 0.1, 200 epochs, bn, rbd,
 #            bn_gain:rbd and calibrated rbd, seeds 0 and 1
 #            (sweeps/cifar10_resnet20_gain_gpu/), as many as the budget allows,
@@ -76,9 +75,9 @@
 # cores; caps and budget leave twice that); tests/test_device_check.py runs
 # it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
 # converter (../shared/tools/cifar10_binary.py) travel to the device as
-# .device/data/ and .device/tools/: `bash benchmarks/device_check.sh
+# .device/data/ and .device/tools/: `bash benchmarks/device/device_check.sh
 # prepare` lays them out here (ignored by git), and the device call carries
-# them: run(command="bash benchmarks/device_check.sh", carry=[".device"]).
+# them: run(command="bash benchmarks/device/device_check.sh", carry=[".device"]).
 set -u
 OUT=${OUT:-/tmp/gbn_device_out}
 WORK=${WORK:-/tmp/gbn_device}
@@ -156,13 +155,12 @@ if [ "$DRY_RUN" = 1 ]; then
   EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
   RESNET_EPOCHS=2; RESNET_SEEDS=0; RESNET_NORMS=bn; RESNET_CALIBRATED=; RESNET_JOBS=1
   RESNET_CKPT_EVERY=1; TEST_WORKERS=2
-  # Twice what an idle AMD EPYC core pair needs: the rehearsal checks the
-  # script, not the CPU's speed (a slower Intel Xeon pair, loaded by CI's
-  # other pytest worker, ran out at the former caps and budget of 420 s).
+  # About twice what an idle core pair needs: the rehearsal checks the
+  # script, not the CPU's speed (a slower pair, loaded by CI's other pytest
+  # worker, needs the margin).
   # The tests step is cut off at 20 s, as a device's may be: the suite runs
   # those tests itself, the rehearsal only checks that the step runs and logs.
-  # The compile step's CLI runs: LeNet on the synthetic CIFAR-10 (about 45 s
-  # with bench_compile on two idle cores).
+  # The compile step's CLI runs: LeNet on the synthetic CIFAR-10.
   COMPILE_ARGS=(--model lenet --batch-size 256 --bench-images 512)
   CAPS=(tests=20 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
 else
@@ -170,8 +168,8 @@ else
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
   EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
   RESNET_EPOCHS=200; RESNET_SEEDS=0,1; RESNET_NORMS=bn,rbd,bn_gain:rbd; RESNET_CALIBRATED=rbd; RESNET_JOBS=8
-  # A ResNet20 epoch takes about 4 s with four runs sharing an H200: an orbax
-  # save every 10 epochs costs little, and a later session resumes from it.
+  # An orbax save every 10 ResNet20 epochs costs little next to the epochs
+  # (docs/performance.md), and a later session resumes from it.
   RESNET_CKPT_EVERY=10; TEST_WORKERS=8
   COMPILE_ARGS=(--model resnet20)
   CAPS=(tests=60 radix=50 methods=90 steps=70 compile=180 full=90 torch=30)
@@ -223,7 +221,7 @@ step_tests() {
       tests/test_quantiles.py tests/test_select.py; do
     [ -f "$t" ] && tests+=("$t")
   done
-  # Several workers: one process got through 65 of them in 60 s on an H200.
+  # Several workers: one process gets through too few of them in the cap.
   local workers=()
   "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "$TEST_WORKERS")
   run_capped tests "$(cap "$(cap_of tests)")" "$PYTHON" -m pytest -v -p no:cacheprovider \
@@ -231,12 +229,12 @@ step_tests() {
 }
 
 step_radix() {
-  run_capped radix "$(cap "$(cap_of radix)")" "$PYTHON" -m benchmarks.device_check_radix \
+  run_capped radix "$(cap "$(cap_of radix)")" "$PYTHON" -m benchmarks.device.device_check_radix \
     --shapes "${SHAPES[@]}" "${RUNS[@]}" --out "$WORK/radix.json"
 }
 
 step_methods() {
-  run_capped methods "$(cap "$(cap_of methods)")" "$PYTHON" -m benchmarks.bench_methods \
+  run_capped methods "$(cap "$(cap_of methods)")" "$PYTHON" -m benchmarks.layer.bench_methods \
     --shapes "${SHAPES[@]}" --alphas 0.25 0.5 0.75 0.99 "${RUNS[@]}" --out "$WORK/methods.json"
 }
 
@@ -249,7 +247,7 @@ method_flag() {
 
 step_steps() {
   # shellcheck disable=SC2046
-  run_capped steps "$(cap "$(cap_of steps)")" "$PYTHON" -m benchmarks.bench_gbn --measures \
+  run_capped steps "$(cap "$(cap_of steps)")" "$PYTHON" -m benchmarks.layer.bench_gbn --measures \
     --train-steps lenet resnet20 "${STEP_BATCH[@]}" "${RUNS[@]}" $(method_flag) --out "$WORK/steps.json"
 }
 
@@ -264,14 +262,14 @@ step_compile() {
   if [ ! -d "$DATA/cifar-10-batches-bin" ]; then
     log "compile: skipped, no $DATA/cifar-10-batches-bin (the env step converts it)"; return 1
   fi
-  run_capped compile "$(cap "$(cap_of compile)")" "$PYTHON" -m benchmarks.device_check_compile \
+  run_capped compile "$(cap "$(cap_of compile)")" "$PYTHON" -m benchmarks.device.device_check_compile \
     --norms bn,sqd2 --epochs 2 --data-dir "$DATA" "${COMPILE_ARGS[@]}" --work "$WORK/compile" \
     --out "$WORK/compile.json"
 }
 
 step_full() {
   # shellcheck disable=SC2046
-  run_capped full "$(cap "$(cap_of full)")" "$PYTHON" -m benchmarks.bench_gbn --train-steps \
+  run_capped full "$(cap "$(cap_of full)")" "$PYTHON" -m benchmarks.layer.bench_gbn --train-steps \
     --shapes "${SHAPES[@]}" --measures "${MEASURES[@]}" "${RUNS[@]}" $(method_flag) \
     --out "$WORK/layers.json"
   "$PYTHON" - "$WORK" <<'PY' 2>&1 | tee -a "$LOG"

@@ -7,29 +7,29 @@
 Every pair is timed interleaved, run by run, after warm-up; the ratio is of the
 medians. Timings on a shared machine are noisy: read the ratios, not the ms.
 
-  python -m benchmarks.bench_gbn --runs 20 \\
+  python -m benchmarks.layer.bench_gbn --runs 20 \\
       --out results/benchmarks/bench_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-import json
-import statistics
-import sys
-import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks.machine import machine_info
+from benchmarks.layer.cases import DEFAULT_SHAPES
+from benchmarks.layer.cases import layer_step
+from benchmarks.layer.cases import make_module
+from benchmarks.layer.cases import parse_shape
+from benchmarks.timing import add_timing_args
+from benchmarks.timing import command_line
+from benchmarks.timing import time_interleaved
+from benchmarks.timing import write_result
 import gbn_jax
 from gbn_jax._selection import dispatch
 
-DEFAULT_SHAPES = ("256x32x32x16", "1024x32x32x16", "1000x8x8x50", "512x256")
 DEFAULT_MEASURES = (
     "sd",
     "mad",
@@ -52,34 +52,6 @@ TARGETS = {
     "wcd": 1.3,
 }
 SQD_TARGET = 1.5
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-  return tuple(int(n) for n in text.lower().split("x"))
-
-
-def make_module(norm: str) -> nn.Module:
-  if norm == "bn":
-    return nn.BatchNorm(use_running_average=False)
-  name, params = gbn_jax.parse_measure_name(norm)  # "sqd:0.05" too
-  return gbn_jax.GBatchNorm(use_running_average=False, measure=name, **params)
-
-
-def layer_step(module: nn.Module, x: jax.Array):
-  """jit'ed forward+backward (input and parameter gradients) of one layer."""
-  variables = module.init(jax.random.key(0), x)
-  cotangent = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
-
-  def loss(params, inp):
-    y, updates = module.apply(
-        {**variables, "params": params}, inp, mutable=["batch_stats"]
-    )
-    return jnp.vdot(y, cotangent), updates
-
-  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-  return lambda: step(variables["params"], x)
-
-
 TRAIN_STEPS = {"lenet": (1000, (28, 28, 1)), "resnet20": (256, (32, 32, 3))}
 TRAIN_STEP_TARGET = 1.15
 
@@ -126,79 +98,8 @@ def train_step(model_name: str, norm: str, batch: int, image_shape) -> callable:
   return lambda: step(*args)
 
 
-def time_interleaved(
-    fns: dict, runs: int, warmup: int = 3, inner: int = 1
-) -> dict[str, float]:
-  """Median seconds per call of each fn (:func:`interleaved_samples`)."""
-  samples = interleaved_samples(fns, runs, warmup, inner)
-  return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def interleaved_samples(
-    fns: dict, runs: int, warmup: int = 3, inner: int = 1
-) -> dict[str, list[float]]:
-  """Seconds per call of each fn, ``runs`` samples each, called round-robin.
-
-  Each fn dispatches one step and returns its (unblocked) result. A sample
-  times ``inner`` back-to-back dispatches and blocks on the last: on an
-  accelerator, where one step can take less than its dispatch, ``inner > 1``
-  keeps the device busy and measures device time rather than Python overhead.
-  """
-  for fn in fns.values():
-    for _ in range(warmup):
-      jax.block_until_ready(fn())
-  samples = {name: [] for name in fns}
-  for _ in range(runs):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      for _ in range(inner):
-        out = fn()
-      jax.block_until_ready(out)
-      samples[name].append((time.perf_counter() - start) / inner)
-  return samples
-
-
 def target_for(norm: str) -> float:
   return SQD_TARGET if norm.startswith("sqd") else TARGETS[norm]
-
-
-def add_timing_args(parser: argparse.ArgumentParser, runs: int) -> None:
-  """``--runs`` (default ``runs``), ``--warmup``, ``--inner`` and ``--out``.
-
-  The timing flags every layer benchmark (this one, ``bench_methods``,
-  ``device_check_radix``) takes, read by :func:`interleaved_samples`.
-  """
-  parser.add_argument(
-      "--runs", type=int, default=runs, help="timed samples per case (median)"
-  )
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument(
-      "--inner", type=int, default=1, help="dispatches per sample (~10 on GPU)"
-  )
-  parser.add_argument("--out", help="write the results as JSON here")
-
-
-def command_line(module: str, argv: Sequence[str] | None) -> str:
-  """``python -m module argv...``, as a result's ``command`` records it."""
-  return " ".join([f"python -m {module}", *(argv or sys.argv[1:])])
-
-
-def write_json(path: str | None, result: dict) -> dict:
-  """Writes ``result`` to ``path`` (if any); returns it."""
-  if path:
-    with open(path, "w") as f:
-      json.dump(result, f, indent=2)
-  return result
-
-
-def write_result(path, run: dict, complete: bool = False, **fields) -> dict:
-  """The results so far (written after every row, so a cut-off run keeps them).
-
-  The machine, ``run``'s settings, whether the run is ``complete``, then
-  ``fields`` (the rows).
-  """
-  result = {"machine": machine_info(), **run, "complete": complete, **fields}
-  return write_json(path, result)
 
 
 def main(argv=None) -> dict:
@@ -242,7 +143,7 @@ def _run(args, argv) -> dict:
       runs=args.runs,
       inner=args.inner,
       select_method=args.select_method,
-      command=command_line("benchmarks.bench_gbn", argv),
+      command=command_line("benchmarks.layer.bench_gbn", argv),
   )
 
   rows = []

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from benchmarks.bench_gbn import interleaved_samples
+from benchmarks.timing import interleaved_samples
 from train import configs
 from train.data import datasets
 from train.loop import sharding

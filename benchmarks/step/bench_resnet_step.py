@@ -35,10 +35,10 @@ host memory is set up as the CLI's (:mod:`train.loop.host_memory`):
 Medians after warm-up; on a shared machine read only the ratios within one
 process. Run it on idle cores (about 25 minutes on 2 cores):
 
-  python -m benchmarks.bench_resnet_step \\
+  python -m benchmarks.step.bench_resnet_step \\
       --out results/benchmarks/resnet20_step_cpu.json \\
       --torch-python /tmp/torchvenv/bin/python
-  python -m benchmarks.bench_resnet_step --quick      # smoke check
+  python -m benchmarks.step.bench_resnet_step --quick      # smoke check
 """
 
 from __future__ import annotations
@@ -62,25 +62,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import step_children
-from benchmarks import step_profile
-from benchmarks.bench_gbn import interleaved_samples
-from benchmarks.machine import machine_info
-from benchmarks.resnet_formulations import CONV_SHAPES
-from benchmarks.resnet_formulations import FINAL_VARIANTS
-from benchmarks.resnet_formulations import FORMULATIONS
-from benchmarks.resnet_formulations import VARIANTS
-from benchmarks.step_children import FLAG_SETS
-from benchmarks.step_children import INEXACT_FLAG_SETS
-from benchmarks.step_children import REPO
-from benchmarks.step_children import run_child
-from benchmarks.step_report import Report
-from benchmarks.step_report import format_ms
-from benchmarks.step_report import measured_runs
-from benchmarks.step_report import median_ms
-from benchmarks.step_report import print_ratio_line
-from benchmarks.step_setup import random_train_step
-from benchmarks.step_setup import time_variants
+from benchmarks.step import step_children
+from benchmarks.step import step_profile
+from benchmarks.step.resnet_formulations import CONV_SHAPES
+from benchmarks.step.resnet_formulations import FINAL_VARIANTS
+from benchmarks.step.resnet_formulations import FORMULATIONS
+from benchmarks.step.resnet_formulations import VARIANTS
+from benchmarks.step.step_children import FLAG_SETS
+from benchmarks.step.step_children import INEXACT_FLAG_SETS
+from benchmarks.step.step_children import REPO
+from benchmarks.step.step_children import run_child
+from benchmarks.step.step_report import Report
+from benchmarks.step.step_report import format_ms
+from benchmarks.step.step_report import measured_runs
+from benchmarks.step.step_report import median_ms
+from benchmarks.step.step_report import print_ratio_line
+from benchmarks.step.step_setup import random_train_step
+from benchmarks.step.step_setup import time_variants
+from benchmarks.timing import interleaved_samples
+from benchmarks.timing import machine_info
 from train import configs
 from train.loop import sharding
 from train.loop import train_state
@@ -90,8 +90,8 @@ DEFAULT_PEER = REPO / "peers" / "torch_resnet20.py"
 DATASET = "cifar10"
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
-TARGET = 1.3  # issue 20: each step at most 1.3x PyTorch's best BatchNorm step
-_MODULE = "benchmarks.bench_resnet_step"
+TARGET = 1.3  # each step at most 1.3x PyTorch's best BatchNorm step
+_MODULE = "benchmarks.step.bench_resnet_step"
 
 DEFAULT_FLAG_SETS = tuple(
     "ynn_off ynn_no_conv ynn_no_dot onednn_dot eigen_1thread "
@@ -351,8 +351,8 @@ def _per_norm_processes(spec, norms, devices, flag_set) -> dict[str, Any]:
   """``time`` children, one per norm, as one result.
 
   A process of its own per norm, as the CLI trains one: a second compiled
-  step in the same process shares its heap (:mod:`train.loop.host_memory`) and
-  made ``sqd2``'s step about 7 % slower in a scratch A/B.
+  step in the same process shares its heap (:mod:`train.loop.host_memory`)
+  and slows the other down (docs/performance.md).
   """
   merged = {"norms": {}, "flag_set": flag_set, "wall_s": 0.0}
   for norm in norms:

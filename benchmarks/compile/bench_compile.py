@@ -1,8 +1,7 @@
 """Compile time of the CLI's programs: trace+lower and XLA seconds, HLO size.
 
-``python -m train.cifar`` (ResNet20, batch 256) compiled for 50.8 s with
-``bn`` and 86.0 s with ``sqd2`` on an H100 before its first epoch (issue 36).
-This benchmark builds the programs exactly as the CLI does: each child
+What it measured is in docs/performance.md ("Compile time"). This benchmark
+builds the programs exactly as the CLI does: each child
 process calls ``train.loop.programs.compile_program`` (the function
 ``train_and_evaluate`` calls) on a synthetic dataset of the real sizes, after
 the same pre-JAX setup as ``python -m train.cifar`` / ``train.mnist``
@@ -17,8 +16,8 @@ cache off (``JAX_COMPILATION_CACHE_DIR`` removed, ``GBN_COMPILE_CACHE=0``, as
 each child twice over a temporary cache folder and reports the second
 child's (cached) seconds next to the first's.
 
-  python -m benchmarks.bench_compile --out results/benchmarks/bench_compile.json
-  python -m benchmarks.bench_compile --models lenet --norms bn,sqd2 --batch 64
+  python -m benchmarks.compile.bench_compile --out results/benchmarks/bench_compile.json
+  python -m benchmarks.compile.bench_compile --models lenet --norms bn,sqd2 --batch 64
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import time
 import types
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODELS = ("lenet", "resnet20")
 NORMS = ("bn", "sqd2", "rsd")
 #: The programs of ``train.loop.programs.Program``, by the function each one jits.
@@ -324,7 +323,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
   import jax
   import numpy as np
 
-  from benchmarks.machine import machine_info
+  from benchmarks.timing import machine_info
   from train import compile_cache
   from train import configs
   from train.data import info as data_info
@@ -420,7 +419,7 @@ def run_child(
     args: argparse.Namespace, model: str, norm: str, cache_dir: str | None
 ) -> dict[str, Any]:
   """One fresh process compiling ``model``/``norm``; its record or an error."""
-  cmd = [sys.executable, "-m", "benchmarks.bench_compile", "--child"]
+  cmd = [sys.executable, "-m", "benchmarks.compile.bench_compile", "--child"]
   cmd += ["--models", model, "--norms", norm]
   for flag in ("batch", "train_images", "test_images", "dump_hlo"):
     value = getattr(args, flag)

@@ -1,7 +1,7 @@
 """The subprocesses of ``bench_lenet_step``: its children and its torch peer.
 
-Each child (``python -m benchmarks.bench_lenet_step --child KIND SPEC``, run
-by :func:`benchmarks.step_children.run_child`) times or profiles the LeNet
+Each child (``python -m benchmarks.step.bench_lenet_step --child KIND SPEC``, run
+by :func:`benchmarks.step.step_children.run_child`) times or profiles the LeNet
 step in a fresh interpreter; :func:`torch_step` times the PyTorch peer's LeNet
 step in its own.
 """
@@ -13,16 +13,16 @@ from typing import Any
 
 import jax
 
-from benchmarks import step_children
-from benchmarks import step_profile
-from benchmarks.lenet_profile import hlo_index
-from benchmarks.lenet_profile import layer_costs
-from benchmarks.lenet_setup import Setup
-from benchmarks.machine import machine_info
-from benchmarks.step_setup import time_variants
+from benchmarks.step import step_children
+from benchmarks.step import step_profile
+from benchmarks.step.lenet_profile import hlo_index
+from benchmarks.step.lenet_profile import layer_costs
+from benchmarks.step.lenet_setup import Setup
+from benchmarks.step.step_setup import time_variants
+from benchmarks.timing import machine_info
 
-MODULE = "benchmarks.bench_lenet_step"
-#: The flag sets (of :data:`benchmarks.step_children.FLAG_SETS`) timed by
+MODULE = "benchmarks.step.bench_lenet_step"
+#: The flag sets (of :data:`benchmarks.step.step_children.FLAG_SETS`) timed by
 #: default.
 DEFAULT_FLAG_SETS = (
     "ynn_off",

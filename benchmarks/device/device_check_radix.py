@@ -1,7 +1,7 @@
 """Radix select (fixed 4 passes, no while loop) against the existing selections.
 
 On whatever backend is present (a GPU when one is lent), for the four layer
-shapes of benchmarks/bench_gbn.py (features last, reduce over the rest), times
+shapes of benchmarks/layer/bench_gbn.py (features last, reduce over the rest), times
 in one process, interleaved run by run, median after warm-up (bench_gbn's
 ``time_interleaved``):
 
@@ -27,8 +27,8 @@ Before timing, every selection is checked bit for bit against the sort
 reference (on normal data and on ReLU-like data with ties), and each
 compiled program is searched for ``while`` loops. Results go to ``--out``.
 
-  python -m benchmarks.device_check_radix --runs 20 --inner 10 --out /tmp/radix.json
-  python -m benchmarks.device_check_radix --runs 2 --warmup 1 --shapes 64x8x8x16 --out /tmp/r.json
+  python -m benchmarks.device.device_check_radix --runs 20 --inner 10 --out /tmp/radix.json
+  python -m benchmarks.device.device_check_radix --runs 2 --warmup 1 --shapes 64x8x8x16 --out /tmp/r.json
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_gbn import DEFAULT_SHAPES
-from benchmarks.bench_gbn import add_timing_args
-from benchmarks.bench_gbn import command_line
-from benchmarks.bench_gbn import parse_shape
-from benchmarks.bench_gbn import time_interleaved
-from benchmarks.bench_gbn import write_json
-from benchmarks.machine import machine_info
+from benchmarks.layer.cases import DEFAULT_SHAPES
+from benchmarks.layer.cases import parse_shape
+from benchmarks.timing import add_timing_args
+from benchmarks.timing import command_line
+from benchmarks.timing import machine_info
+from benchmarks.timing import time_interleaved
+from benchmarks.timing import write_json
+from gbn_jax import quantile_rank
 from gbn_jax._selection import bracket
 from gbn_jax._selection import common
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import radix
 from gbn_jax._selection import sort
-from gbn_jax.quantiles import quantile_rank
 
 ACCELERATOR_VARIANTS = (
     "bn",
@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
       "inner": args.inner,
       "warmup": args.warmup,
       "variants": variants,
-      "command": command_line("benchmarks.device_check_radix", argv),
+      "command": command_line("benchmarks.device.device_check_radix", argv),
       "rows": [],
       "complete": False,
   }

@@ -12,11 +12,11 @@ compared bit for bit with the sort reference (``sort.kth_smallest_reference``)
 on the benchmark's normal input and on a ReLU'd copy (half zeros: heavy
 ties). The method with the smallest total layer time over every (shape,
 alpha) that it got exactly right everywhere is ``fastest_exact`` in the JSON
-(``benchmarks/device_check.sh`` then runs the full table with it). The JSON is
+(``benchmarks/device/device_check.sh`` then runs the full table with it). The JSON is
 rewritten after every row, so a run cut off keeps what it finished.
 
-  python -m benchmarks.bench_methods --inner 10 --runs 15 --out /tmp/methods.json
-  python -m benchmarks.bench_methods --shapes 64x8x8x16 --alphas 0.5 --runs 2 --out /tmp/m.json
+  python -m benchmarks.layer.bench_methods --inner 10 --runs 15 --out /tmp/methods.json
+  python -m benchmarks.layer.bench_methods --shapes 64x8x8x16 --alphas 0.5 --runs 2 --out /tmp/m.json
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_gbn import DEFAULT_SHAPES
-from benchmarks.bench_gbn import add_timing_args
-from benchmarks.bench_gbn import command_line
-from benchmarks.bench_gbn import interleaved_samples
-from benchmarks.bench_gbn import layer_step
-from benchmarks.bench_gbn import make_module
-from benchmarks.bench_gbn import parse_shape
-from benchmarks.bench_gbn import write_result
+from benchmarks.layer.cases import DEFAULT_SHAPES
+from benchmarks.layer.cases import layer_step
+from benchmarks.layer.cases import make_module
+from benchmarks.layer.cases import parse_shape
+from benchmarks.timing import add_timing_args
+from benchmarks.timing import command_line
+from benchmarks.timing import interleaved_samples
+from benchmarks.timing import write_result
 import gbn_jax
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import sort
@@ -63,7 +63,7 @@ def exact_everywhere(
 ) -> bool:
   """The method's quantile equals the sort reference bit for bit, on ``x`` and relu(x)."""
   n = int(np.prod([x.shape[a] for a in axes]))
-  k = gbn_jax.quantiles.quantile_rank(alpha, n)
+  k = gbn_jax.quantile_rank(alpha, n)
   for data in (x, jnp.maximum(x, 0.0)):
     with gbn_jax.selection.selection_config(method=method):
       got = jax.jit(
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
       runs=args.runs,
       inner=args.inner,
       methods=methods,
-      command=command_line("benchmarks.bench_methods", argv),
+      command=command_line("benchmarks.layer.bench_methods", argv),
   )
   rows: list[dict] = []
   for shape_text in args.shapes:

@@ -1,8 +1,8 @@
 """The real LeNet train step of ``bench_lenet_step``, and its variants' checks.
 
 :class:`Setup` lays out ``train.loop.train_steps.train_step`` for one norm as
-training does (:func:`benchmarks.step_setup.random_train_step`) on
-Fashion-MNIST-shaped random data; a variant of :mod:`benchmarks.lenet_variants`
+training does (:func:`benchmarks.step.step_setup.random_train_step`) on
+Fashion-MNIST-shaped random data; a variant of :mod:`benchmarks.step.lenet_variants`
 swaps ``state.apply_fn``, parameters kept.
 """
 
@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from benchmarks.lenet_variants import DATASET
-from benchmarks.lenet_variants import IMAGE_SHAPE
-from benchmarks.lenet_variants import make_model
-from benchmarks.step_setup import random_train_step
-from benchmarks.step_setup import rel_diff
+from benchmarks.step.lenet_variants import DATASET
+from benchmarks.step.lenet_variants import IMAGE_SHAPE
+from benchmarks.step.lenet_variants import make_model
+from benchmarks.step.step_setup import random_train_step
+from benchmarks.step.step_setup import rel_diff
 from train import configs
 from train.data import input_pipeline
 from train.loop import sharding

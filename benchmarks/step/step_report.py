@@ -15,7 +15,7 @@ from pathlib import Path
 import subprocess
 from typing import Any
 
-from benchmarks.step_children import REPO
+from benchmarks.step.step_children import REPO
 
 
 def git_commit() -> str | None:

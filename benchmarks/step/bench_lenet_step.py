@@ -34,12 +34,12 @@ the default flags'. Medians after warm-up. On a shared machine the ms are
 noisy: read the ratios, and run it when the cores are idle (about 6 minutes
 on 2 idle cores).
 
-  python -m benchmarks.bench_lenet_step \\
+  python -m benchmarks.step.bench_lenet_step \\
       --out results/benchmarks/lenet_step_cpu.json \\
       --torch-python /work/torchvenv/bin/python
-  python -m benchmarks.bench_lenet_step --quick      # smoke check
+  python -m benchmarks.step.bench_lenet_step --quick      # smoke check
 
-The pieces: ``benchmarks.lenet_variants`` (the reformulations),
+The pieces: ``benchmarks.step.lenet_variants`` (the reformulations),
 ``lenet_setup`` (the real step and the exactness checks), ``lenet_profile``
 (LeNet's layers in a trace, layers alone), ``lenet_children`` (the
 subprocesses); the step-benchmark harness it shares with
@@ -61,22 +61,22 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.lenet_children import DEFAULT_FLAG_SETS
-from benchmarks.lenet_children import MODULE
-from benchmarks.lenet_children import child_main
-from benchmarks.lenet_children import torch_step
-from benchmarks.lenet_variants import DEFAULT_VARIANTS
-from benchmarks.lenet_variants import VARIANTS
-from benchmarks.step_children import FLAG_SETS
-from benchmarks.step_children import INEXACT_FLAG_SETS
-from benchmarks.step_children import REPO
-from benchmarks.step_children import run_child
-from benchmarks.step_profile import printable_profiles
-from benchmarks.step_report import Report
-from benchmarks.step_report import format_ms
-from benchmarks.step_report import measured_runs
-from benchmarks.step_report import median_ms
-from benchmarks.step_report import print_ratio_line
+from benchmarks.step.lenet_children import DEFAULT_FLAG_SETS
+from benchmarks.step.lenet_children import MODULE
+from benchmarks.step.lenet_children import child_main
+from benchmarks.step.lenet_children import torch_step
+from benchmarks.step.lenet_variants import DEFAULT_VARIANTS
+from benchmarks.step.lenet_variants import VARIANTS
+from benchmarks.step.step_children import FLAG_SETS
+from benchmarks.step.step_children import INEXACT_FLAG_SETS
+from benchmarks.step.step_children import REPO
+from benchmarks.step.step_children import run_child
+from benchmarks.step.step_profile import printable_profiles
+from benchmarks.step.step_report import Report
+from benchmarks.step.step_report import format_ms
+from benchmarks.step.step_report import measured_runs
+from benchmarks.step.step_report import median_ms
+from benchmarks.step.step_report import print_ratio_line
 
 DEFAULT_PEER = REPO / "peers" / "torch_sqd.py"
 SECTIONS = ("variants", "profile", "flags", "final")

@@ -1,7 +1,7 @@
 """Where the LeNet step's time goes: its XLA ops by layer, and layers alone.
 
 :func:`categorize` names the LeNet layer of a traced op (for
-:mod:`benchmarks.step_profile`'s trace attribution); :func:`layer_costs`
+:mod:`benchmarks.step.step_profile`'s trace attribution); :func:`layer_costs`
 times each layer's forward and forward+backward jitted alone on its step
 shape, for every formulation (the trace only sees the launch of Eigen's
 asynchronous convolution and dot thunks).
@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks import step_profile
-from benchmarks.bench_gbn import interleaved_samples
-from benchmarks.lenet_variants import NUM_CLASSES
-from benchmarks.lenet_variants import VariantConv
-from benchmarks.lenet_variants import max_pool_2x2
-from benchmarks.lenet_variants import max_pool_2x2_mask
+from benchmarks.step import step_profile
+from benchmarks.step.lenet_variants import NUM_CLASSES
+from benchmarks.step.lenet_variants import VariantConv
+from benchmarks.step.lenet_variants import max_pool_2x2
+from benchmarks.step.lenet_variants import max_pool_2x2_mask
+from benchmarks.timing import interleaved_samples
 from train.model import models
 
 LAYERS = ("conv1", "conv2", "norm1", "norm2", "fc1", "fc2")

@@ -20,7 +20,7 @@ from typing import Any
 
 from train.loop import host_memory
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULT = "RESULT "
 
 #: Flag set name -> (extra XLA_FLAGS, extra environment). All flags exist in

@@ -1,0 +1,1 @@
+"""The prepared accelerator run (``device_check.sh``) and its own checks."""

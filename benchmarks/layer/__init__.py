@@ -1,0 +1,1 @@
+"""One normalization layer against BatchNorm, and the selections under it."""

@@ -1,0 +1,1 @@
+"""Whole train steps (LeNet, ResNet20) against BatchNorm and PyTorch."""
