@@ -203,8 +203,7 @@ class Config:
     calibration: ``none`` or ``normal``: every GBN layer's ``D`` divided by
       its value for a standard normal feature (``GBatchNorm``'s
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
-    norm_bias: Every norm layer's initial bias
-      (``train.model.norms.make_norm``).
+    norm_bias: Every norm layer's initial bias (``norms.make_norm``).
   """
 
   dataset: str = _field(

@@ -28,7 +28,7 @@ rows in one counting-and-compaction pass, with a fixed number of steps and no
    histogram. In memory traffic that is about three sweeps over ``[N, F]``
    (the fused counts, the cumulative sum, the scatter), against radix's four
    histogram passes; whether it is faster is for the GPU timing
-   (``benchmarks/device_check_radix.py``, variant ``bracket``) to say.
+   (``benchmarks/device/device_check_radix.py``, variant ``bracket``) to say.
 4. **Small sort.** The buffers are gathered over ``axis_name`` (fixed size)
    and sorted (unused slots hold ``INT_MAX`` and sort last); the answer is
    ``lo`` or ``hi`` if the rank falls on their ties, else the interior rank's

@@ -47,7 +47,7 @@ whole arrays. A lowering for the CPU and CUDA at once fails: JAX lowers every
 lowering of a compiled kernel.
 It is experimental: selectable as ``method="pallas_experimental"`` and never
 a default, since its speed on a GPU is not yet measured
-(``benchmarks/device_check.sh`` measures it).
+(``benchmarks/device/device_check.sh`` measures it).
 """
 
 from __future__ import annotations
