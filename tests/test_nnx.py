@@ -327,5 +327,9 @@ def test_nnx_and_linen_agree_bit_for_bit(kwargs):
 
 
 def test_public_names():
-  assert sorted(gnnx.__all__) == ["GBatchNorm", "precise_batch_stats"]
+  assert sorted(gnnx.__all__) == [
+      "GBatchNorm",
+      "convert_batchnorm",
+      "precise_batch_stats",
+  ]
   assert all(callable(getattr(gnnx, name)) for name in gnnx.__all__)
