@@ -46,9 +46,10 @@ echo "newest-JAX run: Python $chosen"
 "$venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|numpy) '
 
 # The library's tests: the modules that import nothing of the training suite,
-# the benchmarks or the notebooks, and start none of their commands.
+# the benchmarks or the notebooks (by statement or by module name), and start
+# none of their commands.
 mapfile -t library_tests < <(grep -LE \
-  '(from|import) (train|benchmarks|notebooks)\b|training_helpers|run_folder_helpers|run_module\(|jupytext|nbformat' \
+  '(from|import) (train|benchmarks|notebooks)\b|"(train|benchmarks)\.|training_helpers|run_folder_helpers|run_module\(|jupytext|nbformat' \
   tests/test_*.py)
 "$venv/bin/python" -m pytest -q -n auto -m "not slow" -p no:cacheprovider \
   gbn_jax "${library_tests[@]}"
