@@ -14,6 +14,8 @@ import gbn_jax
 from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
 
+from graph_helpers import find_cycle
+
 PACKAGE = pathlib.Path(gbn_jax.__file__).parent
 MAX_LINES = 550
 # Modules over MAX_LINES whose split is still to come; each entry says why.
@@ -74,38 +76,22 @@ def _graph(*roots: pathlib.Path) -> dict[str, set[str]]:
   return graph
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  state, stack = {}, []
-
-  def visit(node):
-    state[node] = "open"
-    stack.append(node)
-    for nxt in sorted(graph[node]):
-      if state.get(nxt) == "open":
-        return stack[stack.index(nxt) :] + [nxt]
-      if nxt not in state and (found := visit(nxt)):
-        return found
-    stack.pop()
-    state[node] = "done"
-    return None
-
-  for node in sorted(graph):
-    if node not in state and (found := visit(node)):
-      return found
-  return None
-
-
 def test_module_imports_are_acyclic():
   graph = _graph()
   assert (
       "gbn_jax._selection.dispatch" in graph["gbn_jax._quantiles"]
   )  # the walk sees edges
-  assert _cycle(graph) is None, _cycle(graph)
+  assert find_cycle(graph) is None, find_cycle(graph)
 
 
 def test_cycle_finder_finds_a_cycle():
-  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-  assert _cycle({"a": {"b"}, "b": set()}) is None
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [
+      "a",
+      "b",
+      "c",
+      "a",
+  ]
+  assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_selection_layers_point_down():
@@ -259,7 +245,7 @@ def test_train_and_benchmark_imports_are_acyclic():
   graph = _graph(TRAIN, BENCHMARKS)
   assert "train.configs" in graph["train.main"]  # the walk sees edges
   assert "train.loop.trainer" in graph["benchmarks.step.bench_resnet_step"]
-  assert _cycle(graph) is None, _cycle(graph)
+  assert find_cycle(graph) is None, find_cycle(graph)
 
 
 def _absolute_imports(path: pathlib.Path) -> list[tuple[int, str]]:

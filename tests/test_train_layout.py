@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from graph_helpers import find_cycle
+
 TRAIN = pathlib.Path(__file__).resolve().parents[1] / "train"
 
 # Each part of train/ (a sub-package, or a module at the top) -> the parts it
@@ -106,27 +108,6 @@ def _part(module: str) -> str:
   return parts[1]
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  state, stack = {}, []
-
-  def visit(node):
-    state[node] = "open"
-    stack.append(node)
-    for nxt in sorted(graph.get(node, ())):
-      if state.get(nxt) == "open":
-        return stack[stack.index(nxt) :] + [nxt]
-      if nxt not in state and (found := visit(nxt)):
-        return found
-    stack.pop()
-    state[node] = "done"
-    return None
-
-  for node in sorted(graph):
-    if node not in state and (found := visit(node)):
-      return found
-  return None
-
-
 def test_every_module_has_its_place():
   parts = {_part(m) for m in _modules() if m != "train"}
   assert parts == set(ALLOWED), parts ^ set(ALLOWED)
@@ -137,7 +118,7 @@ def test_every_module_has_its_place():
 
 
 def test_the_allowed_order_is_a_partial_order():
-  assert _cycle(ALLOWED) is None, _cycle(ALLOWED)
+  assert find_cycle(ALLOWED) is None, find_cycle(ALLOWED)
   for part, allowed in ALLOWED.items():
     assert allowed <= set(ALLOWED), (part, allowed - set(ALLOWED))
 
@@ -158,7 +139,7 @@ def test_module_imports_are_acyclic_deferred_ones_included():
   graph: dict[str, set[str]] = {}
   for module, target, _, _ in _imports():
     graph.setdefault(module, set()).add(target)
-  assert _cycle(graph) is None, _cycle(graph)
+  assert find_cycle(graph) is None, find_cycle(graph)
 
 
 def test_deferred_imports_are_the_listed_ones_for_load_time():
