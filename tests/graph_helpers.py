@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Mapping
+import pathlib
 
 
 def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
@@ -33,3 +35,41 @@ def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
     if node not in state and (found := visit(node)):
       return found
   return None
+
+
+def module_files(*roots: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every module of the packages at
+  ``roots``."""
+  found = {}
+  for root in roots:
+    for path in sorted(root.rglob("*.py")):
+      parts = path.relative_to(root.parent).with_suffix("").parts
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      found[".".join(parts)] = path
+  return found
+
+
+def imported_modules(
+    module: str, node: ast.AST, modules: Mapping[str, pathlib.Path]
+) -> set[str]:
+  """The modules of ``modules`` (other than ``module``) that the import
+  statement ``node`` in ``module`` loads; relative imports resolved."""
+  if isinstance(node, ast.Import):
+    names = [a.name for a in node.names]
+  elif isinstance(node, ast.ImportFrom):
+    base = node.module or ""
+    if node.level:  # relative: resolve against the importing package
+      package = module.split(".")
+      if not modules[module].name == "__init__.py":
+        package = package[:-1]
+      package = package[: len(package) - node.level + 1]
+      base = ".".join(package + ([base] if base else []))
+    # "from a import b" loads a.b where b is a module, else a.
+    names = [
+        f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+        for a in node.names
+    ]
+  else:
+    return set()
+  return {n for n in names if n in modules and n != module}

@@ -15,6 +15,8 @@ from gbn_jax._selection import dispatch
 from gbn_jax._selection import native
 
 from graph_helpers import find_cycle
+from graph_helpers import imported_modules
+from graph_helpers import module_files
 
 PACKAGE = pathlib.Path(gbn_jax.__file__).parent
 MAX_LINES = 550
@@ -22,47 +24,10 @@ MAX_LINES = 550
 OVER_LIMIT: dict[str, str] = {}
 
 
-def _modules(*roots: pathlib.Path) -> dict[str, pathlib.Path]:
-  """Dotted module name -> file, for every module of the packages at ``roots``
-  (default: gbn_jax)."""
-  found = {}
-  for root in roots or (PACKAGE,):
-    for path in sorted(root.rglob("*.py")):
-      parts = path.relative_to(root.parent).with_suffix("").parts
-      if parts[-1] == "__init__":
-        parts = parts[:-1]
-      found[".".join(parts)] = path
-  return found
-
-
-def _imported(
-    module: str, node: ast.AST, modules: dict[str, pathlib.Path]
-) -> set[str]:
-  """The package's modules that an import statement loads."""
-  if isinstance(node, ast.Import):
-    names = [a.name for a in node.names]
-  elif isinstance(node, ast.ImportFrom):
-    base = node.module or ""
-    if node.level:  # relative: resolve against the importing package
-      package = module.split(".")
-      if not modules[module].name == "__init__.py":
-        package = package[:-1]
-      package = package[: len(package) - node.level + 1]
-      base = ".".join(package + ([base] if base else []))
-    # "from a import b" loads a.b where b is a module, else a.
-    names = [
-        f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-        for a in node.names
-    ]
-  else:
-    return set()
-  return {n for n in names if n in modules and n != module}
-
-
 def _graph(*roots: pathlib.Path) -> dict[str, set[str]]:
   """Module-level imports (executed at import) between the modules of the
   packages at ``roots`` (default: gbn_jax)."""
-  modules = _modules(*roots)
+  modules = module_files(*roots or (PACKAGE,))
   graph = {}
   for name, path in modules.items():
     tree = ast.parse(path.read_text())
@@ -71,7 +36,7 @@ def _graph(*roots: pathlib.Path) -> dict[str, set[str]]:
       for sub in (
           ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]
       ):
-        edges |= _imported(name, sub, modules)
+        edges |= imported_modules(name, sub, modules)
     graph[name] = edges
   return graph
 
@@ -154,8 +119,8 @@ def test_no_module_over_the_size_limit():
 def test_tunables_are_not_module_globals(name):
   # They were read at trace time, so a jitted function ignored later changes;
   # gbn_jax.selection_config scopes them inside the trace context instead.
-  for module in _modules():
-    tree = ast.parse(_modules()[module].read_text())
+  for module in module_files(PACKAGE):
+    tree = ast.parse(module_files(PACKAGE)[module].read_text())
     assigned = {
         t.id
         for node in tree.body
@@ -265,7 +230,7 @@ def test_library_does_not_import_train_or_benchmarks():
   # distributions, so no import of them anywhere in it, deferred or not.
   found = [
       f"{name}:{line} {target}"
-      for name, path in _modules().items()
+      for name, path in module_files(PACKAGE).items()
       for line, target in _absolute_imports(path)
       if target.split(".")[0] in ("train", "benchmarks")
   ]

@@ -13,6 +13,8 @@ import ast
 import pathlib
 
 from graph_helpers import find_cycle
+from graph_helpers import imported_modules
+from graph_helpers import module_files
 
 TRAIN = pathlib.Path(__file__).resolve().parents[1] / "train"
 
@@ -57,35 +59,23 @@ DEFERRED = {
 }
 
 
-def _modules() -> dict[str, pathlib.Path]:
-  found = {}
-  for path in sorted(TRAIN.rglob("*.py")):
-    parts = path.relative_to(TRAIN.parent).with_suffix("").parts
-    if parts[-1] == "__init__":
-      parts = parts[:-1]
-    found[".".join(parts)] = path
-  return found
-
-
-def _targets(node: ast.AST, modules: dict[str, pathlib.Path]) -> list[str]:
+def _targets(
+    name: str, node: ast.AST, modules: dict[str, pathlib.Path]
+) -> set[str]:
   """The train modules an import statement loads."""
-  if isinstance(node, ast.Import):
-    names = [a.name for a in node.names]
-  elif isinstance(node, ast.ImportFrom) and not node.level:
-    base = node.module or ""
-    names = [
-        f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-        for a in node.names
-    ]
-  else:
-    assert not isinstance(node, ast.ImportFrom), "relative import"
-    return []
-  return [n for n in names if n.split(".")[0] == "train" and n in modules]
+  assert not (
+      isinstance(node, ast.ImportFrom) and node.level
+  ), "relative import"
+  return {
+      n
+      for n in imported_modules(name, node, modules)
+      if n.split(".")[0] == "train"
+  }
 
 
 def _imports() -> list[tuple[str, str, bool, int]]:
   """``(module, imported, deferred, line)`` for every import of train."""
-  modules = _modules()
+  modules = module_files(TRAIN)
   found = []
   for name, path in modules.items():
     tree = ast.parse(path.read_text())
@@ -95,9 +85,8 @@ def _imports() -> list[tuple[str, str, bool, int]]:
       if isinstance(node, (ast.If, ast.Try)):
         top |= set(ast.walk(node))
     for node in ast.walk(tree):
-      for target in _targets(node, modules):
-        if target != name:
-          found.append((name, target, node not in top, node.lineno))
+      for target in sorted(_targets(name, node, modules)):
+        found.append((name, target, node not in top, node.lineno))
   return found
 
 
@@ -109,7 +98,7 @@ def _part(module: str) -> str:
 
 
 def test_every_module_has_its_place():
-  parts = {_part(m) for m in _modules() if m != "train"}
+  parts = {_part(m) for m in module_files(TRAIN) if m != "train"}
   assert parts == set(ALLOWED), parts ^ set(ALLOWED)
   for name in SUBPACKAGES:
     assert (TRAIN / name / "__init__.py").is_file(), name
@@ -147,7 +136,7 @@ def test_deferred_imports_are_the_listed_ones_for_load_time():
       (m, t): line for m, t, is_deferred, line in _imports() if is_deferred
   }
   assert set(deferred) == DEFERRED, set(deferred) ^ DEFERRED
-  modules = _modules()
+  modules = module_files(TRAIN)
   for (module, _), line in deferred.items():
     lines = modules[module].read_text().splitlines()
     # The comment above the block of imports that holds this one.
@@ -166,7 +155,7 @@ def test_the_data_loader_calls_the_download_not_back():
   }
   defining = [
       name
-      for name, path in _modules().items()
+      for name, path in module_files(TRAIN).items()
       for node in ast.parse(path.read_text()).body
       if isinstance(node, ast.FunctionDef) and node.name == "load_dataset"
   ]
