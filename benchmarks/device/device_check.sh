@@ -11,7 +11,9 @@
 #            histogram pass and one sums pass alone: which pass costs what
 #            (radix.json)
 #   methods  sqd layers at alpha .25/.5/.75/.99 on the four layer shapes, per
-#            selection method; picks the fastest exact one (methods.json)
+#            selection method; picks the fastest exact one (methods.json).
+#            METHODS="bracket pallas_experimental" and METHOD_ALPHAS="0.5 0.99"
+#            narrow it to those methods and levels
 #   steps    LeNet b1000 and ResNet20 b256 sqd2 train steps against BatchNorm,
 #            with the picked method (steps.json)
 #   compile  the CLI's compile time as a user meets it
@@ -172,7 +174,7 @@ else
   # (docs/performance.md), and a later session resumes from it.
   RESNET_CKPT_EVERY=10; TEST_WORKERS=8
   COMPILE_ARGS=(--model resnet20)
-  CAPS=(tests=60 radix=50 methods=90 steps=70 compile=180 full=90 torch=30)
+  CAPS=(tests=60 radix=50 methods=120 steps=70 compile=180 full=90 torch=30)
 fi
 cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
 
@@ -217,7 +219,7 @@ step_tests() {
   # Most specific first: a step cut off by its cap has run these. -v names
   # every test in the log as it runs: a cut-off run writes no summary.
   local tests=() t
-  for t in tests/test_bracket_select.py tests/test_radix_select.py tests/test_accelerator_sums.py \
+  for t in tests/test_pallas_select.py tests/test_bracket_select.py tests/test_radix_select.py tests/test_accelerator_sums.py \
       tests/test_quantiles.py tests/test_select.py; do
     [ -f "$t" ] && tests+=("$t")
   done
@@ -235,7 +237,8 @@ step_radix() {
 
 step_methods() {
   run_capped methods "$(cap "$(cap_of methods)")" "$PYTHON" -m benchmarks.layer.bench_methods \
-    --shapes "${SHAPES[@]}" --alphas 0.25 0.5 0.75 0.99 "${RUNS[@]}" --out "$WORK/methods.json"
+    --shapes "${SHAPES[@]}" --alphas ${METHOD_ALPHAS:-0.25 0.5 0.75 0.99} \
+    ${METHODS:+--methods $METHODS} "${RUNS[@]}" --out "$WORK/methods.json"
 }
 
 method_flag() {
