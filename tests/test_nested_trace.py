@@ -1,4 +1,4 @@
-"""A GBN layer under a staging trace is traced once per shape (issue 36).
+"""A GBN layer under a staging trace is traced once per shape.
 
 ResNet20 has 19 norm layers but 3 distinct input shapes, and a quantile
 measure traces over a thousand equations per layer (a branch per kind of
@@ -11,8 +11,8 @@ flax's BatchNorm, is tests/test_convert.py::test_linen_sd_is_flax_bit_for_bit.
 
 Batch renormalization layers nest too, their limits static (or traced, given
 as JAX arrays): their outputs, running statistics and derivatives in both
-modes are the inline program's bit for bit (the nesting switched off), and
-numpy's from Ioffe's definition.
+modes are the inline program's (the nesting switched off), bit for bit on the
+CPU, and numpy's from Ioffe's definition.
 """
 
 from collections.abc import Callable, Sequence
@@ -355,16 +355,26 @@ def test_nested_renorm_stack_is_the_inline_program_bit_for_bit(
     patch.setattr(_normalization, "_under_staging_trace", lambda x: False)
     inline = _renorm_programs(model, variables, x)
   assert (nested[0], inline[0]) == (3, 0)
-  _same_bits(nested[1:], inline[1:])
-  (y, updates), _, _ = nested[1:]
+  if jax.default_backend() == "cpu":
+    _same_bits(nested[1:], inline[1:])
+  else:
+    # XLA:GPU fuses the two programs differently and may contract different
+    # multiply-adds: each program is held to the definition instead, and the
+    # derivatives to each other at the bound that holds the outputs.
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
+        nested[2:],
+        inline[2:],
+    )
   want_y, want_stats = _numpy_renorm_stack(measure, variables, x)
-  np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(
-      np.concatenate(jax.tree.leaves(updates["batch_stats"])),
-      np.concatenate(jax.tree.leaves(want_stats)),
-      rtol=1e-5,
-      atol=1e-6,
-  )
+  for (y, updates), _, _ in (nested[1:], inline[1:]):
+    np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate(jax.tree.leaves(updates["batch_stats"])),
+        np.concatenate(jax.tree.leaves(want_stats)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_renorm_limits_as_arrays_nest_and_numpy_arrays_trace_inline():

@@ -117,7 +117,11 @@ def test_sums_for_the_superquantile(kind):
 
 
 def test_fixed_pass_count_in_one_loop_body():
-  # Issue 10: no data-dependent loop; issue 36: one traced pass body.
+  # No data-dependent loop, and one traced pass body: 32 / digit_bits passes
+  # over the keys, all but the first in the loop. The default digits are the
+  # platform's (radix.default_histogram).
+  kind, bits = radix.default_histogram()
+  loop = 32 // bits - 1
   x = jnp.asarray(data("normal", (2000, 7), seed=0))
   where = jnp.asarray(np.random.default_rng(0).random(x.shape) < 0.5)
   k = jnp.full((7,), 300, jnp.int32)
@@ -130,11 +134,11 @@ def test_fixed_pass_count_in_one_loop_body():
       ),
   ]
   for fn in fns:
-    assert_static_loops(fn, (x, where), [("scan", 3)])
-  # One scatter (the histogram) per 8-bit digit: the first pass's and the
-  # loop body's.
+    assert_static_loops(fn, (x, where), [("scan", loop)])
+  # A scatter histogram is one scatter-add in the first pass and one in the
+  # loop body; compare histograms scatter nothing.
   jaxpr = str(jax.make_jaxpr(fns[0])(x, where))
-  assert jaxpr.count("scatter-add") == 2
+  assert jaxpr.count("scatter-add") == (2 if kind == "scatter" else 0)
   # 4-bit digits: 8 passes, 7 of them in the loop.
   compare = lambda v, m: radix.kth_smallest_with_sums_accelerator(
       v, k, (0,), where=m, digit_bits=4, histogram="compare"
@@ -145,7 +149,7 @@ def test_fixed_pass_count_in_one_loop_body():
       lambda v: radix.kth_smallest_accelerator(v, 100, (0,), axis_name="b"),
       axis_name="b",
   )
-  assert_static_loops(pooled, (x.reshape(4, 500, 7),), [("scan", 3)])
+  assert_static_loops(pooled, (x.reshape(4, 500, 7),), [("scan", loop)])
 
 
 def test_vmap_and_vmap_axis_name_pooling():

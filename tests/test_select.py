@@ -273,9 +273,11 @@ def as_xla_cpu_compares(x):
 
 
 def test_xla_cpu_reads_denormals_as_zero_in_comparisons():
-  # The kernel's counts promise XLA's comparison semantics, which it reads
-  # from the CPU's flag; this pins what that is here.
-  x = jnp.asarray(np.float32([1e-45, -3e-39, 0.0, -0.0, TINY, 1.0]))
+  # The native kernel's counts promise XLA:CPU's comparison semantics, which
+  # it reads from the CPU's flag; this pins what that is, on the CPU device
+  # whatever the default backend (GPUs compare denormals as they are).
+  cpu = jax.devices("cpu")[0]
+  x = jax.device_put(np.float32([1e-45, -3e-39, 0.0, -0.0, TINY, 1.0]), cpu)
   got = jax.jit(lambda v: (v == 0, v <= 0))(x)
   want = as_xla_cpu_compares(x)
   np.testing.assert_array_equal(got[0], want == 0)

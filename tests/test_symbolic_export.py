@@ -193,10 +193,17 @@ def _check_train_step(layer, spec, shapes, masked, rtol=1e-5):
       args.append(flags.reshape((-1,) + (1,) * (x.ndim - 1)))
     got = exported.call(*args)
     want = jax.jit(step)(*args)
-    _assert_close(got, want, rtol=rtol, atol=1e-6)
-    np.testing.assert_array_equal(
-        got[0][1]["batch_stats"]["mean"], want[0][1]["batch_stats"]["mean"]
-    )
+    if jax.default_backend() == "cpu":
+      _assert_close(got, want, rtol=rtol, atol=1e-6)
+      np.testing.assert_array_equal(
+          got[0][1]["batch_stats"]["mean"], want[0][1]["batch_stats"]["mean"]
+      )
+    else:
+      # XLA:GPU orders the sums of the symbolic and the concrete program
+      # differently (and may contract different multiply-adds): a sum of n
+      # float32 terms moves by up to n ulps of its terms' magnitude.
+      n = np.prod(shape)
+      _assert_close(got, want, rtol=n * np.finfo(np.float32).eps, atol=1e-5)
 
 
 @pytest.mark.parametrize("masked", [False, True])
