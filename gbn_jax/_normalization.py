@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gbn_jax import measures as measures_lib
+from gbn_jax._mask_shape import check_mask_shape
 
 Array = jax.Array
 
@@ -31,9 +32,12 @@ def bind_measure(
     alpha: float | None,
     use_fast_variance: bool,
     calibration: str | None = None,
+    layer: str = "GBatchNorm",
 ) -> measures_lib.Measure:
   """Resolves a module's ``measure``/``alpha``/``calibration`` fields into a
   :class:`~gbn_jax.Measure`.
+
+  ``layer`` is the module's class name, for the messages.
 
   Raises the registry's errors (unknown name, alpha outside (0, 1), unexpected
   parameters, a calibration the measure has no constant for), so a
@@ -48,7 +52,7 @@ def bind_measure(
     raise measures_lib.FixedParamsError(
         e.name,
         e.fixed,
-        lambda general, choose: f"GBatchNorm(measure={general!r}, {choose})",
+        lambda general, choose: f"{layer}(measure={general!r}, {choose})",
     ) from None
   if not isinstance(measure, (str, measures_lib.Measure)):
     check_measure_signature(measure)
@@ -94,6 +98,15 @@ class Reduction(NamedTuple):
   """How a layer reduces its batch, all but the arrays: over which axes, in
   which dtype, with which ``epsilon``, pooled across which devices.
 
+  ``feature_axes`` are the axes the statistics keep (all but
+  ``reduction_axes``). ``param_axes`` are those of ``scale`` and ``bias``:
+  ``None`` (BatchNorm's) for the feature axes themselves; a layer or
+  instance norm names its own, which may overlap the reduced axes. With
+  ``group_size``, the last axis (a feature axis: the channels) is split
+  into groups of that many consecutive channels, each group reduced with
+  ``reduction_axes`` into one statistic that its channels share (group
+  normalization).
+
   Hashable when ``axis_index_groups`` is (a tuple of tuples, or ``None``).
   """
 
@@ -104,62 +117,8 @@ class Reduction(NamedTuple):
   axis_name: str | None = None
   axis_index_groups: Any = None
   force_float32_reductions: bool = True
-
-
-def check_mask_shape(mask_shape: Any, x_shape: Any) -> None:
-  """Raises ValueError unless a mask of ``mask_shape`` broadcasts to
-  ``x_shape`` (numpy's rule, as flax's ``BatchNorm`` applies it).
-
-  Decided from the static shapes while tracing; a symbolic dimension (shape
-  polymorphic export) is compared as jax broadcasts it. The message names
-  the shape the mask needs: a one-flag-per-example mask of shape
-  ``(batch,)`` is the usual mistake, which broadcasting aligns with x's
-  last axis, not its first.
-  """
-  mask_shape, x_shape = tuple(mask_shape), tuple(x_shape)
-  if _broadcasts_to(mask_shape, x_shape):
-    return
-  message = (
-      f"mask of shape {mask_shape} does not broadcast to x's shape {x_shape}"
-  )
-  extra = len(x_shape) - len(mask_shape)
-  leading = mask_shape + (1,) * extra
-  if extra > 0 and _broadcasts_to(leading, x_shape):
-    index = ", ".join([":"] * len(mask_shape) + ["None"] * extra)
-    purpose = " (for one flag per example)" if len(mask_shape) == 1 else ""
-    raise ValueError(
-        f"{message}: broadcasting aligns the mask's last axes with x's. To"
-        f" align them with x's first axes instead{purpose}, pass"
-        f" mask[{index}] (shape {leading})."
-    )
-  trailing = mask_shape[-extra:] if extra < 0 else ()
-  if (
-      extra < 0
-      and all(n == 1 for n in mask_shape[:-extra])
-      and _broadcasts_to(trailing, x_shape)
-  ):
-    raise ValueError(
-        f"{message}: it has {len(mask_shape)} axes, x {len(x_shape)}; drop"
-        f" its leading axes of size 1, e.g. mask.reshape({trailing})."
-    )
-  axes = "axis" if len(x_shape) == 1 else "axes"
-  rank = f" (it has {len(mask_shape)})" if extra < 0 else ""
-  examples = f"{x_shape} for one flag per element"
-  if len(x_shape) > 1:
-    per_example = x_shape[:1] + (1,) * (len(x_shape) - 1)
-    examples = f"{per_example} for one flag per example, or {examples}"
-  raise ValueError(
-      f"{message}: a mask needs at most {len(x_shape)} {axes}{rank}, each of"
-      f" size 1 or the size of the axis of x it aligns with, counting from"
-      f" the last; e.g. shape {examples}."
-  )
-
-
-def _broadcasts_to(shape: tuple[Any, ...], target: tuple[Any, ...]) -> bool:
-  try:
-    return jnp.broadcast_shapes(shape, target) == target
-  except ValueError:
-    return False
+  param_axes: tuple[int, ...] | None = None
+  group_size: int | None = None
 
 
 def batch_statistics(
@@ -179,6 +138,8 @@ def batch_statistics(
   """
   if mask is not None:
     check_mask_shape(np.shape(mask), np.shape(x))
+  if reduction.group_size is not None:
+    return _group_statistics(measure, x, mask, reduction)
   if not reduction.reduction_axes:
     # Only feature axes (an unbatched call, or one example per device under
     # vmap with axis_name): each feature has one element here, and the
@@ -224,6 +185,50 @@ def batch_statistics(
   return jnp.asarray(s, dtype), jnp.asarray(d2, _real_dtype(dtype))
 
 
+def _group_statistics(
+    measure: measures_lib.Measure,
+    x: Array,
+    mask: Array | None,
+    reduction: Reduction,
+) -> tuple[Array, Array]:
+  """:func:`batch_statistics` of each group of ``reduction.group_size``
+  consecutive channels (the last axis), repeated for the group's channels.
+
+  The measure sees the groups as an axis of their own (``(..., groups,
+  group_size)``), so that its element count, which calibration reads, is
+  the group's.
+  """
+  size = reduction.group_size
+  channels = x.shape[-1]
+  grouped = tuple(x.shape[:-1]) + (channels // size, size)
+  if mask is not None:
+    mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(grouped)
+  within = reduction._replace(
+      reduction_axes=reduction.reduction_axes + (x.ndim,),
+      group_size=None,
+      param_axes=None,
+  )
+  statistic, deviation_sq = batch_statistics(
+      measure, jnp.reshape(x, grouped), mask, within
+  )
+  return (
+      jnp.repeat(statistic, size, axis=-1),
+      jnp.repeat(deviation_sq, size, axis=-1),
+  )
+
+
+def _param_shape(shape: tuple[int, ...], reduction: Reduction) -> list[int]:
+  """The shape ``scale`` and ``bias`` broadcast in: ``shape`` on their
+  axes, 1 elsewhere."""
+  axes = reduction.param_axes
+  if axes is None:
+    axes = reduction.feature_axes
+  out = [1] * len(shape)
+  for ax in axes:
+    out[ax] = shape[ax]
+  return out
+
+
 def _real_dtype(dtype: Any) -> Any:
   """``dtype`` itself if real, the dtype of its real part if complex."""
   return (
@@ -250,9 +255,7 @@ def normalize(
   and the bias shifted by ``d * scale``, so that ``r = 1, d = 0`` gives the
   uncorrected output bit for bit.
   """
-  feature_shape = [1] * x.ndim
-  for ax in reduction.feature_axes:
-    feature_shape[ax] = x.shape[ax]
+  feature_shape = _param_shape(x.shape, reduction)
   # expand_dims, not reshape: XLA:CPU fuses the two differently, and this is
   # the form flax uses (measured: reshape materializes a full-size multiplier).
   # Same operation order as flax too: XLA's fusion decisions follow it.
@@ -473,29 +476,42 @@ def _fused_normalize_jvp(measure, reduction, primals, tangents):
 
   dtype = statistic.dtype
   expand = lambda v: jnp.expand_dims(v, reduction.reduction_axes)
-  r = lax.rsqrt(deviation_sq + reduction.epsilon)
-  gain = r if scale is None else r * _feature_vector(scale, dtype)
+  if reduction.param_axes is None:
+    # Statistics and parameters are per feature: the coefficients are too,
+    # broadcast against x only at the end.
+    stat_form = lambda v: v
+    param_form = lambda v: _feature_vector(v, dtype)
+    to_x = expand
+  else:
+    # Parameters on axes of their own (layer, group, instance norm): the
+    # coefficients live in the broadcast of the two, at x's rank.
+    param_shape = _param_shape(x.shape, reduction)
+    stat_form = expand
+    param_form = lambda v: _feature_vector(v, dtype).reshape(param_shape)
+    to_x = lambda v: v
+  r = stat_form(lax.rsqrt(deviation_sq + reduction.epsilon))
+  gain = r if scale is None else r * param_form(scale)
   # dy = dx gain + (x - S) centered + constant, with per-feature
   # coefficients (None where zero). dS joins dbias in the constant, so that
   # the transpose reduces g once for both (BatchNorm's sum g).
   centered = constant = None
   if statistic_dot is not None:
-    centered = -0.5 * r * r * gain * deviation_sq_dot
-    constant = -gain * statistic_dot
+    centered = -0.5 * r * r * gain * stat_form(deviation_sq_dot)
+    constant = -gain * stat_form(statistic_dot)
   if scale is not None and not _is_zero(scale_dot):
-    term = r * _feature_vector(scale_dot, dtype)
+    term = r * param_form(scale_dot)
     centered = term if centered is None else centered + term
   if bias is not None and not _is_zero(bias_dot):
-    term = _feature_vector(bias_dot, dtype)
+    term = param_form(bias_dot)
     constant = term if constant is None else constant + term
   y_dot = None
   if statistic_dot is not None:
-    y_dot = x_dot.astype(dtype) * expand(gain)
+    y_dot = x_dot.astype(dtype) * to_x(gain)
   if centered is not None:
-    term = (x.astype(dtype) - expand(statistic)) * expand(centered)
+    term = (x.astype(dtype) - expand(statistic)) * to_x(centered)
     y_dot = term if y_dot is None else y_dot + term
   if constant is not None:
-    y_dot = expand(constant) if y_dot is None else y_dot + expand(constant)
+    y_dot = to_x(constant) if y_dot is None else y_dot + to_x(constant)
   y_dot = (
       jnp.zeros_like(y)
       if y_dot is None

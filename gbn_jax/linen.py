@@ -1,9 +1,11 @@
-"""GBN for flax.linen: a drop-in for ``flax.linen.BatchNorm``.
+"""GBN for flax.linen: drop-ins for flax's normalization layers.
 
-The layer is :class:`gbn_jax.GBatchNorm` (defined here, documented at the
-top level); this module adds :class:`BatchNorm`, the layer under flax's class
-name, and :func:`batchnorm_as_gbn`, which computes every ``nn.BatchNorm`` as
-GBN while a context is open.
+The batch layer is :class:`gbn_jax.GBatchNorm` (defined here, documented at
+the top level); this module adds :class:`BatchNorm`, the layer under flax's
+class name, :func:`batchnorm_as_gbn`, which computes every ``nn.BatchNorm``
+as GBN while a context is open, and the per-example layers
+:class:`GLayerNorm`, :class:`GGroupNorm` and :class:`GInstanceNorm`, drop-ins
+for ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.InstanceNorm``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ import jax.numpy as jnp
 from gbn_jax import _layer
 from gbn_jax import _normalization
 from gbn_jax._convert import batchnorm_as_gbn
+from gbn_jax._linen_example_norms import GGroupNorm
+from gbn_jax._linen_example_norms import GInstanceNorm
+from gbn_jax._linen_example_norms import GLayerNorm
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
 
-__all__ = ["BatchNorm", "batchnorm_as_gbn"]
+__all__ = [
+    "BatchNorm",
+    "GGroupNorm",
+    "GInstanceNorm",
+    "GLayerNorm",
+    "batchnorm_as_gbn",
+]
 
 
 class GBatchNorm(nn.BatchNorm):

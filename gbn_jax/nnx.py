@@ -1,4 +1,7 @@
-"""``GBatchNorm`` for flax.nnx: a drop-in for ``flax.nnx.BatchNorm``.
+"""GBN for flax.nnx: ``GBatchNorm``, a drop-in for ``flax.nnx.BatchNorm``,
+and the per-example layers :class:`GLayerNorm`, :class:`GGroupNorm` and
+:class:`GInstanceNorm`, drop-ins for nnx's ``LayerNorm``, ``GroupNorm`` and
+``InstanceNorm``.
 
 Also :func:`convert_batchnorm`, which replaces a model's ``nnx.BatchNorm``
 layers by GBN keeping their Variables, and :func:`precise_batch_stats`, the
@@ -21,11 +24,21 @@ from gbn_jax import _layer
 from gbn_jax import _normalization
 from gbn_jax import _precise
 from gbn_jax._convert import convert_batchnorm
+from gbn_jax._nnx_example_norms import GGroupNorm
+from gbn_jax._nnx_example_norms import GInstanceNorm
+from gbn_jax._nnx_example_norms import GLayerNorm
 from gbn_jax.measures import MeasureFn
 
 Array = jax.Array
 
-__all__ = ["GBatchNorm", "convert_batchnorm", "precise_batch_stats"]
+__all__ = [
+    "GBatchNorm",
+    "GGroupNorm",
+    "GInstanceNorm",
+    "GLayerNorm",
+    "convert_batchnorm",
+    "precise_batch_stats",
+]
 
 
 class GBatchNorm(nnx.BatchNorm):
