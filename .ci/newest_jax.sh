@@ -2,7 +2,10 @@
 # The library's quick tests a second time, on today's JAX: the newest Python
 # on this machine (on PATH or under pyenv) in a venv of its own, with the
 # newest jax, jaxlib and flax the registry serves for it (no constraints).
-# Where no Python newer than the pinned run's is found, says so and exits 0.
+# What is tested is the project's wheel, installed there: tests/gbn_jax (with
+# tests/helpers and tests/conftest.py) is copied to a temporary folder and run
+# from it, so that no checkout is on sys.path. Where no Python newer than the
+# pinned run's is found, says so and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,16 +43,53 @@ if [ -z "$chosen" ]; then
   exit 0
 fi
 
-# The library and the tests' own tools, nothing of the training suite.
-"$venv/bin/python" -m pip install -q -e . pytest pytest-xdist chex flatbuffers
-echo "newest-JAX run: Python $chosen"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# The wheel, as users get it (the C++ kernel compiled for this Python where a
+# compiler is here), then the tests' own tools: nothing of the training suite.
+"$venv/bin/python" -m pip wheel -q --no-deps -w "$work/dist" . >"$work/wheel.log" 2>&1 \
+  || { cat "$work/wheel.log"; exit 1; }
+wheels=("$work"/dist/gbn_jax-*.whl)
+[ "${#wheels[@]}" -eq 1 ] && [ -f "${wheels[0]}" ] \
+  || { echo "error: expected one gbn_jax wheel in $work/dist" >&2; ls "$work/dist" >&2; exit 1; }
+"$venv/bin/python" -m pip install -q "${wheels[0]}" pytest pytest-xdist chex flatbuffers scipy
+echo "newest-JAX run: Python $chosen, $(basename "${wheels[0]}")"
 "$venv/bin/python" -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|flax|numpy) '
 
-# The library's tests: the modules that import nothing of the training suite,
-# the benchmarks or the notebooks (by statement or by module name), and start
-# none of their commands.
-mapfile -t library_tests < <(grep -LE \
-  '(from|import) (train|benchmarks|notebooks)\b|"(train|benchmarks)\.|training_helpers|run_folder_helpers|run_module\(|jupytext|nbformat' \
-  tests/test_*.py)
-"$venv/bin/python" -m pytest -q -n auto -m "not slow" -p no:cacheprovider \
-  gbn_jax "${library_tests[@]}"
+# The library's tests, alone: the tests/ package with its shared code and the
+# library's folder, none of train/, benchmarks/ or notebooks/ (which
+# tests/project/test_tests_layout.py checks they do not need); flax's example
+# ResNet comes through the tool that fetches flax's sources.
+run="$work/run"
+mkdir -p "$run/tests" "$run/tools"
+cp tests/__init__.py tests/conftest.py "$run/tests/"
+cp -r tests/helpers tests/gbn_jax "$run/tests/"
+cp tools/flax_batchnorm_suite.py "$run/tools/"
+find "$run" -name __pycache__ -prune -exec rm -rf {} +
+# pyproject.toml's pytest settings stay in the checkout: the markers the tests
+# use, and the doctests, for a run from that folder.
+"$venv/bin/python" - "$run/pytest.ini" <<'PY'
+import sys
+import tomllib
+
+with open("pyproject.toml", "rb") as f:
+  options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
+markers = "".join(f"\n  {m}" for m in options["markers"])
+with open(sys.argv[1], "w") as f:
+  f.write(f"[pytest]\naddopts = --doctest-modules -p no:cacheprovider\nmarkers ={markers}\n")
+PY
+
+# The package the tests import must be the installed one.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("platlib"))')
+imported=$(cd "$run" && "$venv/bin/python" -c 'import gbn_jax; print(gbn_jax.__file__)')
+case "$imported" in
+  "$site"/gbn_jax/*) ;;
+  *) echo "error: gbn_jax was imported from $imported, not from the venv's $site" >&2; exit 1 ;;
+esac
+echo "gbn_jax from $imported"
+
+# The quick tests, and the installed package's doctests (--pyargs: by name);
+# test_public_surface checks that the workers import gbn_jax from $site too.
+(cd "$run" && GBN_EXPECT_PACKAGE_IN="$site" "$venv/bin/python" -m pytest -q -n auto \
+  -m "not slow" tests --pyargs gbn_jax)

@@ -69,7 +69,7 @@ def check_calibration(calibration: Any) -> None:
 # smooth and negligible at both ends of [-12, 12] for every n up to 2**48
 # (the mass sits near sqrt(2 ln n) <= 8.2, with width >= 0.15), where the rule
 # converges exponentially; 1/64 gives float64 accuracy (checked against
-# scipy's quad in tests/test_calibration.py).
+# scipy's quad in tests/gbn_jax/test_calibration.py).
 _GRID_STEP = 1 / 64
 _GRID = np.linspace(-12.0, 12.0, 24 * 64 + 1)
 
@@ -114,7 +114,7 @@ def _expected_max_static(n: int) -> float:
 # _EXACT_UP_TO, then 128 points an octave in log n up to 2**48 (clamped
 # beyond), interpolated linearly in log n. E[max_n] is smooth and concave in
 # log n there, so the error is below 2e-7 relative (measured in
-# tests/test_calibration.py against the exact values): float32 rounding.
+# tests/gbn_jax/test_calibration.py against the exact values): float32 rounding.
 _EXACT_UP_TO = 1024
 _TABLE_OCTAVES = (10, 48)
 _TABLE_PER_OCTAVE = 128

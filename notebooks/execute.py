@@ -6,7 +6,7 @@ source of truth), executes it headless in a fresh kernel on this interpreter
 and this working tree, and writes ``notebooks/NAME.ipynb`` with the outputs
 (figures included), so the committed ``.ipynb`` shows them on a code-hosting
 site. It replaces ``jupytext --sync`` followed by ``jupyter nbconvert
---execute --inplace`` and is what ``tests/test_notebooks.py`` checks against:
+--execute --inplace`` and is what ``tests/project/test_notebooks.py`` checks against:
 
 * the ``.ipynb`` holds the ``.py``'s cells;
 * every code cell has been executed, without error;

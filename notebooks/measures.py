@@ -45,7 +45,7 @@
 # kinds of batches, what GBN followed by ReLU makes of them, and checks two
 # facts with `assert`s (besides every measure against numpy): SQD followed by
 # ReLU zeroes a fraction $\alpha$ of the batch, and the bPOE identity.
-# Executing it is part of the test suite (`tests/test_notebooks.py`). The last
+# Executing it is part of the test suite (`tests/project/test_notebooks.py`). The last
 # section, *Try it yourself*, has widgets to pick a batch (or type your own),
 # a measure and $\alpha$, and see $S$, $D$ and the output.
 #

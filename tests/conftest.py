@@ -1,8 +1,10 @@
 """Test configuration.
 
-tests/multidevice needs XLA_FLAGS=--xla_force_host_platform_device_count=4 set
-before jax is imported, so the main run does not collect it directly:
-tests/test_multidevice.py runs it in a subprocess with that flag.
+The test_*_multidevice.py files need
+XLA_FLAGS=--xla_force_host_platform_device_count=4 set before jax is
+imported, so a run without it does not collect them:
+tests/gbn_jax/test_multidevice.py and tests/train/test_multidevice.py run
+them in a subprocess with that flag.
 """
 
 import atexit
@@ -23,11 +25,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
-collect_ignore = []
+# Relative to this folder; fnmatch's "*" spans folders. The runners
+# (test_multidevice.py) do not match.
+collect_ignore_glob = []
 if "xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
 ):
-  collect_ignore.append("multidevice")
+  collect_ignore_glob.append("*/test_?*_multidevice.py")
 
 
 @pytest.fixture

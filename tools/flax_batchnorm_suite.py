@@ -111,7 +111,7 @@ import json, os
 import pytest
 from gbn_jax import _normalization
 
-# Alike tests/test_accelerator_sums.py::_SHARD_MAP_SCRIPT: a call counter in
+# Alike tests/gbn_jax/selection/test_radix_sums.py::_SHARD_MAP_SCRIPT: a call counter in
 # another process's source; neither can import the other's.
 _built = []
 _real = _normalization.bind_measure

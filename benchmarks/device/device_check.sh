@@ -74,7 +74,7 @@
 # DRY_RUN=1 runs every step on whatever backend there is (the CPU here) with
 # tiny shapes, tiny batches, 2 epochs of synthetic CIFAR-10-format data and a
 # few seconds per step, writing the same files (about 6 minutes on two idle
-# cores; caps and budget leave twice that); tests/test_device_check.py runs
+# cores; caps and budget leave twice that); tests/benchmarks/device/test_device_check.py runs
 # it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
 # converter (../shared/tools/cifar10_binary.py) travel to the device as
 # .device/data/ and .device/tools/: `bash benchmarks/device/device_check.sh
@@ -219,8 +219,9 @@ step_tests() {
   # Most specific first: a step cut off by its cap has run these. -v names
   # every test in the log as it runs: a cut-off run writes no summary.
   local tests=() t
-  for t in tests/test_pallas_select.py tests/test_bracket_select.py tests/test_radix_select.py tests/test_accelerator_sums.py \
-      tests/test_quantiles.py tests/test_select.py; do
+  for t in tests/gbn_jax/selection/test_pallas.py tests/gbn_jax/selection/test_bracket.py \
+      tests/gbn_jax/selection/test_radix.py tests/gbn_jax/selection/test_radix_sums.py \
+      tests/gbn_jax/test_quantiles.py tests/gbn_jax/selection/test_dispatch.py; do
     [ -f "$t" ] && tests+=("$t")
   done
   # Several workers: one process gets through too few of them in the cap.

@@ -1,6 +1,6 @@
 """Exact k-th smallest selection: the machinery under :mod:`gbn_jax._quantiles`.
 
-Layers, imports pointing down only (``tests/test_structure.py`` checks it):
+Layers, imports pointing down only (``tests/project/test_structure.py`` checks it):
 
 * :mod:`.dispatch`: the entry point :func:`.dispatch.kth_smallest` and the
   choice of backend (scoped by :func:`gbn_jax.selection.selection_config`,

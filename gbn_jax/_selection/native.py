@@ -38,7 +38,7 @@ Array = jax.Array
 
 _LIBRARY = "gbn_jax._kth_cpu"
 # Names a compiled kernel to load instead of the installed one (e.g. a
-# sanitizer build, see tests/test_native_sanitizers.py). A library named
+# sanitizer build, see tests/train/native/test_sanitizers.py). A library named
 # there that does not load is an error, not a silent fall back to pure JAX.
 LIBRARY_ENV = "GBN_KTH_LIBRARY"
 _TARGET = "gbn_kth_smallest_f32"

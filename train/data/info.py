@@ -70,7 +70,7 @@ class DatasetInfo:
 # Each dataset's facts in DatasetInfo's field order: name, classes, image
 # shape, then the per-channel mean and std, augment by default, tfds name.
 # The Fashion-MNIST and CIFAR-10 statistics are checked against the data in
-# tests/test_input_pipeline.py when it is installed; the others are the values
+# tests/train/data/test_input_pipeline.py when it is installed; the others are the values
 # published with the datasets' common training recipes.
 # fmt: off
 _FACTS = (

@@ -1,0 +1,89 @@
+"""Forward and reverse mode through statistics pooled over four devices.
+
+The layer with ``axis_name`` under ``shard_map`` and ``pmap``, its batch
+split over the devices, is the same function of ``x`` as the plain layer on
+the whole batch: its ``jvp``, ``jacfwd``, gradient and Hessian-vector
+product must be the plain layer's (issue 37; one device in
+tests/gbn_jax/test_layer_transforms.py). Measure names come from the registry.
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=4
+(tests/gbn_jax/test_multidevice.py does this in a subprocess).
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import gbn_jax
+from gbn_jax import GBatchNorm
+
+from tests.helpers import multidevice as md
+from tests.helpers.multidevice import NDEV
+
+pytestmark = pytest.mark.multidevice
+
+md.require_devices()
+
+MEASURES = sorted(gbn_jax.MEASURES)
+
+
+def _fields(measure):
+  spec = gbn_jax.MEASURES[measure]
+  if "alpha" in inspect.signature(spec.fn).parameters and "alpha" not in dict(
+      spec.params
+  ):
+    return {"alpha": 0.3}
+  return {}
+
+
+def _close(a, b, rtol=1e-4):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+
+
+@pytest.mark.parametrize("measure", MEASURES)
+def test_pooled_derivatives_equal_the_whole_batch(measure):
+  # Distinct values: every order statistic untied, the layer smooth at x.
+  rng = np.random.default_rng(0)
+  n, f = 4 * NDEV, 3
+  x = jnp.asarray(rng.permutation(n * f).reshape(n, f) / 10.0, jnp.float32)
+  variables = {
+      "params": {"scale": jnp.array([1.0, 0.5, 2.0]), "bias": jnp.ones(f)},
+      "batch_stats": {"mean": jnp.zeros(f), "var": jnp.ones(f)},
+  }
+  fields = _fields(measure)
+
+  def layer(axis_name=None):
+    module = GBatchNorm(
+        use_running_average=False,
+        measure=measure,
+        axis_name=axis_name,
+        **fields,
+    )
+    return lambda a: module.apply(variables, a, mutable=["batch_stats"])[0]
+
+  plain = layer()
+  sharded = jax.jit(
+      jax.shard_map(
+          layer("batch"),
+          mesh=md.mesh(),
+          in_specs=P("batch"),
+          out_specs=P("batch"),
+      )
+  )
+  per_device = jax.pmap(layer("batch"), axis_name="batch")
+  pmapped = lambda a: per_device(a.reshape(NDEV, -1, f)).reshape(n, f)
+  v = jnp.asarray(rng.standard_normal((n, f)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((n, f)), jnp.float32)
+  loss = lambda g: lambda a: jnp.sum(jnp.sin(g(a)) * w)
+  for g in (sharded, pmapped):
+    _close(g(x), plain(x))
+    _close(jax.jvp(g, (x,), (v,))[1], jax.jvp(plain, (x,), (v,))[1])
+    _close(jax.jacfwd(g)(x), jax.jacrev(plain)(x))
+    _close(jax.grad(loss(g))(x), jax.grad(loss(plain))(x))
+    hvp = lambda h: jax.jvp(jax.grad(loss(h)), (x,), (v,))[1]
+    _close(hvp(g), hvp(plain))
