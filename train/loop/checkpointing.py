@@ -229,6 +229,10 @@ class Checkpointer:
     """The latest saved epoch, or ``None``."""
     return self._manager.latest_step()
 
+  def epochs(self) -> list[int]:
+    """Every saved epoch, ascending."""
+    return sorted(self._manager.all_steps())
+
   def save(
       self, epoch: int, state: Any, history: Sequence[dict[str, Any]]
   ) -> None:

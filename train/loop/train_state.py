@@ -26,8 +26,12 @@ class TrainState(flax_train_state.TrainState):
   batch_stats: Any
 
 
-def create_model(config: configs.Config, num_classes: int) -> nn.Module:
-  """The config's model with the config's norm (the one norm factory)."""
+def create_model(
+    config: configs.Config, num_classes: int, *, forward_mode: bool = False
+) -> nn.Module:
+  """The config's model with the config's norm (the one norm factory);
+  ``forward_mode``: with layers that ``jax.jvp`` goes through
+  (``models.with_forward_mode``), the same parameters and function."""
   clipping = (
       {"rmax": config.renorm_rmax, "dmax": config.renorm_dmax}
       if config.renorm
@@ -41,7 +45,8 @@ def create_model(config: configs.Config, num_classes: int) -> nn.Module:
       calibration=config.calibration,
       bias=config.norm_bias,
   )
-  return models.create_model(config.model, num_classes=num_classes, norm=norm)
+  model = models.create_model(config.model, num_classes=num_classes, norm=norm)
+  return models.with_forward_mode(model) if forward_mode else model
 
 
 def create_optimizer(config: configs.Config) -> optax.GradientTransformation:

@@ -440,3 +440,16 @@ def create_model(
         f"unknown model {name!r}; choose one of: {', '.join(MODELS)}"
     )
   return MODELS[name](num_classes=num_classes, norm=norm, **kwargs)
+
+
+def with_forward_mode(model: nn.Module) -> nn.Module:
+  """``model`` with layers that forward-mode autodiff goes through.
+
+  :class:`ResNetConv`'s compiled kernels (ResNet's convolution where the
+  default backend is the CPU) have reverse-mode rules only; ``nn.Conv``
+  has the same parameters and function. A Hessian-vector product
+  (``jax.jvp`` of ``jax.grad``) needs the latter.
+  """
+  if isinstance(model, ResNet) and model.conv is None:
+    return model.clone(conv=nn.Conv)
+  return model
