@@ -1,4 +1,6 @@
-"""Runs flax's own BatchNorm tests on ``GBatchNorm(..., measure='sd')``.
+"""Runs flax's own BatchNorm tests on ``GBatchNorm(..., measure='sd')``, and
+its LayerNorm, GroupNorm and InstanceNorm tests on ``GLayerNorm``,
+``GGroupNorm`` and ``GInstanceNorm`` (``--layers`` narrows the set).
 
 The README promises that ``GBatchNorm(measure='sd')`` keeps every field,
 default and behaviour of flax's BatchNorm. This script checks it with flax's
@@ -46,7 +48,14 @@ not fail the run. The selection is by function, so a parameterized test
 that also runs other layers (nnx's ``linear_test.py`` lists every layer)
 runs them all; only the cases that constructed a GBatchNorm are counted.
 
-flax 0.12.8 (Python 3.11): 160 tests selected, 127 built a GBatchNorm: 126
+The other layers are swapped alike (``nn.LayerNorm(ARGS)`` ->
+``gbn_jax.linen.GLayerNorm(ARGS, measure='sd')``, and so on), each test is
+counted for every layer it built (recorded at run time), and each layer
+needs :data:`MIN_TESTS` of its own. flax 0.12.8 (Python 3.11), the
+per-example layers alone: 79 tests built one, all pass (GLayerNorm 28,
+GGroupNorm 26, GInstanceNorm 30; some build two).
+
+BatchNorm, flax 0.12.8 (Python 3.11): 160 tests selected, 127 built a GBatchNorm: 126
 pass, 1 expected difference (``test_module_reuse``: the auto-name
 ``GBatchNorm_0``; passes with ``gbn_jax.linen.BatchNorm``); 1 skipped by
 flax itself on Python 3.11 (``test_cloud_pickle``); 32 are other layers. Modules whose imports are not installed are skipped by name and
@@ -74,9 +83,22 @@ import sys
 import tarfile
 import tempfile
 
-#: Fewer tests that built a GBatchNorm than this is a failure (flax 0.12.8:
-#: 127, of 160 selected; see the module docstring).
-MIN_TESTS = 120
+#: flax's layer -> ours (the same name in gbn_jax.linen and gbn_jax.nnx).
+LAYERS = {
+    "BatchNorm": "GBatchNorm",
+    "LayerNorm": "GLayerNorm",
+    "GroupNorm": "GGroupNorm",
+    "InstanceNorm": "GInstanceNorm",
+}
+
+#: Per layer, fewer tests that built ours than this is a failure (see the
+#: module docstring for flax 0.12.8's counts).
+MIN_TESTS = {
+    "BatchNorm": 120,
+    "LayerNorm": 25,
+    "GroupNorm": 23,
+    "InstanceNorm": 27,
+}
 
 #: Tests that fail by design, with the reason (matched on the nodeid).
 EXPECTED_DIFFERENCES = {
@@ -118,9 +140,10 @@ _real = _normalization.bind_measure
 
 
 def _counting(*args, **kwargs):
-  # Called once by every GBatchNorm constructor (linen and nnx) and call;
-  # only counts, and returns what the real one returns.
-  _built.append(1)
+  # Called once by every layer's constructor (linen and nnx) and call,
+  # with the layer's class name (GBatchNorm's by default); only records it,
+  # and returns what the real one returns.
+  _built.append(kwargs.get("layer", "GBatchNorm"))
   return _real(*args, **kwargs)
 
 
@@ -145,7 +168,7 @@ def _gbn_track(request):
   yield
   entry = _results.setdefault(request.node.nodeid,
                               {"outcome": "passed", "built": False})
-  entry["built"] = bool(_built)
+  entry["built"] = sorted(set(_built))
 
 
 def pytest_sessionfinish(session):
@@ -166,9 +189,10 @@ def _dotted(node: ast.AST) -> str | None:
   return None
 
 
-def _flavour(node: ast.AST) -> str | None:
-  """'linen' or 'nnx' if ``node`` is a reference to flax's BatchNorm."""
-  if not (isinstance(node, ast.Attribute) and node.attr == "BatchNorm"):
+def _flavour(node: ast.AST, layers=("BatchNorm",)) -> str | None:
+  """'linen' or 'nnx' if ``node`` is a reference to one of flax's
+  ``layers``."""
+  if not (isinstance(node, ast.Attribute) and node.attr in layers):
     return None
   base = _dotted(node.value)
   if base in _LINEN_BASES:
@@ -194,20 +218,31 @@ def _offsets(source: str) -> list[int]:
 
 
 def rewrite(
-    source: str, linen_class: str = "GBatchNorm"
-) -> tuple[str, list[str], set[int], ast.Module]:
-  """(rewritten source, one line per rewrite, ids of the rewritten nodes in
-  the returned tree, that tree).
+    source: str,
+    linen_class: str = "GBatchNorm",
+    layers: tuple[str, ...] = ("BatchNorm",),
+) -> tuple[str, list[str], dict[str, set[int]], ast.Module]:
+  """(rewritten source, one line per rewrite, per flax layer the ids of its
+  rewritten nodes in the returned tree, that tree).
 
-  Positions come from the AST; the text between them is kept verbatim.
+  ``layers`` are flax's class names to swap (:data:`LAYERS`);
+  ``linen_class`` is linen's BatchNorm's replacement. Positions come from
+  the AST; the text between them is kept verbatim.
   """
-  cls = {"linen": linen_class, "nnx": "GBatchNorm"}
+  _flavour_of = lambda node: _flavour(node, layers)
+
+  def cls_of(flavour, node):
+    if node.attr == "BatchNorm" and flavour == "linen":
+      return linen_class
+    return LAYERS[node.attr]
+
   tree = ast.parse(source)
   lines = _offsets(source)
   # ast columns are UTF-8 byte offsets; flax's test files are ASCII.
   pos = lambda lineno, col: lines[lineno - 1] + col
   edits: list[_Edit] = []
   handled: set[int] = set()
+  by_layer: dict[str, set[int]] = {name: set() for name in layers}
   type_checked: set[int] = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Call) and (
@@ -220,14 +255,15 @@ def rewrite(
         for sub in ast.walk(arg):
           type_checked.add(id(sub))
   for node in ast.walk(tree):
-    if isinstance(node, ast.Call) and _flavour(node.func):
-      flavour = _flavour(node.func)
+    if isinstance(node, ast.Call) and _flavour_of(node.func):
+      flavour = _flavour_of(node.func)
       f = node.func
+      cls = cls_of(flavour, f)
       edits.append(
           _Edit(
               pos(f.lineno, f.col_offset),
               pos(f.end_lineno, f.end_col_offset),
-              f"gbn_jax.{flavour}.{cls[flavour]}",
+              f"gbn_jax.{flavour}.{cls}",
               None,
           )
       )
@@ -246,24 +282,27 @@ def rewrite(
               at,
               extra,
               f"line {node.lineno}: {_dotted(f)}(...) ->"
-              f" gbn_jax.{flavour}.{cls[flavour]}(..., measure='sd')",
+              f" gbn_jax.{flavour}.{cls}(..., measure='sd')",
           )
       )
       handled.add(id(f))
+      by_layer[f.attr].add(id(f))
   for node in ast.walk(tree):
-    flavour = _flavour(node)
+    flavour = _flavour_of(node)
     if flavour and id(node) not in handled and id(node) not in type_checked:
+      cls = cls_of(flavour, node)
       edits.append(
           _Edit(
               pos(node.lineno, node.col_offset),
               pos(node.end_lineno, node.end_col_offset),
-              f"functools.partial(gbn_jax.{flavour}.{cls[flavour]}, measure='sd')",
+              f"functools.partial(gbn_jax.{flavour}.{cls}, measure='sd')",
               f"line {node.lineno}: {_dotted(node)} (as a value) ->"
-              f" functools.partial(gbn_jax.{flavour}.{cls[flavour]},"
+              f" functools.partial(gbn_jax.{flavour}.{cls},"
               " measure='sd')",
           )
       )
       handled.add(id(node))
+      by_layer[node.attr].add(id(node))
   if edits:
     # The imports go in front of the first import, on its line, so that line
     # numbers in tracebacks stay flax's (class bodies need them at import).
@@ -281,7 +320,7 @@ def rewrite(
   for e in sorted(edits, key=lambda e: (e.start, e.end), reverse=True):
     out = out[: e.start] + e.text + out[e.end :]
   whats = sorted((e.start, e.what) for e in edits if e.what)
-  return out, [what for _, what in whats], handled, tree
+  return out, [what for _, what in whats], by_layer, tree
 
 
 def _uses(node: ast.AST, names: set[str], refs: set[int]) -> bool:
@@ -432,7 +471,15 @@ def main(argv=None) -> int:
       action="store_true",
       help="list every rewrite and every test",
   )
+  parser.add_argument(
+      "--layers",
+      nargs="+",
+      choices=sorted(LAYERS),
+      default=list(LAYERS),
+      help="flax's layers to swap (default: all)",
+  )
   args = parser.parse_args(argv)
+  layers = tuple(args.layers)
 
   with tempfile.TemporaryDirectory(prefix="gbn_flax_suite_") as tmp:
     work = pathlib.Path(tmp)
@@ -476,17 +523,18 @@ def main(argv=None) -> int:
     ids, skipped_modules, n_rewrites = [], {}, 0
     for path in sorted((src / "tests").rglob("*_test.py")):
       source = path.read_text()
-      if "BatchNorm" not in source:
+      if not any(name in source for name in layers):
         continue
       rel = path.relative_to(src)
-      new, whats, refs, tree = rewrite(source)
+      new, whats, by_layer, tree = rewrite(source, layers=layers)
       if not whats:
         continue
+      refs = set().union(*by_layer.values())
       tests = select(source, refs, tree)
       missing = _missing_imports(source, extra_path)
       print(
           f"{rel}: {len(whats)} rewrite(s), {len(tests)} test function(s)"
-          " that build a BatchNorm"
+          f" that build one of {', '.join(layers)}"
       )
       for what in whats:
         print(f"    {what}")
@@ -494,7 +542,7 @@ def main(argv=None) -> int:
       if missing:
         skipped_modules[str(rel)] = missing
         continue
-      named = rewrite(source, linen_class="BatchNorm")[0]
+      named = rewrite(source, linen_class="BatchNorm", layers=layers)[0]
       for root, text in (
           (tests_root, new),
           (plain_root, source),
@@ -508,7 +556,7 @@ def main(argv=None) -> int:
         ids.append(nodeid)
     if not ids:
       raise SystemExit(
-          f"no test that builds a BatchNorm was found under {src}/tests."
+          f"no test that builds one of {layers} was found under {src}/tests."
       )
     (tests_root / "conftest.py").write_text(_CONFTEST)
     (plain_root / "conftest.py").write_text(_CONFTEST)
@@ -553,11 +601,11 @@ def main(argv=None) -> int:
     files = sorted({i.split("::")[0] for i in ids})
     print(
         f"\nrunning {len(ids)} selected test functions from {len(files)}"
-        " modules on GBatchNorm ...",
+        f" modules on {', '.join(LAYERS[n] for n in layers)} ...",
         flush=True,
     )
     results, proc = _run_pytest(tests_root, files, work / "swapped.json", env)
-    # A test counts if it built a GBatchNorm, or was skipped by flax before
+    # A test counts if it built one of ours, or was skipped by flax before
     # it could (e.g. test_cloud_pickle on Python 3.11); the rest of the
     # selection are other layers sharing a parameterized test.
     skipped = sorted(k for k, v in results.items() if v["outcome"] == "skipped")
@@ -574,9 +622,16 @@ def main(argv=None) -> int:
     outcome = lambda o: sorted(k for k, v in built.items() if v["outcome"] == o)
     passed, failed = outcome("passed"), outcome("failed")
     print(
-        f"\n{len(built)} tests built a GBatchNorm: {len(passed)} passed,"
+        f"\n{len(built)} tests built one of ours: {len(passed)} passed,"
         f" {len(failed)} failed; {len(skipped)} skipped by flax itself"
     )
+    # Per layer: the tests that built it (a test may build several).
+    per_layer = {}
+    for name in layers:
+      ran = [k for k, v in built.items() if LAYERS[name] in v["built"]]
+      ok = [k for k in ran if built[k]["outcome"] == "passed"]
+      per_layer[name] = (len(ran), len(ok))
+      print(f"    {LAYERS[name]}: {len(ran)} tests built it, {len(ok)} passed")
     for k in skipped:
       print(f"    skipped: {k}")
     if unbuilt:
@@ -627,14 +682,17 @@ def main(argv=None) -> int:
             f"  note: {k} passed; the expected difference ({reason}) is"
             " gone: drop it from EXPECTED_DIFFERENCES"
         )
-    if len(built) < MIN_TESTS:
-      print(
-          f"ERROR: only {len(built)} tests built a GBatchNorm; expected at"
-          f" least {MIN_TESTS}: the selection or flax's layout changed."
-      )
-      status = 1
+    for name, (ran, _) in per_layer.items():
+      if ran < MIN_TESTS[name]:
+        print(
+            f"ERROR: only {ran} tests built a {LAYERS[name]}; expected at"
+            f" least {MIN_TESTS[name]}: the selection or flax's layout"
+            " changed."
+        )
+        status = 1
     print(
-        f"\n{n_rewrites} rewrites; {len(built)} tests on GBatchNorm:"
+        f"\n{n_rewrites} rewrites; {len(built)} tests on"
+        f" {', '.join(LAYERS[n] for n in layers)}:"
         f" {len(passed)} passed, {len(failed)} failed"
         f" ({sum(k in EXPECTED_DIFFERENCES for k in failed)} expected),"
         f" {len(skipped)} skipped by flax; {len(skipped_modules)} modules skipped"
