@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import gbn_jax
+from train import configs
 from train import mnist
 from train.curvature import cli as curvature
 from train.curvature import hessian as hessian_lib
@@ -260,7 +261,7 @@ def test_cli_measures_each_checkpoint_once_and_resumes(tmp_path, capsys):
 
 def test_cli_refuses_a_run_without_checkpoints(tmp_path, capsys):
   fresh = tmp_path / "fresh"
-  checkpointing.write_config(fresh, mnist.configs.MNIST)
+  checkpointing.write_config(fresh, configs.MNIST)
   assert curvature.main([str(fresh), "--no-progress"]) == 1
   err = capsys.readouterr().err
   assert "has no checkpoints" in err and "--checkpoints 0" in err
