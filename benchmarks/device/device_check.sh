@@ -7,6 +7,9 @@
 # Steps, in this order by default (name some to run only those):
 #   env      versions and the card (env.txt); starts the CIFAR-10 conversion
 #   tests    the exactness tests of the selections on the device (tests.log)
+#   library  (named only, not a default step) the library's quick tests,
+#            tests/gbn_jax -m "not slow", on the card's own JAX, every test's
+#            outcome in library.log (pytest -v, several workers)
 #   radix    each selection kernel alone against a mean+var pass, and one
 #            histogram pass and one sums pass alone: which pass costs what
 #            (radix.json)
@@ -164,7 +167,7 @@ if [ "$DRY_RUN" = 1 ]; then
   # those tests itself, the rehearsal only checks that the step runs and logs.
   # The compile step's CLI runs: LeNet on the synthetic CIFAR-10.
   COMPILE_ARGS=(--model lenet --batch-size 256 --bench-images 512)
-  CAPS=(tests=20 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
+  CAPS=(tests=20 library=60 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
@@ -174,7 +177,7 @@ else
   # (docs/performance.md), and a later session resumes from it.
   RESNET_CKPT_EVERY=10; TEST_WORKERS=8
   COMPILE_ARGS=(--model resnet20)
-  CAPS=(tests=60 radix=50 methods=120 steps=70 compile=180 full=90 torch=30)
+  CAPS=(tests=60 library=150 radix=50 methods=120 steps=70 compile=180 full=90 torch=30)
 fi
 cap_of() { local c; for c in "${CAPS[@]}"; do [ "${c%%=*}" = "$1" ] && echo "${c#*=}"; done; }
 
@@ -229,6 +232,15 @@ step_tests() {
   "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "$TEST_WORKERS")
   run_capped tests "$(cap "$(cap_of tests)")" "$PYTHON" -m pytest -v -p no:cacheprovider \
     -o addopts= --maxfail=25 "${workers[@]}" "${tests[@]}"
+}
+
+step_library() {
+  local tests=(tests/gbn_jax) workers=()
+  # The rehearsal runs one small module: the suite runs the rest itself.
+  [ "$DRY_RUN" = 1 ] && tests=(tests/gbn_jax/test_measures.py)
+  "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "$((TEST_WORKERS + TEST_WORKERS * 3 / 4))")
+  run_capped library "$(cap "$(cap_of library)")" "$PYTHON" -m pytest -v -p no:cacheprovider \
+    -o addopts= -m "not slow" --tb=short "${workers[@]}" "${tests[@]}"
 }
 
 step_radix() {
@@ -420,7 +432,7 @@ steps=("$@")
 log "steps: ${steps[*]} (budget ${BUDGET}s, WORK=$WORK, OUT=$OUT)"
 for step in "${steps[@]}"; do
   case "$step" in
-    prepare|env|tests|radix|methods|steps|compile|full|torch|table2|collect) "step_$step" ;;
+    prepare|env|tests|library|radix|methods|steps|compile|full|torch|table2|collect) "step_$step" ;;
     *) log "unknown step '$step'"; exit 2 ;;
   esac
 done
