@@ -9,6 +9,7 @@ differences for the derivatives.
 from __future__ import annotations
 
 from fractions import Fraction
+import functools
 import math
 import statistics
 
@@ -62,11 +63,20 @@ LINEN = {
 # --------------------------------------------------------------- references
 
 
-def _normal_max(n: int) -> float:
-  """E[max of n standard normals], by the trapezoid rule on a fine grid."""
+@functools.cache
+def _normal_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """A fine grid and the standard normal's cdf and pdf on it (math.erf
+  element by element is the slow part: done once)."""
   z = np.linspace(-12.0, 12.0, 240_001)
   cdf = 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
   pdf = np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+  return z, cdf, pdf
+
+
+@functools.cache
+def _normal_max(n: int) -> float:
+  """E[max of n standard normals], by the trapezoid rule on a fine grid."""
+  z, cdf, pdf = _normal_grid()
   f = z * n * pdf * cdf ** (n - 1)
   return float(np.sum((f[1:] + f[:-1]) / 2) * (z[1] - z[0]))
 
@@ -208,9 +218,18 @@ def _close(got, want, rtol=2e-5):
 
 
 def _linen(kind, x, measure="sd", seed=1, **fields):
+  # init jitted: only the parameters are kept, so the compiled program
+  # drops the normalization that an eager init would run op by op.
   layer = LINEN[kind][0](**{**_fields(measure), **fields})
-  variables = _params(layer.init(jax.random.key(0), x), seed)
+  variables = _params(jax.jit(layer.init)(jax.random.key(0), x), seed)
   return layer, variables
+
+
+def _jit_apply(layer, variables, x, mask=None):
+  """``layer.apply`` as one compiled program: far cheaper than compiling
+  each op of a measure on its own. The eager calls are
+  test_every_measure_is_its_definition's and the flax comparisons'."""
+  return jax.jit(lambda v, a, m: layer.apply(v, a, mask=m))(variables, x, mask)
 
 
 def _expected(kind, x, measure, variables, **fields):
@@ -271,7 +290,7 @@ def test_calibration_counts_the_values_each_statistic_sees(measure):
     layer, variables = _linen(kind, x, measure, calibration="normal", **fields)
     for m in (None, jnp.asarray(mask)):
       _close(
-          layer.apply(variables, x, mask=m),
+          _jit_apply(layer, variables, x, m),
           _expected(
               kind,
               x,
@@ -303,7 +322,7 @@ def test_masks_count_only_the_masked_in_values(measure):
   ]
   for kind, fields in cases:
     layer, variables = _linen(kind, x_nan, measure, **fields)
-    y = np.asarray(layer.apply(variables, x_nan, mask=jnp.asarray(mask)))
+    y = np.asarray(_jit_apply(layer, variables, x_nan, jnp.asarray(mask)))
     want = _expected(kind, x, measure, variables, mask=mask, **fields)
     _close(y[mask], want[mask])
     assert np.isnan(y[~mask]).all()
@@ -314,7 +333,7 @@ def test_a_mask_broadcasts_and_must_be_boolean():
   per_feature = np.array([True, False, True, True, False, True])
   layer, variables = _linen("group", x, "sqd2", num_groups=2)
   _close(
-      layer.apply(variables, x, mask=jnp.asarray(per_feature)),
+      _jit_apply(layer, variables, x, jnp.asarray(per_feature)),
       _expected("group", x, "sqd2", variables, num_groups=2, mask=per_feature),
   )
   with pytest.raises(TypeError, match="mask must be a boolean"):
@@ -333,7 +352,7 @@ def test_ties_and_repeated_values(measure):
   for kind, fields in [("layer", {}), ("group", {"num_groups": 2})]:
     layer, variables = _linen(kind, x, measure, **fields)
     _close(
-        layer.apply(variables, x),
+        _jit_apply(layer, variables, x),
         _expected(kind, x, measure, variables, **fields),
     )
 
@@ -346,7 +365,7 @@ def test_tiny_groups(measure):
   x = jax.random.normal(jax.random.key(6), (5, 6))
   layer, variables = _linen("group", x, measure, num_groups=None, group_size=2)
   _close(
-      layer.apply(variables, x),
+      _jit_apply(layer, variables, x),
       _expected("group", x, measure, variables, group_size=2),
   )
   for kind, fields in [
@@ -354,11 +373,13 @@ def test_tiny_groups(measure):
       ("instance", {}),  # (batch, features): nothing left to reduce
   ]:
     layer, variables = _linen(kind, x, measure, **fields)
-    y = layer.apply(variables, x)
+    y = _jit_apply(layer, variables, x)
     np.testing.assert_array_equal(
         y, jnp.broadcast_to(variables["params"]["bias"], x.shape)
     )
-    g = jax.grad(lambda a: jnp.sum(jnp.sin(layer.apply(variables, a))))(x)
+    g = jax.jit(
+        jax.grad(lambda a: jnp.sum(jnp.sin(layer.apply(variables, a))))
+    )(x)
     assert np.isfinite(np.asarray(g)).all()
 
 
@@ -369,7 +390,7 @@ def test_extreme_alpha(alpha):
     x = jax.random.normal(jax.random.key(7), shape)
     layer, variables = _linen(kind, x, "sqd_0.9", alpha=alpha, **fields)
     _close(
-        layer.apply(variables, x),
+        _jit_apply(layer, variables, x),
         _expected(kind, x, "sqd", variables, alpha=alpha, **fields),
         rtol=1e-4,
     )
@@ -448,9 +469,9 @@ def test_bfloat16_reduces_in_float32():
     )
     for measure in ("sqd2", "rbd"):
       layer, variables = _linen(kind, x, measure, **fields)
-      y = layer.apply(variables, x)
+      y = _jit_apply(layer, variables, x)
       flax_layer = LINEN[kind][1](**fields)
-      assert y.dtype == flax_layer.apply(variables, x).dtype
+      assert y.dtype == jax.eval_shape(flax_layer.apply, variables, x).dtype
       _close(
           y,
           _expected(
@@ -460,7 +481,7 @@ def test_bfloat16_reduces_in_float32():
       )
       both = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
       layer = LINEN[kind][0](**_fields(measure), **both, **fields)
-      y = layer.apply(layer.init(jax.random.key(0), x), x)
+      y = _jit_apply(layer, jax.jit(layer.init)(jax.random.key(0), x), x)
       assert (
           y.dtype == jnp.bfloat16
           and np.isfinite(np.asarray(y, np.float32)).all()
@@ -517,8 +538,8 @@ def test_sd_is_flax_linen(kind, fields):
     loss = lambda layer: lambda v, a: jnp.sum(
         jnp.sin(layer.apply(v, a, mask=m)) * a
     )
-    got = jax.grad(loss(ours), argnums=(0, 1))(variables, x)
-    want = jax.grad(loss(theirs), argnums=(0, 1))(variables, x)
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
+    want = jax.jit(jax.grad(loss(theirs), argnums=(0, 1)))(variables, x)
     jax.tree.map(lambda g, w: _close(g, w, rtol=1e-5), got, want)
 
 
@@ -583,7 +604,7 @@ def test_nnx_measures_are_their_definitions(kind, measure):
   fields = {"num_groups": 3} if kind == "group" else {}
   for m in (None, mask):
     _close(
-        layer(x, mask=m),
+        nnx.jit(lambda l, a, m: l(a, mask=m))(layer, x, m),
         reference(
             x,
             kind,
@@ -625,21 +646,24 @@ def test_derivatives_are_central_differences(kind, measure):
     w = jnp.asarray(rng.standard_normal(x.shape))
     layer, variables = _linen(kind, x, measure, **fields)
     variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
-    y = lambda a, v=variables: layer.apply(v, a)
-    loss = lambda a, v=variables: jnp.sum(jnp.sin(y(a, v)) * w)
+    # Each derivative jitted: a few small programs, not every op of the
+    # layer compiled one by one in float64.
+    y = jax.jit(lambda a, v=variables: layer.apply(v, a))
+    loss = jax.jit(lambda a, v=variables: jnp.sum(jnp.sin(y(a, v)) * w))
     d = jnp.asarray(rng.standard_normal(x.shape))
     fd = _central_differences(loss, x, d)
-    _close(jnp.sum(jax.grad(loss)(x) * d), fd, rtol=1e-6)
-    _close(jax.jvp(loss, (x,), (d,))[1], fd, rtol=1e-6)
+    grad = jax.jit(jax.grad(loss))
+    _close(jnp.sum(grad(x) * d), fd, rtol=1e-6)
+    _close(jax.jit(lambda a: jax.jvp(loss, (a,), (d,))[1])(x), fd, rtol=1e-6)
     _close(
-        jnp.tensordot(jax.jacfwd(y)(x), d, d.ndim),
+        jnp.tensordot(jax.jit(jax.jacfwd(y))(x), d, d.ndim),
         _central_differences(y, x, d),
         rtol=1e-6,
     )
-    hvp = jax.jvp(jax.grad(loss), (x,), (d,))[1]
-    _close(hvp, _central_differences(jax.grad(loss), x, d), rtol=1e-5)
+    hvp = jax.jit(lambda a: jax.jvp(grad, (a,), (d,))[1])(x)
+    _close(hvp, _central_differences(grad, x, d), rtol=1e-5)
     # The parameters too.
-    grads = jax.grad(loss, argnums=1)(x, variables)
+    grads = jax.jit(jax.grad(loss, argnums=1))(x, variables)
     for name in ("scale", "bias"):
       p = variables["params"][name]
       e = jnp.asarray(rng.standard_normal(p.shape))
@@ -666,12 +690,12 @@ def test_gradients_at_ties_split_equally(measure):
     layer = gbn_jax.linen.GLayerNorm(**_fields(measure), use_bias=False)
     variables = {"params": {"scale": jnp.linspace(0.5, 1.5, 16)}}
     w = jnp.asarray(rng.standard_normal(x.shape))
-    loss = lambda a: jnp.sum(layer.apply(variables, a) * w)
+    loss = jax.jit(lambda a: jnp.sum(layer.apply(variables, a) * w))
     values = np.asarray(x)
     levels = rng.standard_normal(7)
     d = jnp.asarray(levels[(values + 3).astype(int)])  # equal within a tie
     _close(
-        jnp.sum(jax.grad(loss)(x) * d),
+        jnp.sum(jax.jit(jax.grad(loss))(x) * d),
         _central_differences(loss, x, d),
         rtol=1e-6,
     )

@@ -30,6 +30,8 @@ from train import mnist
 from train.curvature import cli as curvature
 from train.curvature import hessian as hessian_lib
 from train.loop import checkpointing
+from train.loop import train_state
+from train.loop import train_steps
 from train.model import models
 
 BATCHES, BATCH, FEATURES, CLASSES = 3, 8, 4, 3
@@ -211,6 +213,69 @@ def _write_tiny_mnist(folder: Path) -> Path:
   return folder
 
 
+def _saved_run(run: Path, config: configs.Config) -> None:
+  """A run folder as training leaves it, with one checkpoint (epoch 1) of
+  the initial state, saved as the trainer saves its epochs: the CLI reads
+  the folder, not the training."""
+  checkpointing.write_config(run, config)
+  state = train_state.create_train_state(
+      train_steps.init_key(config.seed),
+      train_state.create_model(config, 10),
+      (28, 28, 1),
+      train_state.create_optimizer(config),
+  )
+  checkpointer = checkpointing.Checkpointer(run)
+  try:
+    checkpointer.save(1, train_state.state_dict(state), [{"epoch": 1}])
+  finally:
+    checkpointer.close()
+
+
+def test_cli_measures_each_checkpoint_once_and_resumes_quick(tmp_path, capsys):
+  data = _write_tiny_mnist(tmp_path / "data")
+  run = tmp_path / "run"
+  _saved_run(run, configs.MNIST.replace(epochs=2, batch_size=16, norm="rbd"))
+  small = ["--data-dir", str(data), "--batches", "2", "--batch-size", "8",
+           "--eigenvalues", "2", "--iterations", "3", "--probes", "2",
+           "--no-progress"]  # fmt: skip
+  assert curvature.main([str(run), *small]) == 0
+  lines = curvature.read_lines(run)
+  assert [(line["epoch"], line["step"]) for line in lines] == [(1, 4)]
+  (line,) = lines
+  assert line["settings"] == {
+      "batches": 2, "batch_size": 8, "eigenvalues": 2, "iterations": 3,
+      "probes": 2, "seed": 0,
+  }  # fmt: skip
+  assert line["batch_hvps"] == 2 * (3 + 2)
+  assert line["weight_decay"] == 5e-4
+  assert len(line["eigenvalues"]) == 2
+  assert line["eigenvalues"][0] >= line["eigenvalues"][1]
+  assert all(math.isfinite(line[k]) for k in ("trace", "trace_stderr"))
+  assert line["gradient_variance_trace"] > 0
+  assert "epoch 1: top eigenvalue" in capsys.readouterr().out
+
+  # Measured checkpoints are skipped; epoch 0 (the initial state, from the
+  # config) or new settings are added.
+  text = (run / curvature.CURVATURE_FILE).read_text()
+  assert curvature.main([str(run), *small]) == 0
+  assert (run / curvature.CURVATURE_FILE).read_text() == text
+  assert curvature.main([str(run), *small, "--checkpoints", "0,1"]) == 0
+  assert curvature.main([str(run), *small, "--checkpoints", "last",
+                         "--seed", "1"]) == 0  # fmt: skip
+  lines = curvature.read_lines(run)
+  assert [(line["epoch"], line["settings"]["seed"]) for line in lines] == [
+      (1, 0), (0, 0), (1, 1),
+  ]  # fmt: skip
+  assert json.loads(text.splitlines()[0]) == lines[0]
+
+  capsys.readouterr()
+  assert curvature.main([str(run), *small, "--checkpoints", "7"]) == 1
+  assert "no checkpoint of epoch 7; its checkpoints: 1" in (
+      capsys.readouterr().err
+  )
+
+
+@pytest.mark.slow
 def test_cli_measures_each_checkpoint_once_and_resumes(tmp_path, capsys):
   data = _write_tiny_mnist(tmp_path / "data")
   run = tmp_path / "run"
