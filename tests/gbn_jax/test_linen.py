@@ -374,5 +374,11 @@ def test_fused_backward_half_precision_and_no_params():
 def test_public_names():
   import gbn_jax.linen  # pylint: disable=g-import-not-at-top
 
-  assert sorted(gbn_jax.linen.__all__) == ["BatchNorm", "batchnorm_as_gbn"]
+  assert sorted(gbn_jax.linen.__all__) == [
+      "BatchNorm",
+      "GGroupNorm",
+      "GInstanceNorm",
+      "GLayerNorm",
+      "batchnorm_as_gbn",
+  ]
   assert gbn_jax.linen.GBatchNorm is GBatchNorm

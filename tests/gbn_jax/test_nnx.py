@@ -329,6 +329,9 @@ def test_nnx_and_linen_agree_bit_for_bit(kwargs):
 def test_public_names():
   assert sorted(gnnx.__all__) == [
       "GBatchNorm",
+      "GGroupNorm",
+      "GInstanceNorm",
+      "GLayerNorm",
       "convert_batchnorm",
       "precise_batch_stats",
   ]
