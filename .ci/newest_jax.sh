@@ -23,7 +23,7 @@ candidates() {
   done | sort -t. -k1,1nr -k2,2nr -u
 }
 
-venv=.venv-newest
+venv="$PWD/.venv-newest"
 chosen=""
 while read -r v py; do
   [ "$(printf '%s\n%s\n' "$pinned" "$v" | sort -V | tail -1)" = "$v" ] || continue
@@ -68,7 +68,8 @@ cp -r tests/helpers tests/gbn_jax "$run/tests/"
 cp tools/flax_batchnorm_suite.py "$run/tools/"
 find "$run" -name __pycache__ -prune -exec rm -rf {} +
 # pyproject.toml's pytest settings stay in the checkout: the markers the tests
-# use, and the doctests, for a run from that folder.
+# use, and the doctests, for a run from that folder, of the library's tests
+# (the helpers of train's tests, there too, are not imported).
 "$venv/bin/python" - "$run/pytest.ini" <<'PY'
 import sys
 import tomllib
@@ -77,7 +78,10 @@ with open("pyproject.toml", "rb") as f:
   options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
 markers = "".join(f"\n  {m}" for m in options["markers"])
 with open(sys.argv[1], "w") as f:
-  f.write(f"[pytest]\naddopts = --doctest-modules -p no:cacheprovider\nmarkers ={markers}\n")
+  f.write(
+      "[pytest]\ntestpaths = tests/gbn_jax\n"
+      f"addopts = --doctest-modules -p no:cacheprovider\nmarkers ={markers}\n"
+  )
 PY
 
 # The package the tests import must be the installed one.
@@ -92,4 +96,4 @@ echo "gbn_jax from $imported"
 # The quick tests, and the installed package's doctests (--pyargs: by name);
 # test_public_surface checks that the workers import gbn_jax from $site too.
 (cd "$run" && GBN_EXPECT_PACKAGE_IN="$site" "$venv/bin/python" -m pytest -q -n auto \
-  -m "not slow" tests --pyargs gbn_jax)
+  -m "not slow" tests/gbn_jax --pyargs gbn_jax)
