@@ -13,12 +13,8 @@ must give their results bit for bit) and the numpy definitions of
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.util
-import os
 import pathlib
-import tarfile
 
 from flax import nnx
 import flax.linen as nn
@@ -32,46 +28,20 @@ import gbn_jax.linen
 import gbn_jax.nnx
 
 from tests.helpers import reference as ref
-from tests.helpers.process import ProcessFailed
+from tests.helpers.flax_sdist import load_module
+from tests.helpers.flax_sdist import unpacked_flax_sdist
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load(name: str, path: pathlib.Path):
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.fixture(scope="module")
 def flax_models(tmp_path_factory):
   """flax's ``examples/imagenet/models.py``, of the installed flax version."""
-  tool = REPO / "tools" / "flax_batchnorm_suite.py"
-  if not tool.exists():
-    pytest.skip(f"{tool} (which fetches flax's sdist) is not here")
-  suite = _load("gbn_flax_batchnorm_suite", tool)
-  args = argparse.Namespace(
-      src=os.environ.get("GBN_FLAX_SRC"), sdist=os.environ.get("GBN_FLAX_SDIST")
-  )
-  try:
-    with pytest.MonkeyPatch.context() as patch:
-      # Offline, pip would retry for minutes (PIP_DEFAULT_TIMEOUT is 180 s
-      # here) before the skip.
-      patch.setenv("PIP_DEFAULT_TIMEOUT", "20")
-      patch.setenv("PIP_RETRIES", "1")
-      src = suite._unpack(args, tmp_path_factory.mktemp("flax_sdist"))  # pylint: disable=protected-access
-  except (ProcessFailed, StopIteration, OSError) as e:
-    pytest.skip(
-        f"flax's sdist could not be had ({type(e).__name__}: {e}); set"
-        " GBN_FLAX_SDIST or GBN_FLAX_SRC to a copy to run these tests offline"
-    )
-  except tarfile.TarError as e:
-    pytest.skip(f"flax's sdist could not be unpacked: {e}")
+  src = unpacked_flax_sdist(tmp_path_factory.mktemp("flax_sdist"))
   path = src / "examples" / "imagenet" / "models.py"
   if not path.exists():
     pytest.skip(f"{path} is not in this flax's sdist")
-  return _load("gbn_test_flax_imagenet_models", path)
+  return load_module("gbn_test_flax_imagenet_models", path)
 
 
 def _images(shape, seed=0):

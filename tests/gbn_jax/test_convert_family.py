@@ -16,12 +16,8 @@ encoder-decoder transformer of ``docs_nnx/examples/machine_translation.md``
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
 import pathlib
 import re
-import tarfile
 
 from flax import nnx
 import flax.linen as nn
@@ -34,7 +30,8 @@ import gbn_jax.linen
 import gbn_jax.nnx
 
 from tests.helpers import reference as ref
-from tests.helpers.process import ProcessFailed
+from tests.helpers.flax_sdist import load_module
+from tests.helpers.flax_sdist import unpacked_flax_sdist
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE_KINDS = ("LayerNorm", "GroupNorm", "InstanceNorm")
@@ -482,36 +479,10 @@ def test_kinds_errors():
 # ------------------------------------------- models no one here wrote (sdist)
 
 
-def _load(name: str, path: pathlib.Path):
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.fixture(scope="module")
 def flax_src(tmp_path_factory) -> pathlib.Path:
   """The unpacked sdist of the installed flax version."""
-  tool = REPO / "tools" / "flax_batchnorm_suite.py"
-  if not tool.exists():
-    pytest.skip(f"{tool} (which fetches flax's sdist) is not here")
-  suite = _load("gbn_flax_batchnorm_suite", tool)
-  args = argparse.Namespace(
-      src=os.environ.get("GBN_FLAX_SRC"), sdist=os.environ.get("GBN_FLAX_SDIST")
-  )
-  try:
-    with pytest.MonkeyPatch.context() as patch:
-      # Offline, pip would retry for minutes before the skip.
-      patch.setenv("PIP_DEFAULT_TIMEOUT", "20")
-      patch.setenv("PIP_RETRIES", "1")
-      return suite._unpack(args, tmp_path_factory.mktemp("flax_sdist"))  # pylint: disable=protected-access
-  except (ProcessFailed, StopIteration, OSError) as e:
-    pytest.skip(
-        f"flax's sdist could not be had ({type(e).__name__}: {e}); set"
-        " GBN_FLAX_SDIST or GBN_FLAX_SRC to a copy to run these tests offline"
-    )
-  except tarfile.TarError as e:
-    pytest.skip(f"flax's sdist could not be unpacked: {e}")
+  return unpacked_flax_sdist(tmp_path_factory.mktemp("flax_sdist"))
 
 
 def _source(src: pathlib.Path, relative: str) -> pathlib.Path:
@@ -523,7 +494,7 @@ def _source(src: pathlib.Path, relative: str) -> pathlib.Path:
 
 def _lm1b(flax_src):
   """flax's ``TransformerLM`` (lm1b), small, deterministic; its tokens."""
-  models = _load(
+  models = load_module(
       "gbn_test_flax_lm1b_models",
       _source(flax_src, "examples/lm1b/models.py"),
   )
