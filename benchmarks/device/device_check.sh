@@ -263,7 +263,7 @@ method_flag() {
 
 step_steps() {
   # shellcheck disable=SC2046
-  run_capped steps "$(cap "$(cap_of steps)")" "$PYTHON" -m benchmarks.layer.bench_gbn --measures \
+  run_capped steps "$(cap "$(cap_of steps)")" "$PYTHON" -m benchmarks.layer.bench_gbn --measures --family \
     --train-steps lenet resnet20 "${STEP_BATCH[@]}" "${RUNS[@]}" $(method_flag) --out "$WORK/steps.json"
 }
 
@@ -285,7 +285,7 @@ step_compile() {
 
 step_full() {
   # shellcheck disable=SC2046
-  run_capped full "$(cap "$(cap_of full)")" "$PYTHON" -m benchmarks.layer.bench_gbn --train-steps \
+  run_capped full "$(cap "$(cap_of full)")" "$PYTHON" -m benchmarks.layer.bench_gbn --train-steps --family \
     --shapes "${SHAPES[@]}" --measures "${MEASURES[@]}" "${RUNS[@]}" $(method_flag) \
     --out "$WORK/layers.json"
   "$PYTHON" - "$WORK" <<'PY' 2>&1 | tee -a "$LOG"

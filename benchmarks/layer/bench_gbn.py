@@ -1,11 +1,19 @@
 """GBatchNorm's speed as a ratio to flax.linen.BatchNorm, measured in one process.
 
 1. Forward+backward of one normalization layer, for every measure and shape.
-2. A whole SGD train step with sqd2 against the same model with BatchNorm:
+2. The same for the per-example family against flax's own layer: GGroupNorm
+   against GroupNorm and GLayerNorm against LayerNorm (GInstanceNorm against
+   InstanceNorm on request), for every ``--family`` case and
+   ``--family-measures`` measure; a case is ``kind:shape[:groups]``, e.g.
+   ``group:256x32x32x64:32`` or ``layer:64x128x768``. These rows are the
+   JSON's ``family`` (``layer`` names the kind; ``flax_ms`` is flax's layer).
+3. A whole SGD train step with sqd2 against the same model with BatchNorm:
    LeNet at batch 1000 on 28x28x1 and ResNet20 at batch 256 on 32x32x3.
 
 Every pair is timed interleaved, run by run, after warm-up; the ratio is of the
 medians. Timings on a shared machine are noisy: read the ratios, not the ms.
+A list flag given with no values (``--measures``, ``--family``,
+``--train-steps``) skips its part.
 
   python -m benchmarks.layer.bench_gbn --runs 20 \\
       --out results/benchmarks/bench_cpu.json
@@ -19,9 +27,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks.layer.cases import DEFAULT_FAMILY
 from benchmarks.layer.cases import DEFAULT_SHAPES
 from benchmarks.layer.cases import layer_step
+from benchmarks.layer.cases import make_family_module
 from benchmarks.layer.cases import make_module
+from benchmarks.layer.cases import parse_family
 from benchmarks.layer.cases import parse_shape
 from benchmarks.timing import add_timing_args
 from benchmarks.timing import command_line
@@ -52,6 +63,7 @@ TARGETS = {
     "wcd": 1.3,
 }
 SQD_TARGET = 1.5
+DEFAULT_FAMILY_MEASURES = ("sd", "mad", "rsd", "sqd2")
 TRAIN_STEPS = {"lenet": (1000, (28, 28, 1)), "resnet20": (256, (32, 32, 3))}
 TRAIN_STEP_TARGET = 1.15
 
@@ -108,7 +120,9 @@ def main(argv=None) -> dict:
   )
   for flag, nargs, default, text in (
       ("--shapes", "+", DEFAULT_SHAPES, "input shapes like 256x32x32x16 (features last)"),
-      ("--measures", "*", DEFAULT_MEASURES, "measure names, or sqd:<alpha>; none to time only train steps"),
+      ("--measures", "*", DEFAULT_MEASURES, "measure names, or sqd:<alpha>; none to skip the BatchNorm rows"),
+      ("--family", "*", DEFAULT_FAMILY, "per-example cases kind:shape[:groups] (group, layer, instance); none to skip"),
+      ("--family-measures", "*", DEFAULT_FAMILY_MEASURES, "measures of the --family rows"),
       ("--train-steps", "*", TRAIN_STEPS, "models whose whole train step to time (lenet, resnet20); none to skip"),
   ):  # fmt: skip
     parser.add_argument(flag, nargs=nargs, default=list(default), help=text)
@@ -165,10 +179,38 @@ def _run(args, argv) -> dict:
           "target": target_for(norm),
       }
       rows.append(row)
-      write_result(args.out, run, layers=rows, train_steps=[])
+      write_result(args.out, run, layers=rows, family=[], train_steps=[])
       print(
           f"{shape_text:>16} {norm:>9} bn {row['bn_ms']:8.2f} ms  gbn {row['gbn_ms']:8.2f} ms"
           f"  x{row['ratio']:.2f} (target <= {row['target']})",
+          flush=True,
+      )
+  family = []
+  for case in args.family:
+    kind, shape, groups = parse_family(case)
+    x = jax.random.normal(jax.random.key(2), shape, jnp.float32)
+    flax_step = layer_step(make_family_module(kind, "flax", groups), x)
+    for norm in args.family_measures:
+      fns = {
+          "flax": flax_step,
+          norm: layer_step(make_family_module(kind, norm, groups), x),
+      }
+      med = time_interleaved(fns, args.runs, args.warmup, args.inner)
+      row = {
+          "layer": kind,
+          "shape": "x".join(map(str, shape)),
+          "groups": groups,
+          "measure": norm,
+          "flax_ms": med["flax"] * 1e3,
+          "gbn_ms": med[norm] * 1e3,
+          "ratio": med[norm] / med["flax"],
+          "target": target_for(norm),
+      }
+      family.append(row)
+      write_result(args.out, run, layers=rows, family=family, train_steps=[])
+      print(
+          f"{kind:>6} {row['shape']:>16} {norm:>9} flax {row['flax_ms']:8.2f} ms"
+          f"  gbn {row['gbn_ms']:8.2f} ms  x{row['ratio']:.2f} (target <= {row['target']})",
           flush=True,
       )
   steps = []
@@ -191,14 +233,19 @@ def _run(args, argv) -> dict:
         "target": TRAIN_STEP_TARGET,
     }
     steps.append(row)
-    write_result(args.out, run, layers=rows, train_steps=steps)
+    write_result(args.out, run, layers=rows, family=family, train_steps=steps)
     print(
         f"train step {model_name:>9} b{batch:<5} {norm:>5} bn {row['bn_ms']:8.1f} ms"
         f"  gbn {row['gbn_ms']:8.1f} ms  x{row['ratio']:.2f} (target <= {TRAIN_STEP_TARGET})",
         flush=True,
     )
   return write_result(
-      args.out, run, complete=True, layers=rows, train_steps=steps
+      args.out,
+      run,
+      complete=True,
+      layers=rows,
+      family=family,
+      train_steps=steps,
   )
 
 
