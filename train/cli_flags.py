@@ -160,7 +160,8 @@ def build_parser(
       ),
       epilog=(
           "Outputs in --workdir: config.json, metrics.jsonl (one row per "
-          "epoch: train/test loss and error, best test error, seconds, "
+          "epoch: optimizer steps so far, train/test loss and error, best "
+          "test error, seconds, "
           "data seconds, images/s), data_source.txt (where each command's "
           "data came from) and checkpoints/. Plot runs with "
           "`python -m train.plot RUN_DIR...`. Training uses a constant "

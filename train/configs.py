@@ -9,14 +9,21 @@ or :data:`MNIST` (``python -m train.mnist``) and override fields from flags.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 import dataclasses
-import enum
 import json
-import math
 import types
 from typing import Any
 
+from train.config_fields import FieldSpec as FieldSpec
+from train.config_fields import Flag as Flag
+from train.config_fields import boolean as _boolean
+from train.config_fields import declared as _field
+from train.config_fields import integer as _integer
+from train.config_fields import one_of as _one_of
+from train.config_fields import parse_nonnegative_int as parse_nonnegative_int
+from train.config_fields import parse_positive_int as parse_positive_int
+from train.config_fields import real as _real
 from train.model import models
 
 #: Datasets the CLI accepts (loaded by ``train.data.input_pipeline``).
@@ -31,55 +38,7 @@ CALIBRATIONS = models.CALIBRATIONS
 RESUMABLE_FIELDS = frozenset({"epochs"})
 
 
-# --- how a field is declared --------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-  return (
-      isinstance(value, (int, float))
-      and not isinstance(value, bool)
-      and math.isfinite(value)
-  )
-
-
-def _one_of(choices: Sequence[str]) -> Callable[[Any], str | None]:
-  return (
-      lambda v: None
-      if v in choices
-      else (f"{v!r} is not one of: {', '.join(choices)}")
-  )
-
-
-def _integer(
-    minimum: int, maximum: int | None = None, maximum_text: str | None = None
-) -> Callable[[Any], str | None]:
-  if maximum is None:
-    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-  else:
-    what = f"an integer in [{minimum}, {maximum_text or maximum})"
-  return (
-      lambda v: None
-      if (_is_int(v) and v >= minimum and (maximum is None or v < maximum))
-      else f"must be {what}, got {v!r}"
-  )
-
-
-def _real(
-    requirement: str, valid: Callable[[float], bool]
-) -> Callable[[Any], str | None]:
-  return (
-      lambda v: None
-      if _is_real(v) and valid(v)
-      else (f"{requirement}, got {v!r}")
-  )
-
-
-def _boolean(v: Any) -> str | None:
-  return None if isinstance(v, bool) else f"must be true or false, got {v!r}"
+# --- how a field is declared (train.config_fields) ----------------------------
 
 
 def _norm(v: Any) -> str | None:
@@ -90,84 +49,12 @@ def _norm(v: Any) -> str | None:
   return None
 
 
-class Flag(enum.Enum):
-  """How a field's flag reads its value."""
-
-  VALUE = "value"  # --flag VALUE, parsed by ``FieldSpec.parse``
-  SWITCH = "switch"  # --flag sets True
-  ON_OFF = "on_off"  # --flag / --no-flag; absent keeps the default (None)
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldSpec:
-  """Everything about one :class:`Config` field besides its type and default.
-
-  The CLI's flags (``train.cli_flags.build_parser``), the config they give
-  (``train.cli_flags.config_from_args``), :func:`validate`, the sweep's run
-  names (``train.sweep.grid.run_name``) and the loading of older
-  ``config.json`` files all follow from these, so a new field is one
-  declaration in :class:`Config`.
-
-  Attributes:
-    check: ``check(value)`` is ``None`` for a valid value, else what is wrong
-      (shown after the flag, or the field's name when it has no flag).
-    flag: Its command-line flag, ``None`` for a field set only in code.
-    help: The flag's help.
-    kind: How the flag reads its value.
-    parse: The flag's argparse ``type`` (``Flag.VALUE``).
-    choices: The flag's allowed values, for argparse.
-    run_name: Its prefix in sweep run names; ``None``: never in a name.
-      Named fields appear where their value differs from the sweep's
-      defaults, in field order, except where ``train.sweep.grid.run_name``
-      says.
-    added: Newer than the first ``config.json`` files: an older file lacks
-      it and means its default.
-  """
-
-  check: Callable[[Any], str | None]
-  flag: str | None = None
-  help: str = ""
-  kind: Flag = Flag.VALUE
-  parse: Callable[[str], Any] | None = None
-  choices: tuple[str, ...] | None = None
-  run_name: str | None = None
-  added: bool = False
-
-  @property
-  def dest(self) -> str | None:
-    """The flag's attribute on the parsed namespace."""
-    return self.flag[2:].replace("-", "_") if self.flag else None
-
-
-def _field(default: Any, spec: FieldSpec) -> Any:
-  return dataclasses.field(default=default, metadata={"spec": spec})
-
-
 def _parse_norm(value: str) -> str:
   try:
     models.parse_norm(value)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
   return value.strip()
-
-
-def _parse_int_at_least(minimum: int) -> Callable[[str], int]:
-  """An argparse type: an integer >= ``minimum``."""
-
-  def parse(value: str) -> int:
-    try:
-      number = int(value)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < minimum:
-      raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
-    return number
-
-  return parse
-
-
-parse_positive_int = _parse_int_at_least(1)
-parse_nonnegative_int = _parse_int_at_least(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +67,14 @@ class Config:
   Attributes:
     dataset: One of :data:`DATASET_NAMES`.
     model: One of ``train.model.models.MODELS``.
-    norm: ``bn`` (``flax.linen.BatchNorm``) or a GBN measure, ``sqd:<alpha>``.
+    norm: ``bn`` (``flax.linen.BatchNorm``) or a GBN measure, ``sqd:<alpha>``;
+      ``gn`` (``flax.linen.GroupNorm``) or ``gn:<measure>``
+      (``gbn_jax.linen.GGroupNorm``).
     epochs: Number of passes over the training set.
     batch_size: Global batch size (over all devices and hosts).
+    steps: Train exactly this many optimizer steps instead of ``epochs``
+      epochs: ``ceil(steps / steps per epoch)`` epochs, the last one cut
+      short; ``None``: ``epochs``.
     learning_rate: Constant SGD learning rate.
     momentum: SGD momentum; 0 is plain SGD, as in the paper.
     weight_decay: L2 penalty coefficient, applied to all parameters (as
@@ -204,6 +96,7 @@ class Config:
       its value for a standard normal feature (``GBatchNorm``'s
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
     norm_bias: Every norm layer's initial bias (``norms.make_norm``).
+    norm_groups: A group norm's number of channel groups.
   """
 
   dataset: str = _field(
@@ -237,7 +130,10 @@ class Config:
           run_name="",
           help="normalization layer: 'bn' is flax.linen.BatchNorm (the "
           "baseline); the others are gbn_jax.GBatchNorm measures, 'sqd:<alpha>' "
-          "with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75). One of: "
+          "with 0 < alpha < 1 (sqd1/2/3 = alpha 0.25/0.5/0.75); 'gn' is "
+          "flax.linen.GroupNorm (per-example statistics over --norm-groups "
+          "channel groups) and 'gn:<measure>' gbn_jax.linen.GGroupNorm with "
+          "that measure, e.g. gn:sqd2, gn:sqd:0.9. One of: "
           + ", ".join(models.norm_names())
           + "; wcd (centered on the max) needs a positive --norm-bias, e.g. 1",
       ),
@@ -260,6 +156,20 @@ class Config:
           run_name="b",
           help="global batch size, split evenly over the devices (on one host "
           "the most devices that divide it; on several hosts all of them)",
+      ),
+  )
+  steps: int | None = _field(
+      None,
+      FieldSpec(
+          lambda v: None if v is None else _integer(1)(v),
+          "--steps",
+          parse=parse_positive_int,
+          run_name="steps",
+          added=True,
+          help="train exactly N optimizer steps instead of --epochs epochs "
+          "(the same number for every --batch-size): ceil(N / steps per "
+          "epoch) epochs, the last one stopped after step N; metrics.jsonl's "
+          "'step' counts them",
       ),
   )
   learning_rate: float = _field(
@@ -400,6 +310,20 @@ class Config:
           "above the mean to the ReLU, 0 none)",
       ),
   )
+  norm_groups: int = _field(
+      models.DEFAULT_GROUPS,
+      FieldSpec(
+          _integer(1),
+          "--norm-groups",
+          parse=parse_positive_int,
+          run_name="groups",
+          added=True,
+          help="channel groups of gn and gn:<measure> (ignored by batch "
+          "norms); it must divide every norm layer's channels: the default "
+          "divides LeNet's 20 and 50 (groups of 4 and 10 channels), "
+          "ResNet20's 16, 32 and 64 need 2, 4, 8 or 16",
+      ),
+  )
 
   def replace(self, **changes: Any) -> Config:
     """Returns a copy with ``changes`` applied."""
@@ -476,6 +400,8 @@ def validate(config: Config) -> Config:
       raise ValueError(
           f"{label}{'' if problem.startswith(':') else ' '}" f"{problem}"
       )
+  if config.renorm and models.parse_norm(config.norm).group:
+    raise ValueError(f"--norm {config.norm}: {models.RENORM_REFUSAL}")
   return config
 
 

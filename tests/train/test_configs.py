@@ -36,6 +36,8 @@ SAMPLES = {
     "renorm_dmax": (1.0, -1.0),
     "calibration": ("normal", "uniform"),
     "norm_bias": (1.0, float("nan")),
+    "steps": (1000, 0),
+    "norm_groups": (10, 0),
 }
 
 
@@ -108,6 +110,8 @@ def test_added_fields_default_in_old_config_files():
       "renorm_dmax",
       "calibration",
       "norm_bias",
+      "steps",
+      "norm_groups",
   }
   assert configs.Config.from_json(old) == configs.CIFAR
   with pytest.raises(ValueError, match="missing fields"):

@@ -88,6 +88,16 @@ _FACTS = (
 # fmt: on
 _INFOS: dict[str, DatasetInfo] = {row[0]: DatasetInfo(*row) for row in _FACTS}
 
+#: Training images of each dataset's canonical split: the epochs of a
+#: ``--steps`` run before it has run (``train.sweep.runs.planned_epochs``).
+TRAIN_IMAGES: dict[str, int] = {
+    "mnist": 60000,
+    "fashion_mnist": 60000,
+    "cifar10": 50000,
+    "cifar100": 50000,
+    "svhn": 73257,
+}
+
 
 def dataset_info(name: str) -> DatasetInfo:
   """Returns the static facts about dataset ``name``.

@@ -63,9 +63,10 @@ PROBE_IMAGES = 32
 #: values above the mean then pass the ReLU.
 ADVISED_BIAS = 1.0
 
-# Norms whose statistics are BatchNorm's own: their gain is BatchNorm's, so
-# only the learning rate (or the network) is left to blame.
-_BATCHNORM_NORMS = ("bn", "sd")
+# Norms whose deviation is the standard deviation (BatchNorm's, or
+# GroupNorm's per group): their gain is BatchNorm's, so only the learning
+# rate (or the network) is left to blame.
+_BATCHNORM_NORMS = ("bn", "sd", "gn", "gn:sd")
 # bn_gain:<norm>: BatchNorm's statistics at another measure's gain, chosen on
 # purpose (train.model.models.GAIN_NORM); calibration does not apply to it.
 _GAIN_PREFIX = "bn_gain:"

@@ -114,7 +114,7 @@ def compile_program(
   steps = n_train // config.batch_size  # the last partial batch is dropped
   donate = jax.default_backend() != "cpu"  # the CPU backend can't donate
   key = (
-      config.replace(seed=0, epochs=1, eval_every=1),
+      config.replace(seed=0, epochs=1, steps=None, eval_every=1),
       n_train,
       tuple(image_shape),
       test_data.images.shape,

@@ -44,6 +44,7 @@ def create_model(
       renorm_clipping=clipping,
       calibration=config.calibration,
       bias=config.norm_bias,
+      groups=config.norm_groups,
   )
   model = models.create_model(config.model, num_classes=num_classes, norm=norm)
   return models.with_forward_mode(model) if forward_mode else model
@@ -70,7 +71,8 @@ def create_train_state(
   return TrainState.create(
       apply_fn=model.apply,
       params=variables["params"],
-      batch_stats=variables["batch_stats"],
+      # A group norm keeps no running statistics: none to hold.
+      batch_stats=variables.get("batch_stats", {}),
       tx=tx,
   )
 

@@ -122,7 +122,10 @@ def train_step(
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (loss, (logits, updates, captured)), grads = grad_fn(state.params)
-  state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+  # A group norm's model has no batch_stats, so updates has none.
+  state = state.apply_gradients(
+      grads=grads, batch_stats=updates.get("batch_stats", {})
+  )
   errors = jnp.sum(jnp.argmax(logits, -1) != y)
   return state, {"loss": loss, "errors": errors, **captured}
 

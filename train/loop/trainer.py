@@ -23,7 +23,8 @@ files and supplies only its own devices' parts of each array
 (``jax.make_array_from_callback``), and each device holds only its shard
 of each batch.
 
-Rows of ``metrics.jsonl``: ``epoch``, ``train_loss`` (mean over the epoch's
+Rows of ``metrics.jsonl``: ``epoch``, ``step`` (optimizer steps trained so
+far, this epoch's included), ``train_loss`` (mean over the epoch's
 steps, in training mode), ``train_error``, ``test_loss``, ``test_error``
 (``None`` on epochs without evaluation), ``best_test_error`` (so far),
 ``seconds`` (data + training + evaluation; compilation happens before the
@@ -47,6 +48,10 @@ Activation recording (``--record-activations K``, the paper's Figure 1): every
 ``flax.linen.intercept_methods`` inside the jitted step, so any model and any
 norm can be recorded without changing the model. Rows go to
 ``activations.jsonl``; recording does not change training.
+
+With ``--steps N`` the run is ``ceil(N / steps per epoch)`` epochs
+(:func:`planned_epochs`), the last one stopped after step ``N``: epochs stay
+the unit of data order, evaluation and checkpoints, so a resume ends at ``N``.
 
 Every random number is a function of ``(seed, epoch, step)``, and
 checkpoints hold the whole train state plus the metrics history, so a run
@@ -99,6 +104,19 @@ def resolve(config: configs.Config) -> configs.Config:
     info = input_pipeline.dataset_info(config.dataset)
     config = config.replace(augment=bool(info.augment_by_default))
   return configs.validate(config)
+
+
+def planned_epochs(config: configs.Config, steps_per_epoch: int) -> int:
+  """The epochs ``config`` trains: ``epochs``, or enough for ``steps``.
+
+  >>> planned_epochs(configs.MNIST.replace(steps=7), 3)
+  3
+  >>> planned_epochs(configs.MNIST.replace(epochs=4), 3)
+  4
+  """
+  if config.steps is None:
+    return config.epochs
+  return math.ceil(config.steps / steps_per_epoch)
 
 
 def _raise_nonfinite(
@@ -286,6 +304,8 @@ def train_and_evaluate(
   )
   log(f"data: {dataset.source}")
   state = program.init(train_steps.init_key(config.seed))
+  # What the loop trains, while config.json keeps the config as asked.
+  planned = config.replace(epochs=planned_epochs(config, program.steps))
 
   checkpointer = checkpointing.Checkpointer(workdir)
   try:
@@ -310,10 +330,10 @@ def train_and_evaluate(
       log(f"resumed from {checkpointer.directory / str(last)}")
     if primary and record is not None:
       activations.keep_activations(workdir, last or 0)
-    if primary and (last or 0) < config.epochs:
+    if primary and (last or 0) < planned.epochs:
       checkpointing.append_data_source(workdir, (last or 0) + 1, dataset.source)
     _train_epochs(
-        config,
+        planned,
         workdir,
         program,
         train_data,
@@ -354,8 +374,11 @@ def _train_epochs(
     devices: Sequence[jax.Device] = (),
     checkpoint_every: int = 1,
 ) -> None:
-  """Runs epochs ``start..config.epochs``, appending rows to ``history``."""
-  steps = program.steps
+  """Runs epochs ``start..config.epochs``, appending rows to ``history``.
+
+  ``config.epochs`` is :func:`planned_epochs`'; with ``config.steps`` the
+  last epoch stops after that step.
+  """
   elapsed = history[-1]["elapsed_seconds"] if history else 0.0
   best = history[-1]["best_test_error"] if history else None
   last_good = start - 1 if start > 1 else None
@@ -370,6 +393,10 @@ def _train_epochs(
     jax.block_until_ready((images, labels))
     data_seconds = time.perf_counter() - t_start
 
+    done = (epoch - 1) * program.steps
+    steps = program.steps
+    if config.steps is not None:
+      steps = min(steps, config.steps - done)
     losses, errors, recorded = [], [], []
     bar = tqdm.tqdm(
         total=steps,
@@ -391,7 +418,7 @@ def _train_epochs(
         state, metrics = program.step(state, images, labels, np.int32(step))
         losses.append(metrics["loss"])
         errors.append(metrics["errors"])
-        global_step = (epoch - 1) * steps + step
+        global_step = done + step
         if record is not None and global_step % record.every == 0:
           recorded.append((global_step, metrics["before"], metrics["after"]))
         completed.dispatched(metrics["loss"])
@@ -440,6 +467,7 @@ def _train_epochs(
       precise["precise_seconds"] = time.perf_counter() - t_precise
     row = {
         "epoch": epoch,
+        "step": done + steps,
         "train_loss": float(losses_np.mean()),
         "train_error": float(errors_np.sum() / (steps * config.batch_size)),
         "test_loss": test_loss,

@@ -3,9 +3,11 @@
 Both models build every normalization layer through one factory, the ``norm``
 field: `train.model.norms.make_norm`'s ``functools.partial`` of
 ``flax.linen.BatchNorm`` (``--norm bn``, the baseline) or of
-``gbn_jax.GBatchNorm(measure=...)``. That factory is the only
-thing that differs between norms, and every norm layer has an explicit name,
-so the parameter and ``batch_stats`` trees are identical for all norms.
+``gbn_jax.GBatchNorm(measure=...)``, or of a group norm (``--norm gn``,
+``gn:<measure>``). That factory is the only thing that differs between norms,
+and every norm layer has an explicit name, so the parameter and
+``batch_stats`` trees are identical for all batch norms (a group norm has the
+same parameters and no ``batch_stats``).
 
 Architectures (as in the GBN paper, Yuan et al., AAAI 2019):
 
@@ -54,6 +56,8 @@ from train.model.layers import max_pool_2x2
 
 # Re-exported: callers, tests and docs name these as train.model.models.*.
 from train.model.norms import CALIBRATIONS as CALIBRATIONS
+from train.model.norms import DEFAULT_GROUPS as DEFAULT_GROUPS
+from train.model.norms import RENORM_REFUSAL as RENORM_REFUSAL
 from train.model.norms import ModuleDef
 from train.model.norms import NormSpec as NormSpec
 from train.model.norms import make_norm as make_norm

@@ -3,8 +3,10 @@
 A model builds every normalization layer through its ``norm`` field, a
 factory from :func:`make_norm`: a ``functools.partial`` of
 ``flax.linen.BatchNorm`` (``--norm bn``, the baseline) or of
-``gbn_jax.GBatchNorm(measure=...)``. That factory is the only thing that
-differs between norms (see `train.model.models`). :func:`parse_norm` reads a
+``gbn_jax.GBatchNorm(measure=...)``, or for a group norm of
+:class:`GroupNorm` (``--norm gn``, flax's ``GroupNorm``) or of
+:class:`GGroupNorm` (``--norm gn:<measure>``). That factory is the only thing
+that differs between norms (see `train.model.models`). :func:`parse_norm` reads a
 ``--norm`` value, :func:`gain_measure` builds ``bn_gain:<norm>``'s measure,
 and :func:`recompute_elementwise` makes a factory's backward pass recompute
 its elementwise work.
@@ -23,6 +25,7 @@ from gbn_jax import MEASURES
 from gbn_jax import GBatchNorm
 from gbn_jax import Measure
 from gbn_jax import get_measure as gbn_get_measure
+from gbn_jax import linen as gbn_linen
 from gbn_jax import parse_measure_name
 
 ModuleDef = Callable[..., nn.Module]
@@ -32,6 +35,11 @@ BASELINE_NORM = "bn"
 #: ``bn_gain:<measure>``: BatchNorm's statistics, with D scaled to the gain
 #: that ``<measure>`` gives a Gaussian feature (the gain without the shape).
 GAIN_NORM = "bn_gain"
+#: ``gn`` is ``flax.linen.GroupNorm``; ``gn:<measure>`` is
+#: ``gbn_jax.linen.GGroupNorm`` with that measure.
+GROUP_NORM = "gn"
+#: ``--norm-groups``' default: it divides LeNet's 20 and 50 channels.
+DEFAULT_GROUPS = 5
 #: ``--calibration`` values: ``none``, or ``normal`` for GBatchNorm's
 #: ``calibration='normal'``.
 CALIBRATIONS = ("none", "normal")
@@ -47,11 +55,15 @@ class NormSpec:
     gain_of: For ``bn_gain:<norm>``, that norm's own spec (``measure`` is
       then ``'sd'``): BatchNorm's ``D = sigma`` times the ``D`` that
       ``<norm>`` gives a standard normal feature.
+    group: A group norm (``gn``, ``gn:<measure>``): each example's channel
+      groups are normalized with their own statistics, and ``measure`` is
+      ``None`` for ``flax.linen.GroupNorm`` itself.
   """
 
   measure: str | None
   alpha: float | None = None
   gain_of: "NormSpec | None" = None
+  group: bool = False
 
 
 def norm_names() -> tuple[str, ...]:
@@ -60,11 +72,12 @@ def norm_names() -> tuple[str, ...]:
   for name, spec in MEASURES.items():
     names.append(f"{name}:<alpha>" if "alpha" in spec.required else name)
   names.append(f"{GAIN_NORM}:<norm>")
+  names += [GROUP_NORM, f"{GROUP_NORM}:<measure>"]
   return tuple(names)
 
 
 def parse_norm(spec: str) -> NormSpec:
-  """Parses a ``--norm`` value such as ``bn``, ``mad`` or ``sqd:0.9``.
+  """Parses a ``--norm`` value such as ``bn``, ``mad``, ``sqd:0.9`` or ``gn:rsd``.
 
   Args:
     spec: The value to parse.
@@ -78,12 +91,26 @@ def parse_norm(spec: str) -> NormSpec:
   """
   if not isinstance(spec, str):
     raise ValueError(f"norm must be a string, got {spec!r}")
-  # The norm's own words (bn, bn_gain:<norm>) first; a measure's name and
+  # The norm's own words (bn, bn_gain:<norm>, gn, gn:<measure>) first; a measure's name and
   # its alpha are read by gbn_jax.parse_measure_name.
   head, sep, rest = spec.strip().partition(":")
   choices = ", ".join(norm_names())
   if head == BASELINE_NORM and not sep:
     return NormSpec(measure=None)
+  if head == GROUP_NORM:
+    if not sep:
+      return NormSpec(measure=None, group=True)
+    try:
+      target = parse_norm(rest)
+    except ValueError as e:
+      raise ValueError(f"norm {spec!r}: {e}") from None
+    if target.measure is None or target.gain_of is not None or target.group:
+      raise ValueError(
+          f"{spec!r}: a group norm takes a GBN measure, "
+          f"{GROUP_NORM}:<measure> (e.g. {GROUP_NORM}:rsd, "
+          f"{GROUP_NORM}:sqd:0.9), not {rest!r}; choose one of: {choices}"
+      )
+    return dataclasses.replace(target, group=True)
   if head == GAIN_NORM:
     if not sep:
       raise ValueError(
@@ -91,7 +118,7 @@ def parse_norm(spec: str) -> NormSpec:
           f"{head}:<norm>, e.g. {head}:sqd1"
       )
     target = parse_norm(rest)
-    if target.measure is None or target.gain_of is not None:
+    if target.measure is None or target.gain_of is not None or target.group:
       raise ValueError(
           f"{spec!r}: the gain must be that of a GBN measure "
           f"(not {rest!r}); choose one of: {choices}"
@@ -121,6 +148,7 @@ def make_norm(
     renorm_clipping: dict[str, float] | None = None,
     calibration: str | None = None,
     bias: float = 0.0,
+    groups: int = DEFAULT_GROUPS,
 ) -> ModuleDef:
   """The single norm factory used by every model.
 
@@ -143,10 +171,17 @@ def make_norm(
       centered at the maximum (``wcd``) needs a positive one: its normalized
       values are at most the bias, so with a zero bias the ReLU after the
       layer outputs only zeros.
+    groups: A group norm's number of channel groups (``num_groups``); it
+      must divide every norm layer's channels. Batch norms ignore it.
 
   Returns:
-    A partial of ``flax.linen.BatchNorm`` or ``gbn_jax.GBatchNorm`` that the
-    models call as ``norm(use_running_average=..., name=...)``.
+    A partial of ``flax.linen.BatchNorm``, ``gbn_jax.GBatchNorm``,
+    :class:`GroupNorm` or :class:`GGroupNorm` that the models call as
+    ``norm(use_running_average=..., name=...)``.
+
+  Raises:
+    ValueError: An unknown norm or calibration, or renormalization asked
+      of a group norm.
   """
   if isinstance(spec, str):
     spec = parse_norm(spec)
@@ -155,6 +190,10 @@ def make_norm(
         f"calibration {calibration!r} is not one of: "
         f"{', '.join(CALIBRATIONS)}"
     )
+  if spec.group:
+    if renorm_clipping is not None:
+      raise ValueError(RENORM_REFUSAL)
+    return _group_norm(spec, epsilon, calibration, bias, groups)
   common = dict(momentum=momentum, epsilon=epsilon, axis_name=axis_name)
   if bias:
     # Left out at zero: the factory is then exactly flax's default one.
@@ -177,6 +216,85 @@ def make_norm(
     common["calibration"] = "normal"
   return functools.partial(
       GBatchNorm, measure=spec.measure, alpha=spec.alpha, **common
+  )
+
+
+#: Why ``--renorm`` and a group norm don't go together.
+RENORM_REFUSAL = (
+    "--renorm is batch renormalization: it corrects batch statistics with "
+    "running ones, and a group norm (gn, gn:<measure>) has neither; leave "
+    "out --renorm, or choose a batch norm (bn or a measure)"
+)
+
+
+class _GroupsCheck:
+  """What the CLI's group norms add to flax's: the models' call and a check.
+
+  The models call every norm as ``norm(use_running_average=...)``; a group
+  norm keeps no running statistics, so the field is accepted and unused. The
+  check names the flag that sets ``num_groups``, which flax's and gbn_jax's
+  own errors cannot.
+  """
+
+  def _check_groups(self, x):
+    channels = x.shape[-1]
+    if self.num_groups and channels % self.num_groups:
+      divisors = [g for g in range(1, channels + 1) if channels % g == 0]
+      raise ValueError(
+          f"--norm-groups {self.num_groups} does not divide the {channels} "
+          f"channels of norm layer {'/'.join(self.scope.path)!r}; pass "
+          "--norm-groups N with N dividing every norm layer's channels (for "
+          f"this one: {', '.join(map(str, divisors))})"
+      )
+
+
+class GroupNorm(_GroupsCheck, nn.GroupNorm):
+  """``flax.linen.GroupNorm``, called as the models call every norm.
+
+  Attributes:
+    use_running_average: Accepted and unused (no running statistics).
+  """
+
+  use_running_average: bool | None = None
+
+  def __call__(self, x, *args, **kwargs):
+    self._check_groups(x)
+    return super().__call__(x, *args, **kwargs)
+
+
+class GGroupNorm(_GroupsCheck, gbn_linen.GGroupNorm):
+  """``gbn_jax.linen.GGroupNorm``, called as the models call every norm.
+
+  Attributes:
+    use_running_average: Accepted and unused (no running statistics).
+  """
+
+  use_running_average: bool | None = None
+
+  def __call__(self, x, *args, **kwargs):
+    self._check_groups(x)
+    return super().__call__(x, *args, **kwargs)
+
+
+def _group_norm(
+    spec: NormSpec,
+    epsilon: float,
+    calibration: str | None,
+    bias: float,
+    groups: int,
+) -> ModuleDef:
+  """:func:`make_norm`'s factory for ``gn`` and ``gn:<measure>``."""
+  common = dict(num_groups=groups, epsilon=epsilon)
+  if bias:
+    common["bias_init"] = nn.initializers.constant(bias)
+  if spec.measure is None:
+    return functools.partial(GroupNorm, **common)
+  if calibration == "normal" and spec.measure != "sd":
+    # As for GBatchNorm: sd's constant is 1, and gn:sd stays the module
+    # without calibration.
+    common["calibration"] = "normal"
+  return functools.partial(
+      GGroupNorm, measure=spec.measure, alpha=spec.alpha, **common
   )
 
 

@@ -19,9 +19,9 @@ Each run is a ``python -m train.cifar`` (or ``train.mnist`` with
 them, plus ``sweep.log`` (the run's output) and, after a failure,
 ``sweep_status.json``.
 
-Resuming: a run whose ``metrics.jsonl`` already lists all its epochs is
-skipped without starting a process, and an unfinished one resumes from its
-last checkpoint (the CLI's own resume). Killing the sweep, even with
+Resuming: a run whose ``metrics.jsonl`` already lists all its epochs (with
+``--steps``, all its steps) is skipped without starting a process, and an
+unfinished one resumes from its last checkpoint (the CLI's own resume). Killing the sweep, even with
 ``kill -9``, and rerunning the same command continues where it stopped: the
 runs die with the sweep (Linux ``PR_SET_PDEATHSIG``), each epoch is on disk
 once its row is in ``metrics.jsonl``, and a lock per run directory keeps
@@ -166,7 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"--sweep-dir {sweep_dir} exists and is not a folder")
   if args.dry_run:
     for run in runs:
-      done = sweep_runs.epochs_done(sweep_dir / run.name)
+      run_dir = sweep_dir / run.name
+      if run.config.steps is not None:
+        done = sweep_runs.steps_done(run_dir)
+        print(
+            f"{run.name}: {min(done, run.config.steps)}/{run.config.steps} steps"
+        )
+        continue
+      done = sweep_runs.epochs_done(run_dir)
       print(
           f"{run.name}: {min(done, run.config.epochs)}/{run.config.epochs} "
           "epochs"

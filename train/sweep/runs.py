@@ -1,7 +1,8 @@
 """Running and resuming a sweep's runs, each a CLI subprocess in its folder.
 
 A run is finished when its folder's ``config.json`` matches it and its
-``metrics.jsonl`` lists all its epochs (:func:`is_finished`); the others are
+``metrics.jsonl`` lists all its epochs, or with ``--steps`` all its steps
+(:func:`is_finished`); the others are
 started, or resumed by the CLI from their last checkpoint, a few at a time
 (:func:`run_sweep`). Each run dies with the sweep and holds a lock on its
 folder, so that two sweeps sharing a folder never run the same run twice.
@@ -14,6 +15,7 @@ import ctypes
 import dataclasses
 import fcntl
 import json
+import math
 import os
 from pathlib import Path
 import signal
@@ -24,6 +26,7 @@ from typing import TextIO
 
 from train import configs
 from train import run_files
+from train.data import info as data_info
 from train.loop import checkpointing
 from train.sweep.grid import Run
 from train.sweep.progress import Progress
@@ -43,16 +46,48 @@ def epochs_done(run_dir: Path) -> int:
   return max((row.get("epoch", 0) for row in rows), default=0)
 
 
+def _rows(run_dir: Path) -> list[dict]:
+  try:
+    return run_files.read_metrics(run_dir)
+  except (OSError, ValueError):
+    return []
+
+
+def steps_done(run_dir: Path) -> int:
+  """Optimizer steps recorded in ``metrics.jsonl`` (0 if none)."""
+  return max((row.get("step", 0) for row in _rows(run_dir)), default=0)
+
+
+def planned_epochs(run: Run, run_dir: Path) -> int:
+  """The epochs ``run`` trains: ``epochs``, or those its ``steps`` take.
+
+  A ``--steps`` run's first row says its steps per epoch; before it has
+  one, the dataset's canonical training set does (a smaller ``--data-dir``
+  copy then runs more epochs than this counts).
+  """
+  config = run.config
+  if config.steps is None:
+    return config.epochs
+  first = [row for row in _rows(run_dir) if row.get("epoch") == 1]
+  if first and first[0].get("step"):
+    per_epoch = first[0]["step"]
+  else:
+    images = data_info.TRAIN_IMAGES[config.dataset]
+    per_epoch = max(1, images // config.batch_size)
+  return math.ceil(config.steps / per_epoch)
+
+
 def is_finished(run: Run, run_dir: Path) -> bool:
-  """Whether ``run_dir`` holds ``run`` with all its epochs."""
+  """Whether ``run_dir`` holds ``run`` with all its epochs (or steps)."""
   try:
     stored = checkpointing.read_config(run_dir)
   except checkpointing.RunDirError:
     return False
-  return (
-      not configs.differences(stored, run.config)
-      and epochs_done(run_dir) >= run.config.epochs
-  )
+  if configs.differences(stored, run.config):
+    return False
+  if run.config.steps is not None:
+    return steps_done(run_dir) >= run.config.steps
+  return epochs_done(run_dir) >= run.config.epochs
 
 
 def _child_setup(cores: Sequence[int] | None) -> None:
@@ -113,7 +148,8 @@ def run_sweep(
 ) -> int:
   """Runs (or resumes) every run; returns the number that failed."""
   sweep_dir.mkdir(parents=True, exist_ok=True)
-  total_epochs = sum(r.config.epochs for r in runs)
+  planned = {r.name: planned_epochs(r, sweep_dir / r.name) for r in runs}
+  total_epochs = sum(planned.values())
   progress = Progress(stream, len(runs), total_epochs)
   pending = []
   done_runs = 0
@@ -136,7 +172,7 @@ def run_sweep(
 
   def epochs_now() -> int:
     return sum(
-        min(epochs_done(sweep_dir / r.name), r.config.epochs) for r in runs
+        min(epochs_done(sweep_dir / r.name), planned[r.name]) for r in runs
     )
 
   env = dict(os.environ)

@@ -315,6 +315,86 @@ def test_eval_every(tmp_path):
   assert history[0]["best_test_error"] is None
 
 
+def _optimizer_steps(config, workdir) -> int:
+  """The optimizer's step count in ``workdir``'s latest checkpoint."""
+  config = train.resolve(config)
+  state = train_state.create_train_state(
+      jax.random.key(0),
+      train_state.create_model(config, 10),
+      (28, 28, 1),
+      train_state.create_optimizer(config),
+  )
+  checkpointer = checkpointing.Checkpointer(workdir)
+  try:
+    restored, _ = checkpointer.restore(
+        checkpointer.latest_epoch(),
+        jax.tree.map(jnp.asarray, train_state.state_dict(state)),
+    )
+  finally:
+    checkpointer.close()
+  return int(restored["step"])
+
+
+class _Stop(Exception):
+  """Stops a run after its first epoch (and that epoch's checkpoint)."""
+
+
+def _stop(*args, **kwargs):
+  raise _Stop
+
+
+@pytest.mark.parametrize("norm", ["mad", "gn"])
+def test_steps_trains_exactly_n_steps_and_resumes_to_n(tmp_path, norm):
+  ds = small_dataset()  # 52 // 16 = 3 steps per epoch
+  # --epochs is ignored once --steps is given.
+  config = TINY.replace(norm=norm, steps=7, epochs=1)
+  full = run_quiet(config, tmp_path / "full", dataset=ds)
+  assert [r["epoch"] for r in full] == [1, 2, 3]
+  assert [r["step"] for r in full] == [3, 6, 7]
+  assert all(r["test_error"] is not None for r in full)
+  assert full[-1]["images_per_sec"] == pytest.approx(
+      16 / full[-1]["train_seconds"]
+  )
+  # One step of 16 images: its errors are whole counts of 16.
+  assert full[-1]["train_error"] * 16 == pytest.approx(
+      round(full[-1]["train_error"] * 16)
+  )
+  assert _optimizer_steps(config, tmp_path / "full") == 7
+  assert checkpointing.read_config(tmp_path / "full").steps == 7
+  # The first two epochs are those of a run of two epochs.
+  two = run_quiet(
+      config.replace(steps=None, epochs=2), tmp_path / "two", dataset=ds
+  )
+  assert exact(two) == exact(full)[:2] and [r["step"] for r in two] == [3, 6]
+
+  with pytest.raises(_Stop):
+    run_quiet(config, tmp_path / "part", dataset=ds, on_first_epoch=_stop)
+  assert _optimizer_steps(config, tmp_path / "part") == 3
+  resumed = run_quiet(config, tmp_path / "part", dataset=ds)
+  assert exact(resumed) == exact(full)
+  assert [r["step"] for r in resumed] == [3, 6, 7]
+  assert _optimizer_steps(config, tmp_path / "part") == 7
+  # Asking again for what is done trains nothing.
+  assert exact(run_quiet(config, tmp_path / "part", dataset=ds)) == exact(full)
+  assert _optimizer_steps(config, tmp_path / "part") == 7
+
+
+def test_steps_within_one_epoch(tmp_path):
+  history = run_quiet(TINY.replace(steps=2), tmp_path, dataset=small_dataset())
+  assert [(r["epoch"], r["step"]) for r in history] == [(1, 2)]
+  assert _optimizer_steps(TINY.replace(steps=2), tmp_path) == 2
+
+
+def test_steps_is_part_of_the_run(tmp_path):
+  ds = small_dataset()
+  run_quiet(TINY.replace(steps=4), tmp_path, dataset=ds)
+  with pytest.raises(checkpointing.RunDirError, match="steps: 4 -> 5"):
+    run_quiet(TINY.replace(steps=5), tmp_path, dataset=ds)
+  assert train.planned_epochs(TINY.replace(steps=4), 3) == 2
+  assert train.planned_epochs(TINY.replace(steps=6), 3) == 2
+  assert train.planned_epochs(TINY, 3) == TINY.epochs
+
+
 # --- clear errors ----------------------------------------------------------------
 
 
@@ -553,6 +633,17 @@ def test_progress_bar_counts_completed_steps(tmp_path, monkeypatch, lag):
         (["--lr", "nan"], "--lr must be a positive number"),
         (["--dataset", "imagenet"], "invalid choice"),
         (["--model", "vgg"], "invalid choice"),
+        (["--steps", "0"], "must be >= 1"),
+        (["--norm-groups", "0"], "must be >= 1"),
+        (["--norm", "gn:bn"], "a group norm takes a GBN measure"),
+        (
+            ["--norm", "gn", "--renorm"],
+            "--norm gn: --renorm is batch renormalization",
+        ),
+        (
+            ["--norm", "gn:sqd2", "--renorm"],
+            "--norm gn:sqd2: --renorm is batch renormalization",
+        ),
     ],
 )
 def test_cli_flag_errors(capsys, flags, message):
@@ -585,6 +676,11 @@ def test_cli_help_explains_every_flag(capsys):
   ):
     assert flag in text
   assert "sqd:<alpha>" in text and "default: 0.1" in text
+  text = " ".join(text.split())
+  assert "gn, gn:<measure>" in text and "gn:sqd:0.9" in text
+  assert "--steps STEPS train exactly N optimizer steps" in text
+  assert "--norm-groups NORM_GROUPS channel groups of gn" in text
+  assert "(default: 5)" in text
 
 
 # --- CLI end to end (subprocesses) ---------------------------------------------

@@ -99,6 +99,66 @@ def test_expand_names_ignore_epochs_and_defaults():
   assert len(sweep_grid.expand(["--norm", "bn,bn,mad"])) == 2
 
 
+def test_expand_steps_and_group_norms_name_every_run(tmp_path, capsys):
+  argv = [
+      "--model",
+      "lenet",
+      "--norm",
+      "gn,gn:sqd2,gn:sqd:0.9,bn",
+      "--batch-size",
+      "2,32",
+      "--steps",
+      "200",
+  ]
+  runs = sweep_grid.expand(argv)
+  assert [r.name for r in runs] == [
+      f"cifar10-lenet-{norm}-b{batch}-steps200-lr0.1-seed0"
+      for norm in ("gn", "gn_sqd2", "gn_sqd_0.9", "bn")
+      for batch in (2, 32)
+  ]
+  assert {r.config.steps for r in runs} == {200}
+  assert {r.config.norm_groups for r in runs} == {5}
+  more = sweep_grid.expand(
+      ["--model", "lenet", "--norm", "gn", "--steps", "100,200"]
+      + ["--norm-groups", "5,10"]
+  )
+  assert [r.name for r in more] == [
+      "cifar10-lenet-gn-b256-steps100-lr0.1-seed0",
+      "cifar10-lenet-gn-b256-steps100-lr0.1-groups10-seed0",
+      "cifar10-lenet-gn-b256-steps200-lr0.1-seed0",
+      "cifar10-lenet-gn-b256-steps200-lr0.1-groups10-seed0",
+  ]
+  with pytest.raises(ValueError, match="--renorm is batch renormalization"):
+    sweep_grid.expand(["--norm", "bn,gn", "--renorm"])
+
+  # A --steps run is finished once its rows reach the step, whatever
+  # --epochs says; before its first row its epochs come from the dataset.
+  run = runs[1]  # batch 32: 50000 // 32 = 1562 steps an epoch
+  run_dir = tmp_path / run.name
+  assert sweep_runs.planned_epochs(run, run_dir) == 1
+  assert sweep_runs.planned_epochs(runs[0], tmp_path / "none") == 1
+  long = sweep_grid.expand(
+      ["--model", "lenet", "--batch-size", "32", "--steps", "2000"]
+  )[0]
+  assert sweep_runs.planned_epochs(long, tmp_path / "none") == 2
+  run_dir.mkdir()
+  checkpointing.write_config(run_dir, run.config)
+  checkpointing.write_metrics(run_dir, [{"epoch": 1, "step": 150}])
+  assert sweep_runs.steps_done(run_dir) == 150
+  assert not sweep_runs.is_finished(run, run_dir)
+  checkpointing.write_metrics(
+      run_dir, [{"epoch": 1, "step": 150}, {"epoch": 2, "step": 200}]
+  )
+  assert sweep_runs.is_finished(run, run_dir)
+  # A small copy of the data: the first row says the steps per epoch.
+  assert sweep_runs.planned_epochs(run, run_dir) == 2
+  assert not sweep_runs.is_finished(runs[0], tmp_path / runs[0].name)
+  assert sweep.main(["--sweep-dir", str(tmp_path), "--dry-run", *argv]) == 0
+  out = capsys.readouterr().out
+  assert f"{run.name}: 200/200 steps" in out
+  assert f"{runs[0].name}: 0/200 steps" in out
+
+
 @pytest.mark.parametrize(
     "argv, implied",
     [
