@@ -44,6 +44,18 @@ def flax_models(tmp_path_factory):
   return load_module("gbn_test_flax_imagenet_models", path)
 
 
+@pytest.fixture(scope="module")
+def resnet(flax_models):
+  """flax's small ResNet and its variables, as flax initializes them.
+
+  Initialized once for the module: the values depend on the key and the
+  images' shape only, the same in every test here.
+  """
+  model = flax_models._ResNet1(num_classes=5, num_filters=8)  # pylint: disable=protected-access
+  x = _images((4, 32, 32, 3))
+  return model, jax.jit(lambda x: model.init(jax.random.key(1), x))(x)
+
+
 def _images(shape, seed=0):
   return jax.random.normal(jax.random.key(seed), shape)
 
@@ -74,13 +86,11 @@ def _assert_trees_equal(a, b):
 # --------------------------------------------------------------------- linen
 
 
-def test_linen_init_is_flax(flax_models):
-  model = flax_models._ResNet1(num_classes=5, num_filters=8)  # pylint: disable=protected-access
+def test_linen_init_is_flax(resnet):
+  model, expected = resnet
   x = _images((4, 32, 32, 3))
-  init = lambda: jax.jit(lambda x: model.init(jax.random.key(1), x))(x)
-  expected = init()
   with gbn_jax.linen.batchnorm_as_gbn(measure="sqd2"):
-    got = init()
+    got = jax.jit(lambda x: model.init(jax.random.key(1), x))(x)
   # Same names, shapes and initializers (the zero scale_init of each
   # block's last norm included), and no statistics update while
   # initializing.
@@ -88,21 +98,19 @@ def test_linen_init_is_flax(flax_models):
   assert not np.any(expected["params"]["ResNetBlock_0"]["BatchNorm_1"]["scale"])
 
 
-def _resnet_sd_training_step(flax_models, jit: bool):
+def _resnet_sd_training_step(resnet, jit: bool):
   """flax's ResNet's training step, as flax wrote it and on GBN ``'sd'``.
 
   Args:
-    flax_models: The fixture's module.
+    resnet: The fixture's model and variables.
     jit: Whether the step runs under one ``jax.jit`` or op by op.
 
   Returns:
     ``(model, variables, x, flax's (y, updates), GBN's (y, updates))``.
   """
-  model = flax_models._ResNet1(num_classes=5, num_filters=8)  # pylint: disable=protected-access
+  model, variables = resnet
   x = _images((2, 4, 32, 32, 3))
-  variables = _perturbed(
-      jax.jit(lambda x: model.init(jax.random.key(1), x))(x[0])
-  )
+  variables = _perturbed(variables)
   # A jitted function is traced on its first call: a new one in the context.
   step = lambda: jax.jit(_train_step(model)) if jit else _train_step(model)
   expected = step()(variables, x)
@@ -120,11 +128,11 @@ def _train_step(model):
   )
 
 
-def test_linen_sd_is_flax_bit_for_bit(flax_models):
+def test_linen_sd_is_flax_bit_for_bit(resnet):
   # Op by op: under one jit, XLA fuses flax's program and GBN's differently
   # (see test_linen_sd_matches_flax_under_jit).
   model, variables, x, (y, updates), (y_gbn, updates_gbn) = (
-      _resnet_sd_training_step(flax_models, jit=False)
+      _resnet_sd_training_step(resnet, jit=False)
   )
   np.testing.assert_array_equal(y_gbn, y)
   _assert_trees_equal(updates_gbn, updates)
@@ -146,9 +154,9 @@ def test_linen_sd_is_flax_bit_for_bit(flax_models):
   np.testing.assert_array_equal(_train_step(model)(variables, x)[0], y)
 
 
-def test_linen_sd_matches_flax_under_jit(flax_models):
+def test_linen_sd_matches_flax_under_jit(resnet):
   _, _, _, (y, updates), (y_gbn, updates_gbn) = _resnet_sd_training_step(
-      flax_models, jit=True
+      resnet, jit=True
   )
   # Measured: 2.4e-6 at most (float32 rounding of differently fused code).
   np.testing.assert_allclose(y_gbn, y, rtol=1e-5, atol=1e-5)
@@ -159,11 +167,10 @@ def test_linen_sd_matches_flax_under_jit(flax_models):
   )
 
 
-def test_linen_sqd2_trains(flax_models):
-  model = flax_models._ResNet1(num_classes=5, num_filters=8)  # pylint: disable=protected-access
+def test_linen_sqd2_trains(resnet):
+  model, variables = resnet
   x = _images((2, 4, 32, 32, 3))
   labels = jax.random.randint(jax.random.key(2), (2, 4), 0, 5)
-  variables = jax.jit(lambda x: model.init(jax.random.key(1), x))(x[0])
 
   def loss_fn(params, batch_stats, x, labels):
     logits, updates = model.apply(
@@ -205,14 +212,16 @@ def test_linen_sqd2_trains(flax_models):
   # The running statistics moved away from their initial zeros and ones.
   init_mean = variables["batch_stats"]["bn_init"]["mean"]
   assert np.any(batch_stats["bn_init"]["mean"] != init_mean)
-  # GBN, not BatchNorm, trained: the same model differs from flax's.
-  flax_y = _per_device(
-      lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])[0]
-  )(variables, x)
+  # GBN, not BatchNorm, trained: the same model differs from flax's. A
+  # fresh jit per call, as each traces the model in its own context.
+  forward = lambda: jax.jit(
+      _per_device(
+          lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])[0]
+      )
+  )
+  flax_y = forward()(variables, x)
   with gbn_jax.linen.batchnorm_as_gbn(measure="sqd2"):
-    gbn_y = _per_device(
-        lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])[0]
-    )(variables, x)
+    gbn_y = forward()(variables, x)
   assert np.abs(np.asarray(gbn_y) - np.asarray(flax_y)).max() > 1e-3
 
 
@@ -228,13 +237,16 @@ def test_linen_layer_vs_numpy(measure):
   variables = _perturbed(layer.init(jax.random.key(0), x, False))
   params = variables["params"]
 
+  # Under jit: what is checked is the values, not op-by-op execution.
   with gbn_jax.linen.batchnorm_as_gbn(measure=measure):
-    y, updates = jax.vmap(
-        lambda v, x, m: layer.apply(
-            v, x, False, mask=m, mutable=["batch_stats"]
-        ),
-        in_axes=(None, 0, 0),
-        axis_name="batch",
+    y, updates = jax.jit(
+        jax.vmap(
+            lambda v, x, m: layer.apply(
+                v, x, False, mask=m, mutable=["batch_stats"]
+            ),
+            in_axes=(None, 0, 0),
+            axis_name="batch",
+        )
     )(variables, x.reshape(2, 6, 3), jnp.asarray(mask).reshape(2, 6, 1))
   y = y.reshape(12, 3)
   updates = jax.tree.map(lambda a: a[0], updates)
@@ -263,10 +275,12 @@ def test_linen_layer_vs_numpy(measure):
   )
 
   with gbn_jax.linen.batchnorm_as_gbn(measure=measure):
-    y_eval = jax.vmap(
-        lambda v, x: layer.apply(v, x, use_running_average=True),
-        in_axes=(None, 0),
-        axis_name="batch",
+    y_eval = jax.jit(
+        jax.vmap(
+            lambda v, x: layer.apply(v, x, use_running_average=True),
+            in_axes=(None, 0),
+            axis_name="batch",
+        )
     )(variables, x.reshape(2, 6, 3)).reshape(12, 3)
   expected_eval = ref.normalize(
       x,
