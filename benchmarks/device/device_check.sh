@@ -76,8 +76,8 @@
 #
 # DRY_RUN=1 runs every step on whatever backend there is (the CPU here) with
 # tiny shapes, tiny batches, 2 epochs of synthetic CIFAR-10-format data and a
-# few seconds per step, writing the same files (about 6 minutes on two idle
-# cores; caps and budget leave twice that); tests/benchmarks/device/test_device_check.py runs
+# few seconds per step, writing the same files (a few minutes; caps and budget
+# leave about twice what it needs); tests/benchmarks/device/test_device_check.py runs
 # it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
 # converter (../shared/tools/cifar10_binary.py) travel to the device as
 # .device/data/ and .device/tools/: `bash benchmarks/device/device_check.sh
@@ -155,7 +155,9 @@ PY
 }
 
 if [ "$DRY_RUN" = 1 ]; then
-  SHAPES=(64x8x8x16 256x16); RUNS=(--runs 3 --warmup 1 --inner 1)
+  # One shape: the rehearsal checks each step's plumbing, which one shape runs
+  # as fully as several.
+  SHAPES=(64x8x8x16); RUNS=(--runs 3 --warmup 1 --inner 1)
   STEP_BATCH=(--train-batch 16); MEASURES=(sd sqd2 sqd:0.99)
   EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
   RESNET_EPOCHS=2; RESNET_SEEDS=0; RESNET_NORMS=bn; RESNET_CALIBRATED=; RESNET_JOBS=1
@@ -163,11 +165,11 @@ if [ "$DRY_RUN" = 1 ]; then
   # About twice what an idle core pair needs: the rehearsal checks the
   # script, not the CPU's speed (a slower pair, loaded by CI's other pytest
   # worker, needs the margin).
-  # The tests step is cut off at 20 s, as a device's may be: the suite runs
+  # The tests step is cut off at 10 s, as a device's may be: the suite runs
   # those tests itself, the rehearsal only checks that the step runs and logs.
   # The compile step's CLI runs: LeNet on the synthetic CIFAR-10.
-  COMPILE_ARGS=(--model lenet --batch-size 256 --bench-images 512)
-  CAPS=(tests=20 library=60 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
+  COMPILE_ARGS=(--model lenet --batch-size 256 --bench-images 256)
+  CAPS=(tests=10 library=60 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
@@ -203,10 +205,11 @@ def records(n):  # CIFAR-10 binary records: a label byte, 3072 pixel bytes
   pixels = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
   pixels[:, :1024] //= (1 + labels)  # a learnable signal in the red plane
   return np.concatenate([labels, pixels], axis=1).tobytes()
+# One batch of 256 an epoch: each run's 2 epochs are 2 steps.
 for i in range(1, 6):
-  (out / f"data_batch_{i}.bin").write_bytes(records(205))
-(out / "test_batch.bin").write_bytes(records(300))
-print("synthetic CIFAR-10 (1025 train, 300 test) in", out)
+  (out / f"data_batch_{i}.bin").write_bytes(records(52))
+(out / "test_batch.bin").write_bytes(records(100))
+print("synthetic CIFAR-10 (260 train, 100 test) in", out)
 PY
     echo $! > "$WORK/convert.pid"
   elif [ -f .device/tools/cifar10_binary.py ] && [ -f .device/data/cifar10-jpeg.tar.xz ]; then
