@@ -27,6 +27,10 @@ found recursively. ``OUT/report.md`` then holds:
   with its Gaussian gain (``bn_gain:<measure>``), and the differences
   calibrated − BatchNorm, raw − calibrated, ``bn_gain`` − BatchNorm with
   their standard errors over independent seeds.
+* **Batch size**, where a condition (the norm and the fields that differ,
+  less batch size, learning rate and seed) has runs at two or more batch
+  sizes: one row per such condition, one column per batch size, best test
+  error as above; and ``batch_size.png``, the same against batch size.
 * **Precise statistics**, for runs trained with ``--precise-stats``: per
   norm, the final test error with the running averages (EMA) and with the
   statistics recomputed over training batches (PreciseBN), and their paired
@@ -43,7 +47,8 @@ never dropped silently.
 
 This module is the command line; the work is done, with numpy and
 matplotlib only, by :mod:`train.report.runs` (finding and reading runs),
-:mod:`train.report.tables`, :mod:`train.report.gain` and
+:mod:`train.report.tables`, :mod:`train.report.batch`,
+:mod:`train.report.gain` and
 :mod:`train.report.figures`, whose public names are also this module's.
 """
 
@@ -56,7 +61,12 @@ import sys
 
 # The public names of the report modules are this module's too (the
 # notebooks and scripts use ``report.find_runs`` etc.).
+from train.report.batch import batch_conditions
+from train.report.batch import batch_size_note
+from train.report.batch import batch_size_table
+from train.report.batch import batch_study
 from train.report.figures import activations_figure
+from train.report.figures import batch_size_figure
 from train.report.figures import curves_figure
 from train.report.figures import read_activations
 from train.report.figures import slug
@@ -107,6 +117,10 @@ __all__ = [
     "Reach",
     "Run",
     "activations_figure",
+    "batch_conditions",
+    "batch_size_figure",
+    "batch_size_table",
+    "batch_study",
     "best_lr_table",
     "calibration_table",
     "convergence_table",
@@ -252,6 +266,39 @@ def _learning_rate_section(runs: Sequence[Run]) -> list[str]:
   )
 
 
+#: The batch-size study's figure.
+BATCH_SIZE_FIGURE = "batch_size.png"
+
+
+def _batch_size_section(
+    runs: Sequence[Run], out: Path, written: set[str]
+) -> list[str]:
+  """Best error per condition and batch size, with its figure; none where
+  no condition has runs at two batch sizes. Adds the figure's name to
+  ``written``."""
+  runs = batch_study(runs)
+  table = batch_size_table(runs)
+  if not table:
+    return []
+  batch_size_figure(batch_conditions(runs), out / BATCH_SIZE_FIGURE)
+  written.add(BATCH_SIZE_FIGURE)
+  return [
+      "## Batch size",
+      "",
+      "Each cell: the lowest test error a run reached, mean ± std over "
+      "seeds (n), of one condition (the norm and the fields that differ "
+      "between conditions) at one batch size; the lowest mean of a column "
+      "in bold.",
+      "",
+      *table,
+      "",
+      batch_size_note(runs),
+      "",
+      f"![best test error against batch size]({BATCH_SIZE_FIGURE})",
+      "",
+  ]
+
+
 def _precise_section(groups: Groups) -> list[str]:
   return _table_section(
       "Precise statistics",
@@ -342,12 +389,13 @@ def write_report(
   ]
   if gain or any((r.path / GAIN_FILE).exists() for r in runs):
     lines += _gain_section(groups)
+  written: set[str] = set()
   lines += [
       *_calibration_section(runs),
       *_learning_rate_section(runs),
+      *_batch_size_section(runs, out, written),
       *_precise_section(groups),
   ]
-  written: set[str] = set()
   lines += _curves_section(groups, extra, out, written)
   lines += _activations_section(all_runs, extra, out, written)
   lines += ["## Runs", "", *run_list(all_runs, out), ""]
@@ -360,11 +408,12 @@ def write_report(
 def _remove_stale_figures(out: Path, written: set[str]) -> None:
   """Deletes figures of an earlier report in ``out`` that this one lacks.
 
-  Only the report's own names (``curves_*.png``, ``activations_*.png``), so
+  Only the report's own names (``curves_*.png``, ``activations_*.png``,
+  :data:`BATCH_SIZE_FIGURE`), so
   that a rerun into the same folder leaves no figure of settings or labels
   that are gone.
   """
-  for pattern in ("curves_*.png", "activations_*.png"):
+  for pattern in ("curves_*.png", "activations_*.png", BATCH_SIZE_FIGURE):
     for figure in out.glob(pattern):
       if figure.name not in written:
         figure.unlink()

@@ -155,3 +155,66 @@ def activations_figure(runs: Sequence[Run], path: Path) -> Path | None:
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plot.plt.close(fig)
   return path
+
+
+#: Markers of the batch-size figure's conditions, in turn.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">")
+
+
+def batch_size_figure(
+    conditions: dict[str, dict[int, list[Run]]], path: Path
+) -> Path:
+  """Writes best test error against batch size, one line per condition.
+
+  Means over the finished runs (seeds) with ±std bars; group norms
+  (``gn``, ``gn:<measure>``) dashed, batch norms solid, so that the two
+  families read apart whatever their colours.
+  """
+  sizes = sorted({b for by_size in conditions.values() for b in by_size})
+  fig, ax = plot.plt.subplots(figsize=(7.5, 4.5))
+  for index, (label, by_size) in enumerate(conditions.items()):
+    xs, means, stds = [], [], []
+    for size in sorted(by_size):
+      errors = [
+          100 * e
+          for e in (r.best_error() for r in by_size[size] if r.finished)
+          if e is not None
+      ]
+      if not errors:
+        continue
+      xs.append(size)
+      means.append(float(np.mean(errors)))
+      stds.append(float(np.std(errors, ddof=1)) if len(errors) > 1 else 0.0)
+    if not xs:
+      continue
+    norm = next(iter(by_size.values()))[0].config["norm"]
+    ax.errorbar(
+        xs,
+        means,
+        yerr=stds,
+        label=label,
+        color=f"C{index % 10}",
+        marker=_MARKERS[index % len(_MARKERS)],
+        markersize=4,
+        linestyle="--" if norm.split(":")[0] == "gn" else "-",
+        capsize=3,
+        linewidth=1.2,
+    )
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(sizes, [str(b) for b in sizes])
+  ax.xaxis.set_minor_locator(plot.ticker.NullLocator())
+  ax.set_xlabel("batch size")
+  ax.set_ylabel("best test error (%)")
+  ax.set_title("Best test error against batch size (mean ± std over seeds)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(
+      loc="upper left",
+      bbox_to_anchor=(1.02, 1.0),
+      fontsize="small",
+      title="solid: batch norms, dashed: group norms",
+      title_fontsize="small",
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plot.plt.close(fig)
+  return path

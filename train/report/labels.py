@@ -42,6 +42,8 @@ ADDED_FIELD_DEFAULTS = {
     "renorm_dmax": 5.0,
     "calibration": "none",
     "norm_bias": 0.0,
+    "steps": None,
+    "norm_groups": 5,
 }
 #: A field's prefix in the run names of ``train.sweep.grid.run_name``
 #: (``train.configs.FIELDS``' ``run_name``; a test keeps the two equal), so
@@ -62,6 +64,8 @@ RUN_NAME_PREFIXES = {
     "renorm_dmax": "dmax",
     "calibration": "cal_",
     "norm_bias": "nb",
+    "steps": "steps",
+    "norm_groups": "groups",
 }
 
 

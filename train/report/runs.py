@@ -59,8 +59,23 @@ class Run:
     return max((r["epoch"] for r in self.rows), default=0)
 
   @property
+  def steps_done(self) -> int:
+    return max((r.get("step", 0) for r in self.rows), default=0)
+
+  @property
   def finished(self) -> bool:
+    # A ``--steps`` run ends at its step, usually before its ``epochs``.
+    if self.config.get("steps") is not None:
+      return self.steps_done >= self.config["steps"]
     return self.epochs_done >= self.config["epochs"]
+
+  @property
+  def progress(self) -> str:
+    """Epochs done of the config's (``3/5``), or steps done of a ``--steps``
+    run's (``30/60 steps``)."""
+    if self.config.get("steps") is not None:
+      return f"{self.steps_done}/{self.config['steps']} steps"
+    return f"{self.epochs_done}/{self.config['epochs']}"
 
   @property
   def state(self) -> str:
@@ -223,10 +238,11 @@ class Cell:
     for state in ("unfinished", "failed"):
       runs = [r for r in self.others if r.state == state]
       if runs:
-        epochs = ", ".join(
-            f"{r.epochs_done}/{r.config['epochs']}" for r in runs
-        )
-        parts.append(f"{len(runs)} {state} ({epochs} epochs)")
+        by_epoch = [r.progress for r in runs if r.config.get("steps") is None]
+        done = [r.progress for r in runs if r.config.get("steps") is not None]
+        if by_epoch:
+          done.append(", ".join(by_epoch) + " epochs")
+        parts.append(f"{len(runs)} {state} ({', '.join(done)})")
     return "; ".join(parts)
 
 
@@ -277,7 +293,7 @@ def run_list(runs: Sequence[Run], out: Path) -> list[str]:
     )
     lines.append(
         f"| {where} | {run.config['norm']} | {run.config['seed']} | "
-        f"{run.epochs_done}/{run.config['epochs']} | "
+        f"{run.progress} | "
         f"{'' if best is None else f'{100 * best:.2f}'} | {state} |"
     )
   return lines
