@@ -93,6 +93,24 @@ def _abs_sq(x: Array) -> Array:
   return jnp.square(x)
 
 
+@jax.custom_jvp
+def _abs_real(x: Array) -> Array:
+  return jnp.abs(x)
+
+
+@_abs_real.defjvp
+def _abs_real_jvp(primals, tangents):
+  # The tangent as a product with the sign rather than abs's own
+  # select(x >= 0, t, -t): the transpose of that select is two selects
+  # added, which XLA materializes at full size on grouped layouts; a product
+  # transposes to one. The sign is +1 at -0.0 and -1 at NaN, as abs's rule
+  # has it, so values and derivatives of every order agree with jnp.abs's
+  # (a zero cotangent may come back as -0.0).
+  (x,), (t,) = primals, tangents
+  sign = jnp.where(x >= 0, 1, -1).astype(x.dtype)
+  return jnp.abs(x), t * sign
+
+
 def sd(
     x: Array,
     axis: Axis,
@@ -168,8 +186,9 @@ def mad(
   """
   x, axes, where = _prepare(x, axis, where, "mad")
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
+  centered = _centered(x, mean, axes)
   dev = global_mean(
-      jnp.abs(_centered(x, mean, axes)),
+      jnp.abs(centered) if jnp.iscomplexobj(centered) else _abs_real(centered),
       axes,
       where,
       axis_name,
