@@ -214,8 +214,11 @@ def test_gradient_is_the_raw_one_over_the_constant(name, masked):
   c = get_measure(name).normal_constant(n)
   cal, raw = get_measure(name, calibration="normal"), get_measure(name)
   loss = lambda m, v: jnp.sum(m(v, 0, where=where)[1] * w)
-  g_cal = jax.grad(functools.partial(loss, cal))(x)
-  g_raw = jax.grad(lambda v: jnp.sum(raw(v, 0, where=where)[1] * w / c))(x)
+  # Under jit: the subject is the gradient, and eager dispatch is slow.
+  g_cal = jax.jit(jax.grad(functools.partial(loss, cal)))(x)
+  g_raw = jax.jit(
+      jax.grad(lambda v: jnp.sum(raw(v, 0, where=where)[1] * w / c))
+  )(x)
   np.testing.assert_allclose(g_cal, g_raw, rtol=1e-6, atol=1e-7)
 
 
@@ -262,10 +265,11 @@ def test_module_equals_its_definition(name, masked):
     y, d2 = forward(p, v)
     return jnp.sum(jnp.tanh(y) * wout), (y, d2)
 
-  (_, (y, var)), g = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
-  (_, (y_ref, d2)), g_ref = jax.value_and_grad(loss_ref, (0, 1), has_aux=True)(
-      params, x
+  value_and_grad = lambda f: jax.jit(
+      jax.value_and_grad(f, (0, 1), has_aux=True)
   )
+  (_, (y, var)), g = value_and_grad(loss)(params, x)
+  (_, (y_ref, d2)), g_ref = value_and_grad(loss_ref)(params, x)
   close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
   close(y, y_ref)
   close(var, d2)  # the running var holds the calibrated D^2
