@@ -258,23 +258,21 @@ def test_norm_swap_keeps_initial_values():
 def test_sd_norm_equals_flax_batchnorm(name):
   """GBN with the sd measure is BatchNorm: same outputs and statistics."""
   x = jax.random.normal(jax.random.key(3), (8, 32, 32, 3))
-  outs = []
-  for norm in ("bn", "sd"):
+
+  def passes(norm, x):
     model = models.create_model(
         name, num_classes=10, norm=models.make_norm(norm, momentum=0.5)
     )
-    # One compiled program per model: ResNet20 op by op takes far longer.
-    variables = jax.jit(lambda: _init(model, (1, 32, 32, 3)))()
+    variables = _init(model, (1, 32, 32, 3))
+    logits, updates = model.apply(
+        variables, x, train=True, mutable=["batch_stats"]
+    )
+    eval_logits = model.apply({**variables, **updates}, x, train=False)
+    return logits, updates, eval_logits
 
-    @jax.jit
-    def passes(variables, x, model=model):
-      logits, updates = model.apply(
-          variables, x, train=True, mutable=["batch_stats"]
-      )
-      eval_logits = model.apply({**variables, **updates}, x, train=False)
-      return logits, updates, eval_logits
-
-    outs.append(passes(variables, x))
+  # One compiled program for both models, their initialization included:
+  # ResNet20 op by op takes far longer, and each compilation has its overhead.
+  outs = jax.jit(lambda x: [passes(norm, x) for norm in ("bn", "sd")])(x)
   jax.tree.map(
       functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
       outs[0],
