@@ -186,7 +186,8 @@ def _gbn_types_run(fn):
 def test_linen_sd_is_flax(kind):
   model = _LinenNet(kind)
   x, mask = _inputs()
-  init = lambda: model.init(jax.random.key(1), x)
+  # A fresh jit per call, traced in its own context.
+  init = lambda: jax.jit(lambda x: model.init(jax.random.key(1), x))(x)
   expected = init()
   with gbn_jax.linen.batchnorm_as_gbn("mad", kinds=(kind,)):
     got, types = _gbn_types_run(init)
@@ -196,14 +197,13 @@ def test_linen_sd_is_flax(kind):
 
   variables = _perturbed_params(expected)
   loss = lambda v, x: jnp.sum(jnp.sin(model.apply(v, x, mask=mask)) * x)
+  # The outputs op by op; the gradients, compared to rounding only, jitted.
+  grad = lambda: jax.jit(jax.grad(loss, argnums=(0, 1)))(variables, x)
   y = model.apply(variables, x, mask=mask)
-  grads = jax.grad(loss, argnums=(0, 1))(variables, x)
+  grads = grad()
   with gbn_jax.linen.batchnorm_as_gbn("sd", kinds=[getattr(nn, kind)]):
     (y_gbn, grads_gbn), types = _gbn_types_run(
-        lambda: (
-            model.apply(variables, x, mask=mask),
-            jax.grad(loss, argnums=(0, 1))(variables, x),
-        )
+        lambda: (model.apply(variables, x, mask=mask), grad())
     )
     y_jit = jax.jit(lambda v, x: model.apply(v, x, mask=mask))(variables, x)
   assert f"G{kind}" in types
