@@ -200,8 +200,9 @@ def test_dispatch_through_kth_smallest_and_the_quantile_layers(
 
   results = {}
   for method in ("sort", "accelerator"):
+    # A fresh jit per method: the configuration applies where it is traced.
     with gbn_jax.selection.selection_config(method=method):
-      (_, stats), grad = jax.value_and_grad(measures, has_aux=True)(
+      (_, stats), grad = jax.jit(jax.value_and_grad(measures, has_aux=True))(
           jnp.asarray(x)
       )
     results[method] = (stats, grad)
