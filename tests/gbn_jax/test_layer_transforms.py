@@ -126,22 +126,30 @@ def _assert_close(actual, desired, rtol=2e-5):
 
 
 def _check_forward_equals_reverse(f, x, rtol=2e-5):
-  """``jacfwd``, ``jvp`` and ``linearize`` against ``jacrev`` and ``vjp``."""
-  j_fwd = jax.jacfwd(f)(x)
-  j_rev = jax.jacrev(f)(x)
+  """``jacfwd``, ``jvp`` and ``linearize`` against ``jacrev`` and ``vjp``.
+
+  Each under ``jit``: what is compared is the transforms, and eager dispatch
+  of their many tiny ops is slow."""
+  j_fwd = jax.jit(jax.jacfwd(f))(x)
+  j_rev = jax.jit(jax.jacrev(f))(x)
   _assert_close(j_fwd, j_rev, rtol)
   v = jax.random.normal(jax.random.key(7), x.shape).astype(x.dtype)
-  y, y_dot = jax.jvp(f, (x,), (v,))
+  y, y_dot = jax.jit(lambda a, t: jax.jvp(f, (a,), (t,)))(x, v)
   j = np.asarray(j_rev, np.float64).reshape(y.size, x.size)
   _assert_close(
       y_dot.reshape(-1), j @ np.asarray(v, np.float64).reshape(-1), rtol
   )
-  y_lin, f_lin = jax.linearize(f, x)
+
+  def linearized(a, t):
+    y_lin, f_lin = jax.linearize(f, a)
+    return y_lin, f_lin(t)
+
+  y_lin, lin_v = jax.jit(linearized)(x, v)
   _assert_close(y_lin, y)
-  _assert_close(f_lin(v), y_dot, rtol)
+  _assert_close(lin_v, y_dot, rtol)
   # <u, J v> = <J^T u, v>: the transpose JAX derives from the JVP rule.
   u = jax.random.normal(jax.random.key(8), y.shape).astype(y.dtype)
-  (vjp_u,) = jax.vjp(f, x)[1](u)
+  (vjp_u,) = jax.jit(lambda a, c: jax.vjp(f, a)[1](c))(x, u)
   as64 = lambda a: np.asarray(a, np.float64).reshape(-1)
   np.testing.assert_allclose(
       as64(u) @ as64(y_dot),
@@ -202,9 +210,8 @@ def test_forward_mode_of_parameters(measure):
         {**variables, "params": params}, x, mutable=["batch_stats"]
     )[0]
 
-  fwd, rev = jax.jacfwd(f)(variables["params"]), jax.jacrev(f)(
-      variables["params"]
-  )
+  fwd = jax.jit(jax.jacfwd(f))(variables["params"])
+  rev = jax.jit(jax.jacrev(f))(variables["params"])
   jax.tree.map(_assert_close, fwd, rev)
 
 
@@ -218,8 +225,9 @@ def test_forward_mode_equals_finite_differences(measure):
     variables = jax.tree.map(lambda a: a.astype(jnp.float64), _variables())
     f = _linen(measure, variables, **_fields(measure))
     v = jax.random.normal(jax.random.key(9), x.shape, jnp.float64)
-    _, y_dot = jax.jvp(f, (x,), (v,))
+    _, y_dot = jax.jit(lambda a, t: jax.jvp(f, (a,), (t,)))(x, v)
     h = 1e-6
+    f = jax.jit(f)
     fd = (f(x + h * v) - f(x - h * v)) / (2 * h)
     _assert_close(y_dot, fd, rtol=1e-6)
 
@@ -234,7 +242,9 @@ def test_hessian(measure):
   loss = loss_of(_linen(measure, **_fields(measure)))
   x = _batch()
   _assert_close(
-      jax.hessian(loss)(x), jax.jacrev(jax.jacrev(loss))(x), rtol=1e-4
+      jax.jit(jax.hessian(loss))(x),
+      jax.jit(jax.jacrev(jax.jacrev(loss)))(x),
+      rtol=1e-4,
   )
   # float32 on the default path (on a CPU the compiled kernel, whose sums
   # feed sqd) and on the radix select's fused sums, against differences of
@@ -254,11 +264,10 @@ def test_hessian(measure):
     v = jnp.asarray(v, jnp.float64)
     # Hessian-vector product, forward over reverse, against differences of
     # the gradient.
-    _, hvp = jax.jvp(jax.grad(loss64), (x64,), (v,))
+    grad = jax.jit(jax.grad(loss64))
+    _, hvp = jax.jit(lambda a, t: jax.jvp(grad, (a,), (t,)))(x64, v)
     h = 1e-6
-    fd = (jax.grad(loss64)(x64 + h * v) - jax.grad(loss64)(x64 - h * v)) / (
-        2 * h
-    )
+    fd = (grad(x64 + h * v) - grad(x64 - h * v)) / (2 * h)
     _assert_close(hvp, fd, rtol=1e-5)
 
 
@@ -278,14 +287,19 @@ _FLAX = {
 }
 
 
+def _jit_transform(transform, f, x, v):
+  # Both sides under jit: the subject is the transform, not eager dispatch.
+  return jax.jit(lambda a, t: _FLAX[transform](f, a, t))(x, v)
+
+
 @pytest.mark.parametrize("transform", sorted(_FLAX))
 def test_sd_transforms_equal_flax_batchnorm(transform):
   x, variables = _batch(), _variables()
   v = jax.random.normal(jax.random.key(5), x.shape)
   flax_layer = nn.BatchNorm(use_running_average=False)
   flax_f = lambda a: flax_layer.apply(variables, a, mutable=["batch_stats"])[0]
-  ours = _FLAX[transform](_linen("sd", variables), x, v)
-  _assert_close(ours, _FLAX[transform](flax_f, x, v), rtol=1e-5)
+  ours = _jit_transform(transform, _linen("sd", variables), x, v)
+  _assert_close(ours, _jit_transform(transform, flax_f, x, v), rtol=1e-5)
 
 
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
@@ -297,8 +311,8 @@ def test_sd_transforms_equal_flax_batchnorm_nnx(transform):
   theirs.scale[...], theirs.bias[...] = params["scale"], params["bias"]
   flax_f = _pure(theirs)
   _assert_close(
-      _FLAX[transform](_nnx("sd"), x, v),
-      _FLAX[transform](flax_f, x, v),
+      _jit_transform(transform, _nnx("sd"), x, v),
+      _jit_transform(transform, flax_f, x, v),
       rtol=1e-5,
   )
 
@@ -375,8 +389,10 @@ def test_scan_over_layers_and_remat(measure):
 
     y = jax.jit(f)(variables["params"], x)
     loss = lambda p, a: jnp.sum(jnp.sin(f(p, a)) * v)
-    grads = jax.grad(loss, argnums=(0, 1))(variables["params"], x)
-    y_dot = jax.jvp(lambda a: f(variables["params"], a), (x,), (v,))[1]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], x)
+    y_dot = jax.jit(lambda p, a: jax.jvp(lambda b: f(p, b), (a,), (v,))[1])(
+        variables["params"], x
+    )
     return y, grads[1], y_dot
 
   reference = run(_Unrolled(measure, fields), unrolled_vars)
@@ -403,19 +419,19 @@ def test_vmap_over_stacked_models(measure):
   def apply(variables, a):
     return layer.apply(variables, a, mutable=["batch_stats"])
 
-  ys, updates = jax.vmap(apply)(stacked, xs)
+  def tangent(var, a, t):
+    return jax.jvp(lambda b: apply(var, b)[0], (a,), (t,))[1]
+
+  ys, updates = jax.jit(jax.vmap(apply))(stacked, xs)
   v = jax.random.normal(jax.random.key(2), xs.shape)
-  y_dots = jax.vmap(
-      lambda var, a, t: jax.jvp(lambda b: apply(var, b)[0], (a,), (t,))[1]
-  )(stacked, xs, v)
+  y_dots = jax.jit(jax.vmap(tangent))(stacked, xs, v)
+  apply, tangent = jax.jit(apply), jax.jit(tangent)
   for i in range(3):
     one = jax.tree.map(lambda a: a[i], stacked)
     y, update = apply(one, xs[i])
     _assert_close(ys[i], y)
     jax.tree.map(lambda a, b: _assert_close(a[i], b), updates, update)
-    _assert_close(
-        y_dots[i], jax.jvp(lambda b: apply(one, b)[0], (xs[i],), (v[i],))[1]
-    )
+    _assert_close(y_dots[i], tangent(one, xs[i], v[i]))
 
 
 @pytest.mark.parametrize("measure", MEASURES)
@@ -452,10 +468,16 @@ def test_shard_map_and_pmap(measure):
   pmapped = lambda a: jax.pmap(f_named, axis_name="d")(a[None])[0]
   v = jax.random.normal(jax.random.key(3), x.shape)
   loss = lambda g: lambda a: jnp.sum(jnp.sin(g(a)) * v)
-  for g in (jax.jit(sharded), pmapped):
-    _assert_close(g(x), plain(x))
-    _assert_close(jax.jvp(g, (x,), (v,))[1], jax.jvp(plain, (x,), (v,))[1])
-    _assert_close(jax.grad(loss(g))(x), jax.grad(loss(plain))(x))
+  jvp = lambda g: lambda a: jax.jvp(g, (a,), (v,))[1]
+  want = (
+      jax.jit(plain)(x),
+      jax.jit(jvp(plain))(x),
+      jax.jit(jax.grad(loss(plain)))(x),
+  )
+  for g, under_jit in ((sharded, jax.jit), (pmapped, lambda h: h)):
+    _assert_close(under_jit(g)(x), want[0])
+    _assert_close(under_jit(jvp(g))(x), want[1])
+    _assert_close(under_jit(jax.grad(loss(g)))(x), want[2])
 
 
 @pytest.mark.parametrize("measure", ["sqd2", "rsd", "sd"])
