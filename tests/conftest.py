@@ -34,6 +34,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
   collect_ignore_glob.append("*/test_?*_multidevice.py")
 
 
+def pytest_collection_modifyitems(items):
+  """Puts the slow tests first, in their own order.
+
+  A full run (``-n auto``, work stealing) then starts the longest tests
+  while the quick ones fill the other workers, instead of ending on one
+  worker still running a long test after the others have run dry.
+  """
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def restore_registry():
   """Leaves the measure registry as it was (for tests that register)."""
