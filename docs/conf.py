@@ -91,6 +91,7 @@ REPORT_PAGES = {
         ("gpu_resnet20", "report_gpu_resnet20.md"),
         ("calibration", "report_calibration.md"),
         ("small_batch", "report_small_batch.md"),
+        ("cifar10_lenet_small_batch", "report_cifar10_small_batch.md"),
     )
 }
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
