@@ -213,6 +213,28 @@ show(report.precise_table(GROUPS) if GROUPS else [],
      "No run was trained with --precise-stats (yet).")
 
 # %% [markdown]
+# ## Batch size
+#
+# Where conditions were run at several batch sizes for the same number of
+# optimizer steps (`--steps`, the small-batch study): each condition's best
+# test error by batch size, and the same as a figure.
+
+# %%
+BATCH_RUNS = report.batch_study(RUNS)
+if not BATCH_RUNS:
+  print("No condition was run at more than one batch size (yet).")
+# One study per dataset: a column mixes no datasets.
+for dataset in sorted({run.config["dataset"] for run in BATCH_RUNS}):
+  study = [run for run in BATCH_RUNS if run.config["dataset"] == dataset]
+  display(Markdown(f"**{dataset}**"))
+  show(report.batch_size_table(study), "")
+  display(Markdown(report.batch_size_note(study)))
+  with tempfile.TemporaryDirectory() as tmp:
+    path = report.batch_size_figure(report.batch_conditions(study),
+                                    Path(tmp) / "batch_size.png")
+    display(Image(filename=path, width=900))
+
+# %% [markdown]
 # ## Gain or shape?
 #
 # A norm layer multiplies each feature by the *gain* σ/D relative to
@@ -245,13 +267,18 @@ show(report.calibration_table(RUNS),
 # Per setting: training loss and test error against epochs and wall-clock
 # seconds, the mean over seeds with a ±std band, one line per norm (the
 # legend counts finished and unfinished runs). These are the figures of
-# `python -m train.report`.
+# `python -m train.report`. The batch-size study's settings, a few epochs
+# each, are drawn above by batch size instead.
 
 # %%
 if not GROUPS:
   print(f"No runs in {rel(SWEEPS)}/: no curves to draw.")
+IN_BATCH_STUDY = {run.path for run in BATCH_RUNS}
 with tempfile.TemporaryDirectory() as tmp:
   for index, by_norm in enumerate(GROUPS.values()):
+    if all(run.path in IN_BATCH_STUDY
+           for runs in by_norm.values() for run in runs):
+      continue
     path = report.curves_figure(by_norm, setting_label(by_norm),
                                 Path(tmp) / f"curves_{index}.png")
     display(Image(filename=path, width=900))
