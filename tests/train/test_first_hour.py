@@ -259,6 +259,8 @@ def _another_value(name, value):
     return next(c for c in spec.choices if c != value)
   if name == "norm":
     return "mad"
+  if name == "steps":  # None: train --epochs
+    return 100
   if value is None or isinstance(value, bool):  # augment: None is False here
     return not value
   if isinstance(value, int):
