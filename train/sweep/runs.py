@@ -37,20 +37,17 @@ STATUS_FILE = "sweep_status.json"
 _LOCK_FILE = ".sweep.lock"
 
 
-def epochs_done(run_dir: Path) -> int:
-  """Epochs recorded in a run directory's ``metrics.jsonl`` (0 if none)."""
-  try:
-    rows = run_files.read_metrics(run_dir)
-  except (OSError, ValueError):
-    return 0
-  return max((row.get("epoch", 0) for row in rows), default=0)
-
-
 def _rows(run_dir: Path) -> list[dict]:
+  """``metrics.jsonl``'s rows; none where it is missing or unreadable."""
   try:
     return run_files.read_metrics(run_dir)
   except (OSError, ValueError):
     return []
+
+
+def epochs_done(run_dir: Path) -> int:
+  """Epochs recorded in a run directory's ``metrics.jsonl`` (0 if none)."""
+  return max((row.get("epoch", 0) for row in _rows(run_dir)), default=0)
 
 
 def steps_done(run_dir: Path) -> int:
