@@ -92,6 +92,19 @@ RUN_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--keep-checkpoints-every",
+        dict(
+            type=_positive_int,
+            default=None,
+            metavar="K",
+            help="also save a checkpoint at every epoch that is a multiple of "
+            "K, whatever --checkpoint-every, and keep those for good beside "
+            "the latest ones (for `python -m train.curvature RUN_DIR`, which "
+            "measures every checkpoint kept); pass it again when resuming: a "
+            "save without it deletes them",
+        ),
+    ),
+    (
         "--precise-stats",
         dict(
             type=_nonnegative_int,

@@ -20,10 +20,13 @@ from train.config_fields import Flag as Flag
 from train.config_fields import boolean as _boolean
 from train.config_fields import declared as _field
 from train.config_fields import integer as _integer
+from train.config_fields import is_int as _is_int
 from train.config_fields import one_of as _one_of
 from train.config_fields import parse_nonnegative_int as parse_nonnegative_int
 from train.config_fields import parse_positive_int as parse_positive_int
 from train.config_fields import real as _real
+from train.data import info as data_info
+from train.data import subset as data_subset
 from train.model import models
 
 #: Datasets the CLI accepts (loaded by ``train.data.input_pipeline``).
@@ -97,6 +100,9 @@ class Config:
       ``calibration='normal'``). A no-op for ``bn`` and ``sd``.
     norm_bias: Every norm layer's initial bias (``norms.make_norm``).
     norm_groups: A group norm's number of channel groups.
+    train_subset: Train on this many images of the training set, as many of
+      each class (``train.data.subset``); ``None``: all of them.
+    subset_seed: Chooses the ``train_subset`` images, apart from ``seed``.
   """
 
   dataset: str = _field(
@@ -324,6 +330,35 @@ class Config:
           "ResNet20's 16, 32 and 64 need 2, 4, 8 or 16",
       ),
   )
+  train_subset: int | None = _field(
+      None,
+      FieldSpec(
+          # The range depends on the dataset: validate() checks it.
+          lambda v: None
+          if v is None or _is_int(v)
+          else f"must be an integer or null, got {v!r}",
+          "--train-subset",
+          parse=int,
+          run_name="sub",
+          added=True,
+          help="train on a fixed subset of N training images, N / classes of "
+          "each class, chosen by --subset-seed alone (the same images for "
+          "every --seed and --norm); N is a multiple of the dataset's "
+          "classes, at most its training images. An epoch is one pass over "
+          "the subset; the test set stays whole",
+      ),
+  )
+  subset_seed: int = _field(
+      0,
+      FieldSpec(
+          _integer(0, 2**32, "2**32"),
+          "--subset-seed",
+          parse=int,
+          run_name="subseed",
+          added=True,
+          help="with --train-subset: chooses its images",
+      ),
+  )
 
   def replace(self, **changes: Any) -> Config:
     """Returns a copy with ``changes`` applied."""
@@ -402,6 +437,16 @@ def validate(config: Config) -> Config:
       )
   if config.renorm and models.parse_norm(config.norm).group:
     raise ValueError(f"--norm {config.norm}: {models.RENORM_REFUSAL}")
+  if config.train_subset is not None:
+    problem = data_subset.subset_problem(
+        config.train_subset,
+        data_info.dataset_info(config.dataset).num_classes,
+        data_info.TRAIN_IMAGES[config.dataset],
+    )
+    if problem is not None:
+      raise ValueError(f"--train-subset {problem} for {config.dataset}")
+  elif config.subset_seed:
+    raise ValueError("--subset-seed chooses a --train-subset: give one")
   return config
 
 

@@ -56,6 +56,7 @@ import numpy as np
 import gbn_jax
 from gbn_jax import measures as measures_lib
 from train.data import input_pipeline
+from train.data import subset as data_subset
 from train.loop import capture
 from train.loop import checkpointing
 from train.loop import train_state
@@ -159,7 +160,10 @@ def layer_gains(
 def _first_images(
     config, data_dir: str | None, count: int
 ) -> tuple[jax.Array, int]:
-  dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
+  # The images the run trained on: its subset when it had one.
+  dataset = data_subset.for_config(
+      input_pipeline.load_dataset(config.dataset, data_dir=data_dir), config
+  )
   if count > len(dataset.train_images):
     raise ValueError(
         f"--images {count} is more than the "

@@ -234,6 +234,7 @@ def run(
         on_first_epoch=functools.partial(_first_epoch_notes, prog=prog),
         precise_stats=args.precise_stats,
         checkpoint_every=args.checkpoint_every,
+        keep_checkpoints_every=args.keep_checkpoints_every,
     )
   except (
       ValueError,

@@ -23,7 +23,8 @@ TRAIN = pathlib.Path(__file__).resolve().parents[2] / "train"
 # stdlib-only modules (run_files, compile_cache, config_fields: how a config
 # field is declared) import nothing of train;
 # models run native convolutions; configs checks model and norm names
-# against the models; the loop trains a configured model on the data; the
+# against the models, and a training subset against the dataset's facts;
+# the loop trains a configured model on the data; the
 # report reads finished runs (run_files, dataset facts: numpy and matplotlib
 # only, never the training stack); a sweep expands flags into configs and
 # starts training runs, writing through the loop's checkpointing; the CLIs
@@ -35,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "native": {"compile_cache"},
     "model": {"native"},
     "config_fields": set(),
-    "configs": {"config_fields", "model"},
+    "configs": {"config_fields", "data", "model"},
     "cli_flags": {"configs"},
     "loop": {"configs", "data", "model", "native", "run_files"},
     "report": {"data", "run_files"},

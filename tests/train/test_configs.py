@@ -38,7 +38,11 @@ SAMPLES = {
     "norm_bias": (1.0, float("nan")),
     "steps": (1000, 0),
     "norm_groups": (10, 0),
+    "train_subset": (5000, 5001),
+    "subset_seed": (2, -1),
 }
+# The other fields a sample needs: a subset seed chooses a subset.
+SAMPLE_NEEDS = {"subset_seed": {"train_subset": 5000}}
 
 
 def _argv(name: str, value) -> list[str]:
@@ -62,14 +66,17 @@ def test_flag_sets_its_field_and_check_names_it(name):
   good, bad = SAMPLES[name]
   assert good != getattr(configs.CIFAR, name)
   spec = configs.FIELDS[name]
-  expected = configs.CIFAR.replace(**{name: good})
+  needs = SAMPLE_NEEDS.get(name, {})
+  base = configs.CIFAR.replace(**needs)
+  expected = base.replace(**{name: good})
   configs.validate(expected)
   if spec.flag is not None:
     parser = cli_flags.build_parser(configs.CIFAR, "x")
-    args = parser.parse_args(_argv(name, good))
+    flags = [f for n, v in needs.items() for f in _argv(n, v)]
+    args = parser.parse_args(flags + _argv(name, good))
     assert cli_flags.config_from_args(args, configs.CIFAR) == expected
   with pytest.raises(ValueError) as e:
-    configs.validate(configs.CIFAR.replace(**{name: bad}))
+    configs.validate(base.replace(**{name: bad}))
   assert str(e.value).startswith(spec.flag or name), str(e.value)
 
 
@@ -112,6 +119,8 @@ def test_added_fields_default_in_old_config_files():
       "norm_bias",
       "steps",
       "norm_groups",
+      "train_subset",
+      "subset_seed",
   }
   assert configs.Config.from_json(old) == configs.CIFAR
   with pytest.raises(ValueError, match="missing fields"):

@@ -259,7 +259,7 @@ def _another_value(name, value):
     return next(c for c in spec.choices if c != value)
   if name == "norm":
     return "mad"
-  if name == "steps":  # None: train --epochs
+  if name in ("steps", "train_subset"):  # None: train --epochs, all images
     return 100
   if value is None or isinstance(value, bool):  # augment: None is False here
     return not value
@@ -274,10 +274,14 @@ def test_every_setting_a_resume_checks_is_in_the_folder_name():
   """Any field that a resume compares (all but ``epochs``) shows in the
   folder name when it differs, so that changing it never meets a refusal to
   resume; fields added later too."""
-  default = train_main.default_workdir(configs.MNIST, configs.MNIST)
   for name, value in configs.MNIST.to_json().items():
+    # A subset seed chooses a subset: both runs have one.
+    base = configs.MNIST.replace(
+        **({"train_subset": 100} if name == "subset_seed" else {})
+    )
+    default = train_main.default_workdir(base, configs.MNIST)
     config = configs.validate(
-        configs.MNIST.replace(**{name: _another_value(name, value)})
+        base.replace(**{name: _another_value(name, value)})
     )
     workdir = train_main.default_workdir(config, configs.MNIST)
     if name in configs.RESUMABLE_FIELDS:
@@ -292,7 +296,8 @@ def test_flags_that_leave_the_results_alone_keep_the_folder():
   parser = cli_flags.build_parser(configs.MNIST, "p")
   args = parser.parse_args(
       "--data-dir d --no-progress --checkpoint-every 5 --precise-stats 2 "
-      "--record-activations 10 --overwrite --no-compile-cache".split()
+      "--record-activations 10 --overwrite --no-compile-cache "
+      "--keep-checkpoints-every 10".split()
   )
   config = cli_flags.config_from_args(args, configs.MNIST)
   assert train_main.default_workdir(config, configs.MNIST) == _workdir(

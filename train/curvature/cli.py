@@ -25,8 +25,9 @@ gradient, so this is the loss it descends. The decay adds exactly
 ``weight_decay`` to every eigenvalue and ``weight_decay * parameters`` to the
 trace; each line records both, so that it can be taken off. No augmentation:
 the sample is the first ``--batches * --batch-size`` images of a seeded
-permutation of the training set, the same for every checkpoint and for every
-run of the same dataset and seed. The products are forward-over-reverse
+permutation of the training set the run trained on (its ``--train-subset``
+when it had one), the same for every checkpoint and for every run of the
+same dataset, subset and seed. The products are forward-over-reverse
 (``jax.jvp`` of ``jax.grad``), on one device, through every norm layer;
 the suite's compiled CPU convolutions have reverse-mode rules only, so the
 model is built with XLA's (``train.model.models.with_forward_mode``: the
@@ -78,6 +79,7 @@ import tqdm
 
 from train.curvature import hessian as hessian_lib
 from train.data import input_pipeline
+from train.data import subset as data_subset
 from train.loop import checkpointing
 from train.loop import step_progress
 from train.loop import train_state
@@ -238,7 +240,9 @@ def run_curvature(
     ]
     if not todo:
       return []
-    dataset = input_pipeline.load_dataset(config.dataset, data_dir=data_dir)
+    dataset = data_subset.for_config(
+        input_pipeline.load_dataset(config.dataset, data_dir=data_dir), config
+    )
     images, labels = sample_batches(
         dataset, settings.batches, settings.batch_size, settings.seed
     )

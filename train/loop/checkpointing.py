@@ -9,8 +9,9 @@ A run directory (``--workdir``) holds:
   then replaced.
 * ``checkpoints/<epoch>/``: orbax checkpoints after each epoch, or every
   ``--checkpoint-every`` epochs and after the last (the last
-  :data:`MAX_TO_KEEP` are kept), each with the train state and the metrics
-  history up to that epoch.
+  :data:`MAX_TO_KEEP` are kept, and with ``--keep-checkpoints-every K``
+  also every one whose epoch is a multiple of ``K``), each with the train
+  state and the metrics history up to that epoch.
 * ``metrics.jsonl``: one JSON row per epoch. It is rewritten from the
   checkpoint's history on resume, so after a resume it never lists an epoch
   that no checkpoint holds (those epochs are trained again, with the same
@@ -46,6 +47,12 @@ CONFIG_FILE = "config.json"
 DATA_SOURCE_FILE = "data_source.txt"
 CHECKPOINT_DIR = "checkpoints"
 MAX_TO_KEEP = 3
+
+
+def check_every(name: str, every: Any) -> None:
+  """Raises ValueError naming ``name`` unless ``every`` is a positive int."""
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise ValueError(f"{name} must be a positive integer, got {every!r}")
 
 
 class RunDirError(RuntimeError):
@@ -206,17 +213,27 @@ def _sigint_deferred() -> Iterator[None]:
 class Checkpointer:
   """Saves and restores (train state, metrics history) per epoch.
 
+  Checkpoints are numbered by epoch.
+
   Args:
     workdir: The run directory; checkpoints go to ``workdir/checkpoints``.
+    keep_every: Also keep, for good, every checkpoint whose epoch is a
+      multiple of this (``None``: none). A later save by a Checkpointer
+      without it deletes those beyond the latest ``max_to_keep``.
     max_to_keep: How many of the latest checkpoints to keep.
   """
 
   def __init__(
-      self, workdir: str | os.PathLike[str], max_to_keep: int = MAX_TO_KEEP
+      self,
+      workdir: str | os.PathLike[str],
+      keep_every: int | None = None,
+      max_to_keep: int = MAX_TO_KEEP,
   ):
     self.directory = Path(workdir).absolute() / CHECKPOINT_DIR
+    self.keep_every = keep_every
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
+        keep_period=keep_every,
         create=True,
         # Saves are small and synchronous: once save() returns, the epoch is
         # on disk, and a kill mid-save leaves only a tmp dir that is removed.
@@ -224,6 +241,12 @@ class Checkpointer:
         cleanup_tmp_directories=True,
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def due(self, epoch: int, every: int, last: int) -> bool:
+    """Whether to save ``epoch``: one of ``every``'s epochs, a kept one
+    (``keep_every``) or the ``last``."""
+    kept = self.keep_every is not None and epoch % self.keep_every == 0
+    return epoch % every == 0 or kept or epoch == last
 
   def latest_epoch(self) -> int | None:
     """The latest saved epoch, or ``None``."""

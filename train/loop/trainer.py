@@ -82,6 +82,7 @@ import tqdm
 
 from train import configs
 from train.data import input_pipeline
+from train.data import subset as data_subset
 from train.loop import capture
 from train.loop import checkpointing
 from train.loop import health
@@ -206,6 +207,7 @@ def train_and_evaluate(
     on_first_epoch: Callable[..., Sequence[str]] | None = None,
     precise_stats: int = 0,
     checkpoint_every: int = 1,
+    keep_checkpoints_every: int | None = None,
 ) -> list[dict[str, Any]]:
   """Trains ``config`` in ``workdir``, resuming from its last checkpoint.
 
@@ -233,6 +235,8 @@ def train_and_evaluate(
       retrains those epochs (with the same results). On an accelerator,
       where an epoch can take less than a save, this keeps long runs from
       spending their time in orbax.
+    keep_checkpoints_every: Also save, and keep for good, every epoch that
+      is a multiple of this (``None``: none).
 
   Returns:
     The metrics history: one dict per epoch (what ``metrics.jsonl`` holds).
@@ -245,15 +249,9 @@ def train_and_evaluate(
     input_pipeline.DataNotFoundError: The dataset files are missing.
   """
   config = resolve(config)
-  if (
-      isinstance(checkpoint_every, bool)
-      or not isinstance(checkpoint_every, int)
-      or checkpoint_every < 1
-  ):
-    raise ValueError(
-        f"checkpoint_every must be a positive integer, got "
-        f"{checkpoint_every!r}"
-    )
+  checkpointing.check_every("checkpoint_every", checkpoint_every)
+  if keep_checkpoints_every is not None:
+    checkpointing.check_every("keep_checkpoints_every", keep_checkpoints_every)
   workdir = Path(workdir)
   primary = jax.process_index() == 0
   if not primary:  # one host reports for all
@@ -270,6 +268,7 @@ def train_and_evaluate(
     dataset = input_pipeline.load_dataset(
         config.dataset, data_dir=data_dir, fetch=True
     )
+  dataset = data_subset.for_config(dataset, config)
   mesh = sharding.make_mesh(sharding.data_parallel_devices(config.batch_size))
   _validate_sizes(config, dataset, mesh.size)
   _validate_precise_stats(
@@ -307,7 +306,7 @@ def train_and_evaluate(
   # What the loop trains, while config.json keeps the config as asked.
   planned = config.replace(epochs=planned_epochs(config, program.steps))
 
-  checkpointer = checkpointing.Checkpointer(workdir)
+  checkpointer = checkpointing.Checkpointer(workdir, keep_checkpoints_every)
   try:
     last = checkpointer.latest_epoch()
     history: list[dict[str, Any]] = []
@@ -485,7 +484,7 @@ def _train_epochs(
     # Before the save: see activations.keep_activations.
     if primary and record is not None:
       activations.append_activations(workdir, record, epoch, recorded)
-    if epoch % checkpoint_every == 0 or epoch == config.epochs:
+    if checkpointer.due(epoch, checkpoint_every, config.epochs):
       checkpointer.save(epoch, train_state.state_dict(state), history)
       last_good = epoch
     if primary:

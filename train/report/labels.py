@@ -44,6 +44,8 @@ ADDED_FIELD_DEFAULTS = {
     "norm_bias": 0.0,
     "steps": None,
     "norm_groups": 5,
+    "train_subset": None,
+    "subset_seed": 0,
 }
 #: A field's prefix in the run names of ``train.sweep.grid.run_name``
 #: (``train.configs.FIELDS``' ``run_name``; a test keeps the two equal), so
@@ -66,6 +68,8 @@ RUN_NAME_PREFIXES = {
     "norm_bias": "nb",
     "steps": "steps",
     "norm_groups": "groups",
+    "train_subset": "sub",
+    "subset_seed": "subseed",
 }
 
 

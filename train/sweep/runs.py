@@ -69,7 +69,7 @@ def planned_epochs(run: Run, run_dir: Path) -> int:
   if first and first[0].get("step"):
     per_epoch = first[0]["step"]
   else:
-    images = data_info.TRAIN_IMAGES[config.dataset]
+    images = config.train_subset or data_info.TRAIN_IMAGES[config.dataset]
     per_epoch = max(1, images // config.batch_size)
   return math.ceil(config.steps / per_epoch)
 
