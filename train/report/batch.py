@@ -9,10 +9,8 @@ other tables then scatter it over one row per batch size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from train.report.labels import ADDED_FIELD_DEFAULTS
-from train.report.labels import FIELD_LABELS
+from train.report.labels import condition_text
 from train.report.labels import varying_fields
 from train.report.runs import Cell
 from train.report.runs import Run
@@ -29,26 +27,6 @@ def batch_sizes(runs: Sequence[Run]) -> list[int]:
   return sorted({r.config["batch_size"] for r in runs})
 
 
-def _condition_text(config: dict[str, Any], fields: Sequence[str]) -> str:
-  """``sqd2, renorm, calibration=normal``: the norm and ``fields``.
-
-  A switch shows by its name where it is on; a field at the default of a
-  field added later (``calibration=none``) is left out, as the run names
-  leave it out.
-  """
-  parts = [config["norm"]]
-  for field in fields:
-    value = config.get(field)
-    if isinstance(value, bool):
-      if value:
-        parts.append(field)
-    elif field not in ADDED_FIELD_DEFAULTS or value != (
-        ADDED_FIELD_DEFAULTS[field]
-    ):
-      parts.append(f"{FIELD_LABELS.get(field, field)}={value}")
-  return ", ".join(parts)
-
-
 def batch_conditions(runs: Sequence[Run]) -> dict[str, dict[int, list[Run]]]:
   """``{condition label: {batch size: runs}}`` of a batch-size study.
 
@@ -62,7 +40,7 @@ def batch_conditions(runs: Sequence[Run]) -> dict[str, dict[int, list[Run]]]:
   by_label: dict[str, dict[int, list[Run]]] = {}
   norms: dict[str, str] = {}
   for run in runs:
-    label = _condition_text(run.config, fields)
+    label = condition_text(run.config, fields)
     norms[label] = run.config["norm"]
     by_label.setdefault(label, {}).setdefault(
         run.config["batch_size"], []

@@ -31,6 +31,10 @@ found recursively. ``OUT/report.md`` then holds:
   less batch size, learning rate and seed) has runs at two or more batch
   sizes: one row per such condition, one column per batch size, best test
   error as above; and ``batch_size.png``, the same against batch size.
+* **Curvature**, where a run has ``curvature.jsonl``: per condition and
+  measured epoch, the top Hessian eigenvalue and trace (less weight decay's
+  shift), noise scale, training and test error and their gap, mean ± std
+  over seeds (n); and ``curvature.png``, the same against epoch.
 * **Precise statistics**, for runs trained with ``--precise-stats``: per
   norm, the final test error with the running averages (EMA) and with the
   statistics recomputed over training batches (PreciseBN), and their paired
@@ -48,7 +52,7 @@ never dropped silently.
 This module is the command line; the work is done, with numpy and
 matplotlib only, by :mod:`train.report.runs` (finding and reading runs),
 :mod:`train.report.tables`, :mod:`train.report.batch`,
-:mod:`train.report.gain` and
+:mod:`train.report.gain`, :mod:`train.report.curvature` and
 :mod:`train.report.figures`, whose public names are also this module's.
 """
 
@@ -65,8 +69,13 @@ from train.report.batch import batch_conditions
 from train.report.batch import batch_size_note
 from train.report.batch import batch_size_table
 from train.report.batch import batch_study
+from train.report.curvature import CURVATURE_FILE
+from train.report.curvature import curvature_section
+from train.report.curvature import curvature_study
+from train.report.curvature import curvature_table
 from train.report.figures import activations_figure
 from train.report.figures import batch_size_figure
+from train.report.figures import curvature_figure
 from train.report.figures import curves_figure
 from train.report.figures import read_activations
 from train.report.figures import slug
@@ -107,6 +116,7 @@ from train.report.tables import precise_table
 __all__ = [
     "ACTIVATIONS_FILE",
     "ADDED_FIELD_DEFAULTS",
+    "CURVATURE_FILE",
     "Cell",
     "GAIN_FILE",
     "GAIN_STAGES",
@@ -124,6 +134,9 @@ __all__ = [
     "best_lr_table",
     "calibration_table",
     "convergence_table",
+    "curvature_figure",
+    "curvature_study",
+    "curvature_table",
     "curves_figure",
     "distinct_runs",
     "epoch_seconds",
@@ -299,6 +312,25 @@ def _batch_size_section(
   ]
 
 
+#: The curvature study's figure.
+CURVATURE_FIGURE = "curvature.png"
+
+
+def _curvature_section(
+    runs: Sequence[Run], out: Path, written: set[str]
+) -> list[str]:
+  """The curvature section and figure (its name added to ``written``);
+  none where no run has ``curvature.jsonl``."""
+  study = curvature_study(runs)
+  if study is None:
+    return []
+  if not any(study.conditions.values()):
+    return curvature_section(study, None)
+  curvature_figure(study, out / CURVATURE_FIGURE)
+  written.add(CURVATURE_FIGURE)
+  return curvature_section(study, CURVATURE_FIGURE)
+
+
 def _precise_section(groups: Groups) -> list[str]:
   return _table_section(
       "Precise statistics",
@@ -395,6 +427,7 @@ def write_report(
       *_learning_rate_section(runs),
       *_batch_size_section(runs, out, written),
       *_precise_section(groups),
+      *_curvature_section(runs, out, written),
   ]
   lines += _curves_section(groups, extra, out, written)
   lines += _activations_section(all_runs, extra, out, written)
@@ -409,11 +442,12 @@ def _remove_stale_figures(out: Path, written: set[str]) -> None:
   """Deletes figures of an earlier report in ``out`` that this one lacks.
 
   Only the report's own names (``curves_*.png``, ``activations_*.png``,
-  :data:`BATCH_SIZE_FIGURE`), so
+  :data:`BATCH_SIZE_FIGURE`, :data:`CURVATURE_FIGURE`), so
   that a rerun into the same folder leaves no figure of settings or labels
   that are gone.
   """
-  for pattern in ("curves_*.png", "activations_*.png", BATCH_SIZE_FIGURE):
+  named = [BATCH_SIZE_FIGURE, CURVATURE_FIGURE]
+  for pattern in ["curves_*.png", "activations_*.png", *named]:
     for figure in out.glob(pattern):
       if figure.name not in written:
         figure.unlink()

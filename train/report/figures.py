@@ -1,4 +1,5 @@
-"""The report's figures: learning curves and recorded activations (PNG)."""
+"""The report's figures (PNG): learning curves, recorded activations, best
+error against batch size, curvature along training."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from train.report import plot
+from train.report.curvature import CurvatureStudy
+from train.report.curvature import Point
 from train.report.runs import ACTIVATIONS_FILE
 from train.report.runs import NORM_ORDER
 from train.report.runs import Run
@@ -213,6 +216,94 @@ def batch_size_figure(
       fontsize="small",
       title="solid: batch norms, dashed: group norms",
       title_fontsize="small",
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110, bbox_inches="tight")
+  plot.plt.close(fig)
+  return path
+
+
+#: The curvature figure's panels: (title, point values, log scale).
+_CURVATURE_PANELS = (
+    ("top Hessian eigenvalue", (lambda p: p.top_eigenvalue,), True),
+    ("Hessian trace", (lambda p: p.trace,), True),
+    (
+        "error (%): test solid, train dashed",
+        (lambda p: p.test_error, lambda p: p.train_error),
+        False,
+    ),
+    (
+        "generalization gap (test − train error, points)",
+        (Point.gap.fget,),
+        False,
+    ),
+)
+
+
+def _series(
+    points: Sequence[Point], value, log: bool
+) -> tuple[list[int], list[float]]:
+  """Epochs and values of ``points`` that have one (positive on a log
+  axis, where no other value can be drawn)."""
+  pairs = [(p.epoch, value(p)) for p in points]
+  pairs = [(e, v) for e, v in pairs if v is not None and (v > 0 or not log)]
+  return [e for e, _ in pairs], [v for _, v in pairs]
+
+
+def curvature_figure(study: CurvatureStudy, path: Path) -> Path:
+  """Writes four panels against epoch, one colour per condition: the top
+  eigenvalue and the trace (log scales), training and test error, and
+  their gap; the mean over seeds bold, each seed thin."""
+  # One epoch axis for all panels, so that the errors, which have no epoch
+  # 0 (the initial parameters), line up with the curvature above them.
+  fig, axes = plot.plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+  for ax, (title, values, log) in zip(axes.flat, _CURVATURE_PANELS):
+    for index, (label, by_epoch) in enumerate(study.conditions.items()):
+      color = f"C{index % 10}"
+      points = [p for group in by_epoch.values() for p in group]
+      for value, style in zip(values, ("-", "--")):
+        for run in sorted({p.run for p in points}):
+          xs, ys = _series([p for p in points if p.run == run], value, log)
+          ax.plot(
+              xs, ys, color=color, linestyle=style, linewidth=0.7, alpha=0.4
+          )
+        xs, means = [], []
+        for epoch, group in by_epoch.items():
+          _, ys = _series(group, value, log)
+          if ys:
+            xs.append(epoch)
+            means.append(float(np.mean(ys)))
+        ax.plot(
+            xs,
+            means,
+            color=color,
+            linestyle=style,
+            marker="o",
+            markersize=3,
+            linewidth=1.6,
+            label=label if style == "-" else None,
+        )
+    if log:
+      ax.set_yscale("log")
+      ax.yaxis.set_major_locator(plot.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+      ax.yaxis.set_major_formatter(
+          plot.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+      )
+      ax.yaxis.set_minor_formatter(plot.ticker.NullFormatter())
+    ax.xaxis.set_major_locator(plot.ticker.MaxNLocator(integer=True))
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+  for ax in axes[1]:
+    ax.set_xlabel("epoch")
+  axes[0, 1].legend(
+      loc="upper left",
+      bbox_to_anchor=(1.02, 1.0),
+      fontsize="small",
+      title="mean over seeds (thin: each seed)",
+      title_fontsize="small",
+  )
+  fig.suptitle(
+      "Curvature of the training loss (weight decay's shift taken off)"
   )
   fig.tight_layout()
   fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -92,6 +92,26 @@ def describe(config: dict[str, Any], fields: Sequence[str]) -> str:
   return ", ".join(f"{FIELD_LABELS.get(k, k)}={config.get(k)}" for k in fields)
 
 
+def condition_text(config: dict[str, Any], fields: Sequence[str]) -> str:
+  """``sqd2, renorm, calibration=normal``: the norm and ``fields``.
+
+  A switch shows by its name where it is on; a field at the default of a
+  field added later (``calibration=none``) is left out, as the run names
+  leave it out.
+  """
+  parts = [config["norm"]]
+  for field in fields:
+    value = config.get(field)
+    if isinstance(value, bool):
+      if value:
+        parts.append(field)
+    elif field not in ADDED_FIELD_DEFAULTS or value != (
+        ADDED_FIELD_DEFAULTS[field]
+    ):
+      parts.append(f"{FIELD_LABELS.get(field, field)}={value}")
+  return ", ".join(parts)
+
+
 def as_setting(config: dict[str, Any]) -> dict[str, Any]:
   """``config`` with what a run did filled in: the defaults of fields added
   since it was written, and ``augment=None`` as its dataset's default."""

@@ -26,6 +26,7 @@ REPORT_MODULES = (
     "train.report.runs",
     "train.report.tables",
     "train.report.gain",
+    "train.report.curvature",
     "train.report.figures",
     "train.report.plot",
     "train.report.labels",
