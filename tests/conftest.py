@@ -14,6 +14,8 @@ import tempfile
 
 import pytest
 
+from tests.helpers import tiers
+
 # One persistent compilation cache for the whole run, shared by the xdist
 # workers and every subprocess they start (they inherit the environment set
 # here, before any of them imports jax): the CLI and sweep tests compile the
@@ -35,12 +37,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
 
 
 def pytest_collection_modifyitems(items):
-  """Puts the slow tests first, in their own order.
+  """Marks the tests the quick tier leaves to the full run
+  (:mod:`tests.helpers.tiers`) slow, then puts the slow tests first, in
+  their own order.
 
   A full run (``-n auto``, work stealing) then starts the longest tests
   while the quick ones fill the other workers, instead of ending on one
   worker still running a long test after the others have run dry.
   """
+  for item in items:
+    # Node ids are relative to the run's root folder (the checkout, or the
+    # copy CI tests the wheel from): the tiers name paths from the root.
+    if tiers.is_thorough(item.nodeid) and not item.get_closest_marker("slow"):
+      item.add_marker(pytest.mark.slow)
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
