@@ -140,3 +140,20 @@ def saved_width_fraction(fig, keywords, artist) -> float:
   else:
     saved = fig.get_figwidth()
   return artist.get_window_extent(renderer).width / fig.dpi / saved
+
+
+def report_written_twice(sweep: Path, tmp_path: Path) -> tuple[dict, dict]:
+  """The files of ``python -m train.report SWEEP`` written to two folders,
+  the first twice (a rerun into the same folder): ``{name: bytes}`` each."""
+  # pylint: disable=g-import-not-at-top
+  from train.report import cli as report
+
+  first, second = tmp_path / "first", tmp_path / "second"
+  report.write_report([sweep], first)
+  report.write_report([sweep], second)
+  report.write_report([sweep], first)
+
+  def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+  return files(first), files(second)

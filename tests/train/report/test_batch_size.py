@@ -16,6 +16,7 @@ from train import run_files
 from train.loop import checkpointing
 from train.report import cli as report
 
+from tests.helpers.run_folders import report_written_twice
 from tests.helpers.run_folders import write_run
 
 STEPS = 6
@@ -152,14 +153,6 @@ def test_no_batch_size_section_without_a_study(tmp_path, keep):
 
 def test_report_is_byte_identical_when_written_twice(tmp_path):
   sweep = _study(tmp_path)
-  first, second = tmp_path / "first", tmp_path / "second"
-  report.write_report([sweep], first)
-  report.write_report([sweep], second)
-  report.write_report([sweep], first)  # a rerun into the same folder
-
-  def files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-  written = files(first)
+  written, again = report_written_twice(sweep, tmp_path)
   assert "batch_size.png" in written and "report.md" in written
-  assert written == files(second)
+  assert written == again

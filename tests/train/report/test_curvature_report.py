@@ -19,6 +19,7 @@ from train.loop import checkpointing
 from train.report import cli as report
 from train.report import curvature as report_curvature
 
+from tests.helpers.run_folders import report_written_twice
 from tests.helpers.run_folders import write_run
 
 #: ``(norm, calibration)`` of each condition, and its label in the table.
@@ -230,17 +231,9 @@ def test_no_curvature_section_without_curvature_files(tmp_path):
 
 def test_report_is_byte_identical_when_written_twice(tmp_path):
   sweep, _ = _study(tmp_path)
-  first, second = tmp_path / "first", tmp_path / "second"
-  report.write_report([sweep], first)
-  report.write_report([sweep], second)
-  report.write_report([sweep], first)  # a rerun into the same folder
-
-  def files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-  written = files(first)
+  written, again = report_written_twice(sweep, tmp_path)
   assert "curvature.png" in written and "report.md" in written
-  assert written == files(second)
+  assert written == again
 
 
 def test_missing_and_partial_files_are_noted(tmp_path, capsys):
