@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+#: What ``python -m train.curvature`` adds beside it, one line per checkpoint.
+CURVATURE_FILE = "curvature.jsonl"
 
 
 def read_metrics(

@@ -87,7 +87,7 @@ from train.loop import train_steps
 from train.loop import trainer as train_lib
 
 _PROG = "python -m train.curvature"
-CURVATURE_FILE = "curvature.jsonl"
+CURVATURE_FILE = checkpointing.CURVATURE_FILE
 
 
 def training_loss(

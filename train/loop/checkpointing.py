@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from train import configs
 
 # Re-exported: the reader of metrics.jsonl is jax-free, for the report.
+from train.run_files import CURVATURE_FILE as CURVATURE_FILE
 from train.run_files import METRICS_FILE as METRICS_FILE
 from train.run_files import read_metrics as read_metrics
 

@@ -26,10 +26,8 @@ from train.report.runs import mean_std
 from train.report.runs import norm_order
 from train.report.runs import pm
 from train.report.runs import warn
+from train.run_files import CURVATURE_FILE
 
-#: What ``python -m train.curvature`` writes in a run folder
-#: (``train.curvature.cli.CURVATURE_FILE``; a test keeps the two equal).
-CURVATURE_FILE = "curvature.jsonl"
 #: Fields a line must have to be summarized.
 _REQUIRED = ("epoch", "eigenvalues", "trace", "weight_decay", "parameters")
 
