@@ -43,6 +43,7 @@ from gbn_jax._selection import fused
 from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import global_sum
 from gbn_jax._selection.reductions import Axis
+from gbn_jax._selection.reductions import count_equal
 from gbn_jax._selection.reductions import count_true
 from gbn_jax._selection.reductions import element_count
 from gbn_jax._selection.reductions import expand
@@ -115,7 +116,7 @@ def _tie_split_jvp_rule(select, axes, axis_name, groups, primals, tangents):
   # of the two, then cast.
   dtype = jnp.promote_types(x_dot.dtype, value.dtype)
   moved = jnp.sum(jnp.where(selected(), x_dot.astype(dtype), 0), axes)
-  # The selection's counts are this platform's compares' (extremes: None).
+  # The selection's counts are this platform's compares'.
   ties = count_true(selected(), axes) if known_ties is None else known_ties
   moved, ties = global_sum((moved, ties), axis_name, groups)
   value_dot = (moved / jnp.maximum(ties, 1).astype(dtype)).astype(value.dtype)
@@ -382,7 +383,10 @@ def _select_extreme(x, where, *, largest, axes, axis_name, groups):
   if where is not None:
     n = element_count(x, axes, where, axis_name, groups)
     value = jnp.where(n == 0, jnp.nan, value)
-  return value, None
+  # This device's ties at the global extreme, for the derivative (the rule
+  # sums them over devices); unused, as when not differentiated, the count
+  # is dropped from the program.
+  return value, count_equal(x, value, axes, where)
 
 
 # Alike gbn_jax/_quantiles.py::quantile: the reductions' contract, per function.

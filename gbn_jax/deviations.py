@@ -105,9 +105,11 @@ def _abs_real_jvp(primals, tangents):
   # added, which XLA materializes at full size on grouped layouts; a product
   # transposes to one. The sign is +1 at -0.0 and -1 at NaN, as abs's rule
   # has it, so values and derivatives of every order agree with jnp.abs's
-  # (a zero cotangent may come back as -0.0).
+  # (a zero cotangent may come back as -0.0). XLA:CPU's library fusions
+  # take no compare or select, so the sign is written out between them:
+  # as int8, a quarter of a float32 copy, converted where it multiplies.
   (x,), (t,) = primals, tangents
-  sign = jnp.where(x >= 0, 1, -1).astype(x.dtype)
+  sign = jnp.where(x >= 0, jnp.int8(1), jnp.int8(-1)).astype(x.dtype)
   return jnp.abs(x), t * sign
 
 

@@ -102,6 +102,49 @@ def count_true(flags: Array, axes: tuple[int, ...]) -> Array:
   return jnp.sum(flags, axes, dtype=jnp.int32)
 
 
+#: From this many reduced positions on, :func:`count_equal` sums in int32.
+_MANY_POSITIONS = 1024
+
+
+def count_equal(
+    x: Array, value: Array, axes: tuple[int, ...], where: Array | None
+) -> Array:
+  """How many masked-in ``x`` equal ``value`` (reduced over ``axes``).
+
+  :func:`count_true`'s result (float32 below 2**24 elements, else int32),
+  summed the way XLA:CPU does fastest for the layout. XLA:CPU hands float
+  sums to a library kernel that cannot take the compare, so the flags are
+  first written out as a float array as large as ``x``; int32 sums stay in
+  XLA's own loop, fused with the compare, which is slow along columns but
+  fast when the last axis is reduced. Many such short reductions (group,
+  layer and instance statistics: one per example) are where the written-out
+  flags cost the most, so those count in int32; a few long ones (a
+  statistic per feature) keep the float sum.
+
+  Args:
+    x: the reduced array.
+    value: the value to count, of the reduced shape.
+    axes: the reduced axes.
+    where: optional mask of ``x``'s shape; only masked-in elements count.
+
+  Returns:
+    The counts, of the reduced shape.
+  """
+  flags = x == expand(value, axes)
+  if where is not None:
+    flags = flags & where
+  positions = lambda: math.prod(
+      n for i, n in enumerate(x.shape) if i not in axes
+  )
+  if (
+      x.ndim - 1 in axes
+      and surely(lambda: positions() >= _MANY_POSITIONS)
+      and surely(lambda: math.prod(x.shape[a] for a in axes) < 2**24)
+  ):
+    return jnp.sum(flags, axes, dtype=jnp.int32).astype(jnp.float32)
+  return count_true(flags, axes)
+
+
 def element_count(
     x: Array,
     axes: tuple[int, ...],
