@@ -102,7 +102,8 @@ def count_true(flags: Array, axes: tuple[int, ...]) -> Array:
   return jnp.sum(flags, axes, dtype=jnp.int32)
 
 
-#: From this many reduced positions on, :func:`count_equal` sums in int32.
+#: From this many reduced positions on, :func:`count_equal` sums in int32
+#: where the leading axis is kept.
 _MANY_POSITIONS = 1024
 
 
@@ -115,11 +116,11 @@ def count_equal(
   summed the way XLA:CPU does fastest for the layout. XLA:CPU hands float
   sums to a library kernel that cannot take the compare, so the flags are
   first written out as a float array as large as ``x``; int32 sums stay in
-  XLA's own loop, fused with the compare, which is slow along columns but
-  fast when the last axis is reduced. Many such short reductions (group,
-  layer and instance statistics: one per example) are where the written-out
-  flags cost the most, so those count in int32; a few long ones (a
-  statistic per feature) keep the float sum.
+  XLA's own loop, fused with the compare, which is slow down long columns
+  (the leading, batch, axis reduced). Many reductions that keep the leading
+  axis (group, layer and instance statistics: per example) are where the
+  written-out flags cost the most, so those count in int32; statistics per
+  feature, over the batch, keep the float sum.
 
   Args:
     x: the reduced array.
@@ -137,7 +138,7 @@ def count_equal(
       n for i, n in enumerate(x.shape) if i not in axes
   )
   if (
-      x.ndim - 1 in axes
+      0 not in axes
       and surely(lambda: positions() >= _MANY_POSITIONS)
       and surely(lambda: math.prod(x.shape[a] for a in axes) < 2**24)
   ):

@@ -1,7 +1,7 @@
 """The extremes' values and tie-split derivatives against numpy, on both
-layouts their tie count distinguishes: many positions with the last axis
-reduced (group, layer and instance statistics) and a few long reductions
-(a statistic per feature).
+layouts their tie count distinguishes: many positions with the leading axis
+kept (group, layer and instance statistics) and reductions over the leading
+axis or of few positions (a statistic per feature).
 
 The references are written from the definition: the cotangent of the
 maximum (minimum) is split equally among the masked-in elements equal to
@@ -16,11 +16,12 @@ import pytest
 import gbn_jax
 from gbn_jax._selection import reductions
 
-# (shape, axes): the first two have at least reductions._MANY_POSITIONS
-# positions and reduce the last axis; the others do not.
+# (shape, axes): the first three have at least reductions._MANY_POSITIONS
+# positions and keep the leading axis; the others do not.
 LAYOUTS = [
     ((1024, 8), (1,)),
     ((128, 4, 8, 2), (1, 3)),
+    ((32, 4, 4, 32), (1, 2)),
     ((8, 6, 5), (0, 1)),
     ((6, 8), (1,)),
 ]
@@ -32,7 +33,7 @@ def _positions(shape, axes):
 
 def test_layouts_cover_both_counts():
   many = [
-      len(shape) - 1 in axes
+      0 not in axes
       and _positions(shape, axes) >= reductions._MANY_POSITIONS  # pylint: disable=protected-access
       for shape, axes in LAYOUTS
   ]
@@ -187,7 +188,7 @@ def test_hessian_vector_product(shape, axes, masked):
   np.testing.assert_allclose(hvp, _unrows(want, shape, axes), rtol=1e-12)
 
 
-@pytest.mark.parametrize("shape,axes", LAYOUTS[:2])
+@pytest.mark.parametrize("shape,axes", LAYOUTS[:3])
 def test_half_precision_gradient(shape, axes):
   x = _batch(shape, axes, seed=17, special=False)
   values, share = _reference(x, axes, True, None)
