@@ -157,9 +157,12 @@ PY
 if [ "$DRY_RUN" = 1 ]; then
   # One shape: the rehearsal checks each step's plumbing, which one shape runs
   # as fully as several.
-  SHAPES=(64x8x8x16); RUNS=(--runs 3 --warmup 1 --inner 1)
-  STEP_BATCH=(--train-batch 16); MEASURES=(sd sqd2 sqd:0.99)
-  EPOCHS=2; SEEDS=0,1; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
+  # One middle and one extreme rank, one model, one norm, one seed: each path
+  # of the script runs, none twice.
+  SHAPES=(64x8x8x16); RUNS=(--runs 3 --warmup 1 --inner 1); ALPHAS=(0.5 0.99)
+  STEP_BATCH=(--train-batch 16); STEP_MODELS=(lenet); MEASURES=(sd sqd2 sqd:0.99)
+  COMPILE_NORMS=sqd2
+  EPOCHS=2; SEEDS=0; NORMS=bn,sqd2; JOBS=2; BATCH=256; CKPT_EVERY=1
   RESNET_EPOCHS=2; RESNET_SEEDS=0; RESNET_NORMS=bn; RESNET_CALIBRATED=; RESNET_JOBS=1
   RESNET_CKPT_EVERY=1; TEST_WORKERS=2
   # About twice what an idle core pair needs: the rehearsal checks the
@@ -172,7 +175,8 @@ if [ "$DRY_RUN" = 1 ]; then
   CAPS=(tests=10 library=60 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
-  STEP_BATCH=(); MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
+  ALPHAS=(0.25 0.5 0.75 0.99); STEP_BATCH=(); STEP_MODELS=(lenet resnet20); COMPILE_NORMS=bn,sqd2
+  MEASURES=(sd mad rsd bpoe rbd wcd sqd1 sqd2 sqd3 sqd:0.05 sqd:0.99)
   EPOCHS=200; SEEDS=0,1,2; NORMS=bn,mad,rsd,rbd,sqd1,sqd2,sqd3; JOBS=7; BATCH=1024; CKPT_EVERY=50
   RESNET_EPOCHS=200; RESNET_SEEDS=0,1; RESNET_NORMS=bn,rbd,bn_gain:rbd; RESNET_CALIBRATED=rbd; RESNET_JOBS=8
   # An orbax save every 10 ResNet20 epochs costs little next to the epochs
@@ -253,7 +257,7 @@ step_radix() {
 
 step_methods() {
   run_capped methods "$(cap "$(cap_of methods)")" "$PYTHON" -m benchmarks.layer.bench_methods \
-    --shapes "${SHAPES[@]}" --alphas ${METHOD_ALPHAS:-0.25 0.5 0.75 0.99} \
+    --shapes "${SHAPES[@]}" --alphas ${METHOD_ALPHAS:-${ALPHAS[*]}} \
     ${METHODS:+--methods $METHODS} "${RUNS[@]}" --out "$WORK/methods.json"
 }
 
@@ -267,7 +271,7 @@ method_flag() {
 step_steps() {
   # shellcheck disable=SC2046
   run_capped steps "$(cap "$(cap_of steps)")" "$PYTHON" -m benchmarks.layer.bench_gbn --measures --family \
-    --train-steps lenet resnet20 "${STEP_BATCH[@]}" "${RUNS[@]}" $(method_flag) --out "$WORK/steps.json"
+    --train-steps "${STEP_MODELS[@]}" "${STEP_BATCH[@]}" "${RUNS[@]}" $(method_flag) --out "$WORK/steps.json"
 }
 
 # Waits while the env step's CIFAR-10 conversion runs (or the budget ends).
@@ -282,7 +286,7 @@ step_compile() {
     log "compile: skipped, no $DATA/cifar-10-batches-bin (the env step converts it)"; return 1
   fi
   run_capped compile "$(cap "$(cap_of compile)")" "$PYTHON" -m benchmarks.device.device_check_compile \
-    --norms bn,sqd2 --epochs 2 --data-dir "$DATA" "${COMPILE_ARGS[@]}" --work "$WORK/compile" \
+    --norms "$COMPILE_NORMS" --epochs 2 --data-dir "$DATA" "${COMPILE_ARGS[@]}" --work "$WORK/compile" \
     --out "$WORK/compile.json"
 }
 

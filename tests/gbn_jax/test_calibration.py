@@ -2,7 +2,6 @@
 
 import functools
 import math
-import pathlib
 
 from flax import nnx
 import flax.linen as nn
@@ -21,11 +20,8 @@ from gbn_jax import measures
 import gbn_jax.nnx as gnnx
 
 from tests.helpers.measures import COMPLETE_MEASURES
-from tests.helpers.process import forced_host_devices
-from tests.helpers.process import run_pytest
 from tests.helpers.process import run_python
 
-HERE = pathlib.Path(__file__).parent
 ALPHAS = [0.05, 0.25, 0.5, 0.75, 0.97]
 
 
@@ -475,19 +471,3 @@ def test_measure_objects_and_repr():
         module.apply(variables, x, False, mutable=["batch_stats"]),
         want,
     )
-
-
-# --- across devices ---------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_multidevice_calibration():
-  """test_calibration_multidevice.py on 4 host devices (also part of
-  test_multidevice.py's run of every multidevice file)."""
-  proc = run_pytest(
-      str(HERE / "test_calibration_multidevice.py"),
-      env=forced_host_devices(4),
-      timeout=900,
-  )
-  assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-  assert " passed" in proc.stdout and "skipped" not in proc.stdout

@@ -3,14 +3,13 @@
 The layer with ``axis_name`` under ``shard_map`` and ``pmap``, its batch
 split over the devices, is the same function of ``x`` as the plain layer on
 the whole batch: its ``jvp``, ``jacfwd``, gradient and Hessian-vector
-product must be the plain layer's (issue 37; one device in
-tests/gbn_jax/test_layer_transforms.py). Measure names come from the registry.
+product must be the plain layer's (one device in
+tests/gbn_jax/test_layer_transforms.py), for every measure's program
+(``PROGRAM_MEASURES``). Measure names come from the registry.
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=4
 (tests/gbn_jax/test_multidevice.py does this in a subprocess).
 """
-
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -22,22 +21,12 @@ import gbn_jax
 from gbn_jax import GBatchNorm
 
 from tests.helpers import multidevice as md
+from tests.helpers.measures import PROGRAM_MEASURES
 from tests.helpers.multidevice import NDEV
 
 pytestmark = pytest.mark.multidevice
 
 md.require_devices()
-
-MEASURES = sorted(gbn_jax.MEASURES)
-
-
-def _fields(measure):
-  spec = gbn_jax.MEASURES[measure]
-  if "alpha" in inspect.signature(spec.fn).parameters and "alpha" not in dict(
-      spec.params
-  ):
-    return {"alpha": 0.3}
-  return {}
 
 
 def _close(a, b, rtol=1e-4):
@@ -45,7 +34,7 @@ def _close(a, b, rtol=1e-4):
   np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
 
 
-@pytest.mark.parametrize("measure", MEASURES)
+@pytest.mark.parametrize("measure", PROGRAM_MEASURES)
 def test_pooled_derivatives_equal_the_whole_batch(measure):
   # Distinct values: every order statistic untied, the layer smooth at x.
   rng = np.random.default_rng(0)
@@ -55,7 +44,11 @@ def test_pooled_derivatives_equal_the_whole_batch(measure):
       "params": {"scale": jnp.array([1.0, 0.5, 2.0]), "bias": jnp.ones(f)},
       "batch_stats": {"mean": jnp.zeros(f), "var": jnp.ones(f)},
   }
-  fields = _fields(measure)
+
+  # 'sqd' takes its alpha as a field.
+  fields = (
+      {"alpha": 0.3} if "alpha" in gbn_jax.MEASURES[measure].required else {}
+  )
 
   def layer(axis_name=None):
     module = GBatchNorm(
