@@ -5,6 +5,8 @@ keep nothing of a function, without a word."""
 import fnmatch
 import os
 
+import pytest
+
 from tests.helpers import tiers
 from tests.helpers.process import REPO
 from tests.helpers.process import run_pytest
@@ -41,6 +43,7 @@ def test_quick_measures_and_methods_are_the_librarys():
   assert tiers.ALL_METHODS <= set(dispatch.METHODS) | {"adaptive"}
 
 
+@pytest.mark.slow  # collects every file the rules name
 def test_every_rule_names_collected_tests_and_keeps_what_it_says():
   files = sorted({f.split("::")[0] for f in tiers.THOROUGH})
   for f in files:
