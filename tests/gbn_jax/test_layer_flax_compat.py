@@ -1,4 +1,4 @@
-"""GBatchNorm where flax's BatchNorm accepts unusual input (issue 22).
+"""GBatchNorm where flax's BatchNorm accepts unusual input.
 
 * No axis left to reduce: an unbatched call (each feature has one element:
   ``S = x``, ``D = 0`` for every measure, so the output is ``bias``), and the

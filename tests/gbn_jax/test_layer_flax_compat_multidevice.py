@@ -2,8 +2,8 @@
 
 flax's BatchNorm accepts an input whose only axis is the feature axis; with
 ``axis_name`` its statistics are those of all elements across the named
-axis. GBatchNorm does the same for every measure, quantiles included
-(issue 22). References: flax's BatchNorm for ``sd``, numpy from the
+axis. GBatchNorm does the same for every measure, quantiles included.
+References: flax's BatchNorm for ``sd``, numpy from the
 definitions for the rest.
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=4

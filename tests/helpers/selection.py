@@ -93,9 +93,9 @@ def loops_in(jaxpr) -> list[tuple[str, int | None]]:
 def assert_static_loops(fn, args, expected):
   """``fn``'s loops and conditionals are ``expected``; every loop's trip count static.
 
-  The point of issue 10: no data-dependent loop, hence no host sync per radix
-  pass; of issue 36: the passes after the first are one ``fori_loop`` body (a
-  ``scan`` of static length), not unrolled. XLA knows the trip count of each
+  The point: no data-dependent loop, hence no host sync per radix pass, and
+  the passes after the first are one ``fori_loop`` body (a ``scan`` of
+  static length), not unrolled. XLA knows the trip count of each
   loop it keeps (XLA:GPU then runs the body without reading a predicate back
   to the host); it may unroll one.
   """

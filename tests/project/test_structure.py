@@ -1,6 +1,6 @@
-"""The package's shape (issue 21): acyclic imports, no deferred imports in the
+"""The package's shape: acyclic imports, no deferred imports in the
 selection package, no module over the size limit, no tunable globals; and the
-same caps and acyclic imports for train/, benchmarks/ and tests/ (issue 39)."""
+same caps and acyclic imports for train/, benchmarks/ and tests/."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ BENCHMARK_MAX_LINES = 700
 
 
 def test_no_benchmark_module_over_the_size_limit():
-  # bench_lenet_step.py had grown to 1,649 lines before its split (issue 21).
+  # A tripwire: a module this long has more than one concept in it.
   sizes = {
       path.relative_to(BENCHMARKS).as_posix(): len(
           path.read_text().splitlines()
@@ -237,7 +237,7 @@ def test_library_does_not_import_train_or_benchmarks():
   assert not found, found
 
 
-# The one module of tests/ that starts processes (issue 39): one place for
+# The one module of tests/ that starts processes: one place for
 # their environment, working folder and captured output.
 PROCESS_MODULES = {"helpers/process.py"}
 

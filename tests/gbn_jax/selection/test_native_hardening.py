@@ -1,4 +1,4 @@
-"""Regression tests of the C++ selection kernel's hardening (issue 11).
+"""Regression tests of the C++ selection kernel's hardening.
 
 Each finding of the issue is checked through the public API
 (``gbn_jax.quantile``, ``gbn_jax.superquantile``, the ``sqd`` measure) where

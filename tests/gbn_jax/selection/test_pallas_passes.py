@@ -1,4 +1,4 @@
-"""Tests of the Pallas radix select's passes as one loop over one kernel (issue 36).
+"""Tests of the Pallas radix select's passes as one loop over one kernel.
 
 ``pallas_kth_smallest`` traces its first pass, then the passes after it as one
 ``lax.fori_loop`` body calling one kernel whose shift is a traced operand
