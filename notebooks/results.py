@@ -32,10 +32,12 @@
 # 4. gain or shape: each norm's gain σ/D (Gaussian and measured), its rank
 #    correlation with the best error, and calibrated against raw measures
 #    and BatchNorm;
-# 5. training loss and test error curves;
-# 6. the distribution of one feature before and after a norm layer over
+# 5. curvature: the training loss's Hessian along training and the
+#    generalization gap, for runs measured with `python -m train.curvature`;
+# 6. training loss and test error curves;
+# 7. the distribution of one feature before and after a norm layer over
 #    training (the paper's Figure 1), for runs in `results/activations/`;
-# 7. every run and its state.
+# 8. every run and its state.
 #
 # `results/sweeps/` holds the sweeps (`python -m train.sweep --sweep-dir
 # results/sweeps/NAME ...`; each run's `sweep.log` starts with its command),
@@ -71,6 +73,7 @@ if str(ROOT) not in sys.path:  # this checkout's train package, not another
   sys.path.insert(0, str(ROOT))
 
 from train.report import cli as report  # noqa: E402  (needs ROOT on sys.path)
+from train.report import curvature  # noqa: E402
 from train.report import plot  # noqa: E402
 
 RESULTS = Path(os.environ.get("GBN_RESULTS_DIR") or ROOT / "results").resolve()
@@ -233,6 +236,29 @@ for dataset in sorted({run.config["dataset"] for run in BATCH_RUNS}):
     path = report.batch_size_figure(report.batch_conditions(study),
                                     Path(tmp) / "batch_size.png")
     display(Image(filename=path, width=900))
+
+# %% [markdown]
+# ## Curvature
+#
+# Where runs have `curvature.jsonl` (`python -m train.curvature RUN_DIR`, the
+# curvature study): per condition and measured epoch, the top eigenvalue and
+# the trace of the training loss's Hessian (weight decay's constant shift
+# taken off), the gradient noise scale, and the training and test error with
+# their gap, mean ± std over seeds; then the same against epoch.
+
+# %%
+CURVATURE = report.curvature_study(RUNS)
+if CURVATURE is None:
+  print(f"No run has {curvature.CURVATURE_FILE} (yet).")
+else:
+  display(Markdown(curvature.settings_note(CURVATURE)))
+  show(report.curvature_table(CURVATURE), "")
+  for note in CURVATURE.notes:
+    display(Markdown(note))
+  if any(CURVATURE.conditions.values()):
+    with tempfile.TemporaryDirectory() as tmp:
+      path = report.curvature_figure(CURVATURE, Path(tmp) / "curvature.png")
+      display(Image(filename=path, width=900))
 
 # %% [markdown]
 # ## Gain or shape?

@@ -505,6 +505,22 @@ def _activations(folder: pathlib.Path) -> None:
       )
 
 
+def _curvature(folder: pathlib.Path, epoch: int, top: float, trace: float):
+  """A curvature.jsonl line as train.curvature writes it: the cross-entropy's
+  top eigenvalue and trace plus the weight decay's penalty."""
+  decay, parameters = _CONFIG["weight_decay"], 100
+  line = {
+      "epoch": epoch,
+      "eigenvalues": [top + decay, top / 2 + decay],
+      "trace": trace + decay * parameters,
+      "noise_scale": None,
+      "parameters": parameters,
+      "weight_decay": decay,
+      "settings": {"batches": 2, "iterations": 4, "probes": 2, "seed": 0},
+  }
+  (folder / "curvature.jsonl").write_text(json.dumps(line) + "\n")
+
+
 @pytest.fixture
 def made_up_results(tmp_path) -> pathlib.Path:
   """Two settings (two learning rates) of a sweep and a recorded run."""
@@ -524,6 +540,9 @@ def made_up_results(tmp_path) -> pathlib.Path:
           learning_rate=lr,
           seed=seed,
       )
+  # Curvature measured at the last epoch of sqd1's lr 0.1 runs.
+  for seed, (top, trace) in enumerate(((10.0, 300.0), (12.0, 500.0))):
+    _curvature(sweep / f"sqd1-lr0.1-seed{seed}", 3, top, trace)
   _run(sweep / "rsd-lr0.01-seed0", [0.3], norm="rsd")  # unfinished
   failed = _run(sweep / "rsd-lr0.01-seed1", [0.5], norm="rsd", seed=1)
   (failed / "sweep_status.json").write_text(
@@ -568,7 +587,10 @@ def test_results_notebook_on_partial_results(
       for cell in _code(nb)
       for output in cell.outputs
   )
-  assert pngs == 3  # curves of the two settings, one activations figure
+  # Curves of the two settings, the curvature figure, one activations figure.
+  assert pngs == 4
+  # The curvature of sqd1's two seeds: mean ± std, the penalty taken off.
+  assert "| 3 | 2 | 11.00 ± 1.41 | 400.0 ± 141.4 |" in text
   assert "| setting | bn | mad | rsd | sqd1 |" in text
   assert "1 unfinished (1/3 epochs); 1 failed (1/3 epochs)" in text  # rsd
   assert "1 unfinished (0/3 epochs)" in text  # mad: no epoch yet
