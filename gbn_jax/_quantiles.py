@@ -384,8 +384,8 @@ def _select_extreme(x, where, *, largest, axes, axis_name, groups):
     n = element_count(x, axes, where, axis_name, groups)
     value = jnp.where(n == 0, jnp.nan, value)
   # This device's ties at the global extreme, for the derivative (the rule
-  # sums them over devices); unused, as when not differentiated, the count
-  # is dropped from the program.
+  # sums them over devices). Where nothing differentiates the value, the
+  # count is unused and drops out of the compiled program.
   return value, count_equal(x, value, axes, where)
 
 
