@@ -34,6 +34,9 @@ from train.loop import train_state
 from train.loop import train_steps
 from train.model import models
 
+from tests.helpers.process import forced_host_devices
+from tests.helpers.process import run_python
+
 BATCHES, BATCH, FEATURES, CLASSES = 3, 8, 4, 3
 WEIGHT_DECAY = 0.01
 
@@ -213,10 +216,10 @@ def _write_tiny_mnist(folder: Path) -> Path:
   return folder
 
 
-def _saved_run(run: Path, config: configs.Config) -> None:
+def _saved_run(run: Path, config: configs.Config, devices: int = 1) -> None:
   """A run folder as training leaves it, with one checkpoint (epoch 1) of
-  the initial state, saved as the trainer saves its epochs: the CLI reads
-  the folder, not the training."""
+  the initial state, saved as the trainer saves its epochs (replicated on
+  ``devices`` devices): the CLI reads the folder, not the training."""
   checkpointing.write_config(run, config)
   state = train_state.create_train_state(
       train_steps.init_key(config.seed),
@@ -224,9 +227,12 @@ def _saved_run(run: Path, config: configs.Config) -> None:
       (28, 28, 1),
       train_state.create_optimizer(config),
   )
+  mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  saved = jax.device_put(train_state.state_dict(state), replicated)
   checkpointer = checkpointing.Checkpointer(run)
   try:
-    checkpointer.save(1, train_state.state_dict(state), [{"epoch": 1}])
+    checkpointer.save(1, saved, [{"epoch": 1}])
   finally:
     checkpointer.close()
 
@@ -273,6 +279,27 @@ def test_cli_measures_each_checkpoint_once_and_resumes_quick(tmp_path, capsys):
   assert "no checkpoint of epoch 7; its checkpoints: 1" in (
       capsys.readouterr().err
   )
+
+
+def test_cli_measures_a_run_saved_from_several_devices(tmp_path, capsys):
+  # Training replicates its state over every device; measuring runs on one.
+  data = _write_tiny_mnist(tmp_path / "data")
+  run = tmp_path / "run"
+  config = configs.MNIST.replace(epochs=2, batch_size=16, norm="rbd")
+  run_python(
+      "import json, sys; from pathlib import Path; from train import configs; "
+      "from tests.train.test_curvature import _saved_run; "
+      "config = configs.Config.from_json(json.loads(sys.argv[2])); "
+      "_saved_run(Path(sys.argv[1]), config, devices=2)",
+      env=forced_host_devices(2),
+      args=(str(run), json.dumps(config.to_json())),
+  )
+  small = ["--data-dir", str(data), "--batches", "2", "--batch-size", "8",
+           "--eigenvalues", "1", "--iterations", "2", "--probes", "2",
+           "--no-progress"]  # fmt: skip
+  assert curvature.main([str(run), *small]) == 0, capsys.readouterr().err
+  (line,) = curvature.read_lines(run)
+  assert line["epoch"] == 1 and math.isfinite(line["eigenvalues"][0])
 
 
 @pytest.mark.slow

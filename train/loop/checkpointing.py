@@ -279,8 +279,9 @@ class Checkpointer:
     Args:
       epoch: Which checkpoint.
       target: A pytree like the saved state (arrays or
-        ``jax.ShapeDtypeStruct`` with shardings) giving structure, shapes,
-        dtypes and where to place the restored arrays.
+        ``jax.ShapeDtypeStruct``) giving structure, shapes, dtypes and where
+        to place the restored arrays: a leaf's sharding, or the default
+        device for a leaf without one, whatever devices wrote the checkpoint.
 
     Returns:
       The restored state and metrics history.
@@ -288,9 +289,12 @@ class Checkpointer:
     Raises:
       CheckpointError: If the checkpoint is unreadable or doesn't match.
     """
+    # Orbax refuses a leaf without a sharding when the checkpoint was written
+    # from other devices (a run trained on several, measured on one).
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+            x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default
         ),
         target,
     )
