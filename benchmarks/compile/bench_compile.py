@@ -39,14 +39,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 MODELS = ("lenet", "resnet20")
 NORMS = ("bn", "sqd2", "rsd")
-#: The programs of ``train.loop.programs.Program``, by the function each one jits.
-PROGRAMS = {
-    "create_train_state": "init",
-    "prepare_epoch": "prepare",
-    "train_step": "step",
-    "eval_model": "evaluate",
-    "precise_eval_model": "precise",
-}
 #: The programs the table and the ratios report (the others are tiny).
 REPORTED = ("step", "evaluate")
 #: Optimized-HLO opcodes counted on their own (the costly kinds to compile).
@@ -362,7 +354,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     dump.mkdir(parents=True, exist_ok=True)
 
   def timed_jit(fn, *a, **k):
-    name = PROGRAMS.get(getattr(getattr(fn, "func", fn), "__name__", ""), "?")
+    function = getattr(getattr(fn, "func", fn), "__name__", "")
+    name = programs.PROGRAM_FUNCTIONS.get(function, "?")
     jitted = real_jit(fn, *a, **k)
     return _TimedJit(jitted, name, records, jax.default_backend(), dump)
 

@@ -47,11 +47,11 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.compile import bench_compile
 from benchmarks.timing import command_line
 from benchmarks.timing import machine_info
 from benchmarks.timing import write_json
 from train import run_files
+from train.loop import programs
 from train.native import build as native_build
 
 # What JAX's compiler logs (jax._src.compiler, at debug level).
@@ -62,7 +62,7 @@ _NOT_WRITTEN = re.compile(r"Not writing persistent cache entry for '([^']+)'")
 _COMPILED = re.compile(r"; compiled in (\d+(?:\.\d+)?)s$")
 _EPOCH_ONE = re.compile(r"^epoch 1/\d+: ")
 #: The names JAX gives the CLI's programs (``train.loop.programs``' jitted functions).
-CLI_PROGRAMS = tuple(f"jit_{name}" for name in bench_compile.PROGRAMS)
+CLI_PROGRAMS = tuple(f"jit_{name}" for name in programs.PROGRAM_FUNCTIONS)
 # Settings of the user's that would bypass or turn off the CLI's own cache.
 _CACHE_ENV = (
     "JAX_COMPILATION_CACHE_DIR",

@@ -55,6 +55,16 @@ class Program:
   precise: Callable[..., Any] | None = None
 
 
+#: The functions compile_program jits, by name, and the Program field of each.
+PROGRAM_FUNCTIONS = {
+    "create_train_state": "init",
+    "prepare_epoch": "prepare",
+    "train_step": "step",
+    "eval_model": "evaluate",
+    "precise_eval_model": "precise",
+}
+
+
 # Compiling takes seconds; runs in one process (tests, sweeps in a notebook,
 # a resumed run after a short one) often repeat the same program.
 _PROGRAM_CACHE: dict[Any, Program] = {}

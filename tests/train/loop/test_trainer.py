@@ -816,10 +816,7 @@ def test_compile_cache_bad_environment_value_is_a_clear_error(
 
 
 #: The programs train.loop.programs.Program compiles, by their jit names.
-CLI_PROGRAMS = frozenset(
-    {"jit_create_train_state", "jit_prepare_epoch", "jit_train_step",
-     "jit_eval_model", "jit_precise_eval_model"}
-)  # fmt: skip
+CLI_PROGRAMS = frozenset(f"jit_{name}" for name in programs.PROGRAM_FUNCTIONS)
 
 
 def _cache_entries(folder: Path) -> set[str]:
