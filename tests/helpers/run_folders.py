@@ -1,5 +1,6 @@
 """Run folders as the training suite leaves them, for the plot and report
-tests: a ``config.json`` and a ``metrics.jsonl``, with made-up numbers."""
+tests: a ``config.json``, a ``metrics.jsonl`` and ``curvature.jsonl`` lines,
+with made-up numbers."""
 
 from __future__ import annotations
 
@@ -97,6 +98,67 @@ def write_random_run(folder: Path, norm: str, seed: int) -> Path:
     )
   checkpointing.write_metrics(folder, rows)
   return folder
+
+
+def curvature_line(
+    epoch: int,
+    top: float,
+    trace: float,
+    *,
+    parameters: int,
+    weight_decay: float,
+    noise_scale: float | None = None,
+    loss: float = 1.0,
+    settings: dict | None = None,
+) -> dict:
+  """A made-up line of a run's ``curvature.jsonl``, as train.curvature writes.
+
+  Like the tool's, the line holds the training loss's Hessian: the
+  cross-entropy's plus the weight decay's penalty, which adds
+  ``weight_decay`` to every eigenvalue and ``weight_decay * parameters`` to
+  the trace.
+
+  Args:
+    epoch: The measured checkpoint's epoch (0: the initial parameters); the
+      line's step is ten an epoch.
+    top: The cross-entropy's top eigenvalue; the second is half of it.
+    trace: The cross-entropy's Hessian trace.
+    parameters: The model's parameter count.
+    weight_decay: The run's weight decay.
+    noise_scale: The gradient noise scale, ``None`` where it had none.
+    loss: The training loss on the sample.
+    settings: The measurement's settings; by default the tool's fields with
+      small values.
+
+  Returns:
+    The line, a dict to write as one JSON line.
+  """
+  if settings is None:
+    settings = {
+        "batches": 2,
+        "batch_size": 8,
+        "eigenvalues": 2,
+        "iterations": 4,
+        "probes": 2,
+        "seed": 0,
+    }
+  return {
+      "epoch": epoch,
+      "step": epoch * 10,
+      "loss": loss,
+      "eigenvalues": [top + weight_decay, top / 2 + weight_decay],
+      "eigenvalue_residuals": [1e-3, 1e-2],
+      "trace": trace + weight_decay * parameters,
+      "trace_stderr": 10.0,
+      "noise_scale": noise_scale,
+      "gradient_norm_sq": 0.02,
+      "gradient_variance_trace": 2.0,
+      "parameters": parameters,
+      "weight_decay": weight_decay,
+      "batch_hvps": 20,
+      "seconds": 1.0,
+      "settings": settings,
+  }
 
 
 def saved_figures(monkeypatch) -> list:

@@ -41,6 +41,8 @@ import jupytext
 import nbformat
 import pytest
 
+from tests.helpers.run_folders import curvature_line
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = REPO / "notebooks"
 
@@ -505,22 +507,6 @@ def _activations(folder: pathlib.Path) -> None:
       )
 
 
-def _curvature(folder: pathlib.Path, epoch: int, top: float, trace: float):
-  """A curvature.jsonl line as train.curvature writes it: the cross-entropy's
-  top eigenvalue and trace plus the weight decay's penalty."""
-  decay, parameters = _CONFIG["weight_decay"], 100
-  line = {
-      "epoch": epoch,
-      "eigenvalues": [top + decay, top / 2 + decay],
-      "trace": trace + decay * parameters,
-      "noise_scale": None,
-      "parameters": parameters,
-      "weight_decay": decay,
-      "settings": {"batches": 2, "iterations": 4, "probes": 2, "seed": 0},
-  }
-  (folder / "curvature.jsonl").write_text(json.dumps(line) + "\n")
-
-
 @pytest.fixture
 def made_up_results(tmp_path) -> pathlib.Path:
   """Two settings (two learning rates) of a sweep and a recorded run."""
@@ -542,7 +528,12 @@ def made_up_results(tmp_path) -> pathlib.Path:
       )
   # Curvature measured at the last epoch of sqd1's lr 0.1 runs.
   for seed, (top, trace) in enumerate(((10.0, 300.0), (12.0, 500.0))):
-    _curvature(sweep / f"sqd1-lr0.1-seed{seed}", 3, top, trace)
+    line = curvature_line(
+        3, top, trace, parameters=100, weight_decay=_CONFIG["weight_decay"]
+    )
+    (sweep / f"sqd1-lr0.1-seed{seed}" / "curvature.jsonl").write_text(
+        json.dumps(line) + "\n"
+    )
   _run(sweep / "rsd-lr0.01-seed0", [0.3], norm="rsd")  # unfinished
   failed = _run(sweep / "rsd-lr0.01-seed1", [0.5], norm="rsd", seed=1)
   (failed / "sweep_status.json").write_text(

@@ -19,6 +19,7 @@ from train.loop import checkpointing
 from train.report import cli as report
 from train.report import curvature as report_curvature
 
+from tests.helpers.run_folders import curvature_line
 from tests.helpers.run_folders import report_written_twice
 from tests.helpers.run_folders import write_run
 
@@ -46,24 +47,21 @@ COLUMNS = (
 
 
 def _line(rng, epoch: int, settings=None, noise=True) -> dict:
+  """A curvature line of values drawn from ``rng``; no noise scale where
+  ``noise`` is false."""
   top = float(rng.uniform(5, 60))
-  return {
-      "epoch": epoch,
-      "step": epoch * 10,
-      "loss": float(rng.uniform(0.5, 2)),
-      "eigenvalues": [top, top / 2],
-      "eigenvalue_residuals": [1e-3, 1e-2],
-      "trace": float(rng.uniform(200, 900)),
-      "trace_stderr": 10.0,
-      "noise_scale": float(rng.uniform(20, 200)) if noise else None,
-      "gradient_norm_sq": 0.02,
-      "gradient_variance_trace": 2.0,
-      "parameters": PARAMETERS,
-      "weight_decay": WEIGHT_DECAY,
-      "batch_hvps": 20,
-      "seconds": 1.0,
-      "settings": settings or SETTINGS,
-  }
+  loss = float(rng.uniform(0.5, 2))
+  trace = float(rng.uniform(200, 900))
+  return curvature_line(
+      epoch,
+      top,
+      trace,
+      parameters=PARAMETERS,
+      weight_decay=WEIGHT_DECAY,
+      noise_scale=float(rng.uniform(20, 200)) if noise else None,
+      loss=loss,
+      settings=settings or SETTINGS,
+  )
 
 
 def _write_lines(folder: Path, lines, extra: str = "") -> None:
