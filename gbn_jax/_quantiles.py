@@ -49,6 +49,7 @@ from gbn_jax._selection.reductions import element_count
 from gbn_jax._selection.reductions import expand
 from gbn_jax._selection.reductions import global_mean
 from gbn_jax._selection.reductions import has_nan
+from gbn_jax._selection.reductions import nan_among
 from gbn_jax._selection.reductions import prepare_reduction
 from gbn_jax._selection.reductions import quantile_rank
 from gbn_jax._selection.reductions import zero_tangent
@@ -215,6 +216,7 @@ def _selector(
       axes=axes,
       axis_name=axis_name,
       groups=groups,
+      check_nan=check_nan,
   )
 
 
@@ -373,16 +375,24 @@ def superquantile(
   return qbar.astype(x_in.dtype)
 
 
-def _select_extreme(x, where, *, largest, axes, axis_name, groups):
+def _select_extreme(x, where, *, largest, axes, axis_name, groups, check_nan):
   fill = -jnp.inf if largest else jnp.inf
   reduce = jnp.max if largest else jnp.min
   value = reduce(x, axes, where=where, initial=fill)
   if axis_name is not None:
     collective = lax.pmax if largest else lax.pmin
     value = collective(value, axis_name, axis_index_groups=groups)
+  # The reduction itself need not propagate NaN (XLA:CPU's skips it on
+  # some layouts). check_nan=False: the caller propagates NaN itself, from
+  # a pass it makes anyway or shares between extremes.
+  invalid = False
+  if check_nan:
+    invalid = nan_among(x, axes, where, axis_name, groups)
   if where is not None:
     n = element_count(x, axes, where, axis_name, groups)
-    value = jnp.where(n == 0, jnp.nan, value)
+    invalid = invalid | (n == 0)
+  if invalid is not False:
+    value = jnp.where(invalid, jnp.nan, value)
   # This device's ties at the global extreme, for the derivative (the rule
   # sums them over devices). Where nothing differentiates the value, the
   # count is unused and drops out of the compiled program.
@@ -427,8 +437,15 @@ def extreme(
   """
   _check_real(x, "extreme")
   x, axes, where = prepare_reduction(x, axis, where)
-  groups = _hashable_groups(axis_index_groups)
-  select = _selector("extreme", largest, axes, axis_name, groups)
+  return _extreme(x, largest, axes, where, axis_name, axis_index_groups)
+
+
+def _extreme(
+    x, largest, axes, where, axis_name, groups, check_nan=True
+) -> Array:
+  """Maximum or minimum of an already-prepared float array."""
+  groups = _hashable_groups(groups)
+  select = _selector("extreme", largest, axes, axis_name, groups, check_nan)
   return _tie_split(select, axes, axis_name, groups, x, where)
 
 

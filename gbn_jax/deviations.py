@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from gbn_jax import _quantiles
-from gbn_jax._quantiles import extreme
 from gbn_jax._selection import reductions
 from gbn_jax._selection.common import AxisIndexGroups
 from gbn_jax._selection.common import global_sum
@@ -293,11 +292,12 @@ def rbd(
     ``(mid-range, range)``.
   """
   x, axes, where = _prepare(x, axis, where, "rbd")
-  kw = dict(
-      where=where, axis_name=axis_name, axis_index_groups=axis_index_groups
-  )
-  hi = extreme(x, axes, largest=True, **kw)
-  lo = extreme(x, axes, largest=False, **kw)
+  pooled = (where, axis_name, axis_index_groups)
+  # One NaN check for both extremes rather than one each (a pass apiece).
+  hi = _quantiles._extreme(x, True, axes, *pooled, check_nan=False)  # pylint: disable=protected-access
+  lo = _quantiles._extreme(x, False, axes, *pooled, check_nan=False)  # pylint: disable=protected-access
+  nan = reductions.nan_among(x, axes, *pooled)
+  hi, lo = (jnp.where(nan, jnp.nan, v) for v in (hi, lo))
   return (hi + lo) / 2, hi - lo
 
 
@@ -324,15 +324,15 @@ def wcd(
     ``(max, max - mean)``.
   """
   x, axes, where = _prepare(x, axis, where, "wcd")
-  hi = extreme(
-      x,
-      axes,
-      largest=True,
-      where=where,
-      axis_name=axis_name,
-      axis_index_groups=axis_index_groups,
+  hi = _quantiles._extreme(  # pylint: disable=protected-access
+      x, True, axes, where, axis_name, axis_index_groups, check_nan=False
   )
-  return hi, hi - global_mean(x, axes, where, axis_name, axis_index_groups)
+  mean = global_mean(x, axes, where, axis_name, axis_index_groups)
+  # A NaN element makes the mean NaN, which replaces the maximum's own NaN
+  # check (a pass). The mean is NaN without one only where the deviation is
+  # NaN anyway (both infinities, or a sum overflowing both ways).
+  hi = jnp.where(jnp.isnan(mean), jnp.nan, hi)
+  return hi, hi - mean
 
 
 # Alike gbn_jax/deviations.py::sd: the measure contract, in full per function.

@@ -90,14 +90,22 @@ def quantile_rank(alpha: float, n: int | Array) -> int | Array:
   return jnp.clip(k, 1, jnp.maximum(n, 1))
 
 
+def _counts_exact_in_float32(
+    shape: Sequence[int], axes: tuple[int, ...]
+) -> bool:
+  """Whether float32 holds every count over ``axes`` exactly: fewer than
+  2**24 reduced elements, for any size a symbolic shape may take."""
+  return surely(lambda: math.prod(shape[a] for a in axes) < 2**24)
+
+
 def count_true(flags: Array, axes: tuple[int, ...]) -> Array:
   """Number of true flags over ``axes``.
 
-  Summed in float32 while that is exact (fewer than 2**24 elements, for any
-  size a symbolic shape may take), else in int32: XLA:CPU vectorizes float
-  reductions but runs int32 ones through a slow generic loop.
+  Summed in float32 while that is exact (:func:`_counts_exact_in_float32`),
+  else in int32: XLA:CPU vectorizes float reductions but runs int32 ones
+  through a slow generic loop.
   """
-  if surely(lambda: math.prod(flags.shape[a] for a in axes) < 2**24):
+  if _counts_exact_in_float32(flags.shape, axes):
     return jnp.sum(flags, axes, dtype=jnp.float32)
   return jnp.sum(flags, axes, dtype=jnp.int32)
 
@@ -140,7 +148,7 @@ def count_equal(
   if (
       0 not in axes
       and surely(lambda: positions() >= _MANY_POSITIONS)
-      and surely(lambda: math.prod(x.shape[a] for a in axes) < 2**24)
+      and _counts_exact_in_float32(x.shape, axes)
   ):
     return jnp.sum(flags, axes, dtype=jnp.int32).astype(jnp.float32)
   return count_true(flags, axes)
@@ -184,13 +192,35 @@ def has_nan(x, axes, where, axis_name, groups) -> Array:
   nan = jnp.isnan(x)
   if where is not None:
     nan = nan & where
-  if not surely(lambda: math.prod(x.shape[a] for a in axes) < 2**24):
+  if not _counts_exact_in_float32(x.shape, axes):
     # count_true would sum int32 here, which XLA:CPU does over a materialized
     # int32 copy of the flags (as large as a float32 input); any() reduces
     # bytes.
     found = jnp.any(nan, axes).astype(jnp.int32)
     return global_sum(found, axis_name, groups) > 0
   return global_sum(count_true(nan, axes), axis_name, groups) > 0
+
+
+def nan_among(
+    x: Array,
+    axes: tuple[int, ...],
+    where: Array | None,
+    axis_name: str | None,
+    groups: AxisIndexGroups,
+) -> Array:
+  """Per position, whether any masked-in element on any device is NaN.
+
+  Read off a float sum, where :func:`has_nan` counts flags: XLA:CPU's
+  library reductions take the sum whole, the compare only once its flags
+  are written out at full size, and their max and min skip NaN. Each term
+  ``1 / (1 + |x|)`` lies in ``[0, 1]`` (``+-inf`` give 0), so the sum is
+  finite unless an element is NaN.
+  """
+  # A flag: no tangent to trace through the terms.
+  x = jax.lax.stop_gradient(x)
+  terms = 1 / (1 + jnp.abs(x))
+  total = global_sum(jnp.sum(terms, axes, where=where), axis_name, groups)
+  return jnp.isnan(total)
 
 
 def zero_tangent(a: Array | None) -> Array | None:

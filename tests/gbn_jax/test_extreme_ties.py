@@ -77,28 +77,14 @@ def _mask(shape, axes, seed):
   return _unrows(rows, shape, axes)
 
 
-def _platform_extreme(x, axes, largest, mask):
-  """``jnp.max``'s (``jnp.min``'s) own value, as float64 rows."""
-  reduce = jnp.max if largest else jnp.min
-  value = reduce(
-      jnp.asarray(x, jnp.float32),
-      axes,
-      where=mask,
-      initial=-np.inf if largest else np.inf,
-  )
-  return np.asarray(value, np.float64).ravel()
-
-
 def _reference(x, axes, largest, mask):
   """Per position: the extreme and each element's share of its cotangent.
 
-  A NaN among the masked-in elements gives NaN, except where the platform's
-  own maximum (minimum) skips it (XLA:CPU's does on some layouts, jnp.max
-  included): there the tie rule applies to the value it returns.
+  A NaN among the masked-in elements gives NaN (np.max propagates it), and
+  a NaN extreme passes no cotangent on (no element equals it).
   """
   rows = _rows(x, axes)
   keep = np.ones(rows.shape, bool) if mask is None else _rows(mask, axes)
-  platform = _platform_extreme(x, axes, largest, mask)
   values = np.empty(rows.shape[0])
   share = np.zeros(rows.shape)
   for i, (row, kept) in enumerate(zip(rows, keep)):
@@ -106,12 +92,9 @@ def _reference(x, axes, largest, mask):
     if chosen.size == 0:
       values[i] = np.nan
       continue
-    if np.isnan(chosen).any():
-      values[i] = platform[i]
-      if np.isnan(values[i]):
-        continue
-    else:
-      values[i] = chosen.max() if largest else chosen.min()
+    values[i] = chosen.max() if largest else chosen.min()
+    if np.isnan(values[i]):
+      continue
     tied = kept & (row == values[i])
     share[i, tied] = 1.0 / tied.sum()
   return values, share
