@@ -32,7 +32,7 @@ from gbn_jax import _renorm
 from gbn_jax._selection import common
 
 from tests.helpers import reference as ref
-from tests.helpers.measures import COMPLETE_MEASURES
+from tests.helpers.measures import PROGRAM_MEASURES
 
 EPS = 1e-5
 #: GBatchNorm's (flax's) default momentum: the first update is (1 - it) S.
@@ -348,7 +348,7 @@ def _numpy_renorm_stack(measure: str, variables: Any, x: jax.Array) -> Any:
   return h, new_stats
 
 
-@pytest.mark.parametrize("measure", COMPLETE_MEASURES)
+@pytest.mark.parametrize("measure", PROGRAM_MEASURES)
 def test_nested_renorm_stack_is_the_inline_program_bit_for_bit(
     measure, monkeypatch
 ):

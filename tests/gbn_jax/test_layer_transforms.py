@@ -1,7 +1,8 @@
 """Every JAX transform flax's BatchNorm takes, for every measure's program.
 
-'sqd1' and 'sqd3' compile sqd2's program with another rank
-(``PROGRAM_MEASURES``): they run only against finite differences.
+'sqd' (``alpha`` a field), 'sqd1' and 'sqd3' compile sqd2's program with
+another rank (``PROGRAM_MEASURES``): they run only against finite
+differences.
 
 The transform matrix, training mode (batch statistics), linen and nnx:
 

@@ -23,15 +23,12 @@ COMPLETE_MEASURES: tuple[str, ...] = tuple(
 
 _SQD2 = gbn_jax.MEASURES["sqd2"]
 
-#: The built-in names with one per compiled program: the names that bind
-#: another value of sqd2's ``alpha`` ('sqd1', 'sqd3') compile sqd2's
-#: program with another rank, so they are left out ('sqd', ``alpha`` a
-#: field, stays). For the matrices of transforms, whose cost is compiling
-#: each program; the values at each rank are tested over every name.
+#: The built-in names with one per compiled program: 'sqd' (``alpha`` a
+#: field), 'sqd1' and 'sqd3' compile sqd2's program with another rank, so
+#: they are left out. For the matrices of transforms, whose cost is
+#: compiling each program; the values at each rank are tested over every name.
 PROGRAM_MEASURES: tuple[str, ...] = tuple(
     name
     for name in BUILTIN_MEASURES
-    if name == "sqd2"
-    or gbn_jax.MEASURES[name].fn is not _SQD2.fn
-    or not gbn_jax.MEASURES[name].params
+    if name == "sqd2" or gbn_jax.MEASURES[name].fn is not _SQD2.fn
 )

@@ -141,13 +141,6 @@ def test_products_and_eigenvalues_equal_the_dense_hessian_every_measure(
   _check_against_dense(dense, hessian)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("measure", tuple(gbn_jax.MEASURES))
-def test_products_and_eigenvalues_equal_the_dense_hessian(measure):
-  problem = _problem(measure)
-  _check_against_dense(_dense(*problem)[0], hessian_lib.SampleHessian(*problem))
-
-
 def test_hutchinson_trace_is_within_its_standard_error(every_measure):
   _, dense, _, hessian = every_measure
   probes = 400

@@ -907,7 +907,7 @@ from tests.helpers.training import TINY, small_dataset, run_quiet
 from train.loop import sharding
 ds = small_dataset()
 out = {{"devices": jax.device_count()}}
-for norm in ("sqd1", "wcd"):
+for norm in ("sqd1",):
   history = run_quiet(TINY.replace(norm=norm, epochs=2, learning_rate=0.01),
                       {workdir!r} + norm, dataset=ds)
   out[norm] = history
@@ -933,7 +933,9 @@ def test_four_devices_equal_one(tmp_path):
   one = _run_devices(1, tmp_path / "one")
   four = _run_devices(4, tmp_path / "four")
   assert (one["devices"], four["devices"]) == (1, 4)
-  for norm in ("sqd1", "wcd"):
+  # A quantile: its selection pools over the devices (the other measures'
+  # pooling is the library's multi-device tests').
+  for norm in ("sqd1",):
     for a, b in zip(one[norm], four[norm], strict=True):
       assert a["epoch"] == b["epoch"]
       for key in ("train_loss", "test_loss"):
