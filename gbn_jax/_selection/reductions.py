@@ -142,16 +142,20 @@ def count_equal(
   flags = x == expand(value, axes)
   if where is not None:
     flags = flags & where
-  positions = lambda: math.prod(
-      n for i, n in enumerate(x.shape) if i not in axes
-  )
-  if (
-      0 not in axes
-      and surely(lambda: positions() >= _MANY_POSITIONS)
-      and _counts_exact_in_float32(x.shape, axes)
-  ):
+  if _flags_sum_in_int32(x.shape, axes):
     return jnp.sum(flags, axes, dtype=jnp.int32).astype(jnp.float32)
   return count_true(flags, axes)
+
+
+def _flags_sum_in_int32(shape: Sequence[int], axes: tuple[int, ...]) -> bool:
+  """Whether :func:`count_equal` sums its flags in int32 for this layout:
+  the leading axis kept, many positions, a count float32 holds exactly."""
+  positions = lambda: math.prod(n for i, n in enumerate(shape) if i not in axes)
+  return (
+      0 not in axes
+      and surely(lambda: positions() >= _MANY_POSITIONS)
+      and _counts_exact_in_float32(shape, axes)
+  )
 
 
 def element_count(
@@ -210,16 +214,23 @@ def nan_among(
 ) -> Array:
   """Per position, whether any masked-in element on any device is NaN.
 
-  Read off a float sum, where :func:`has_nan` counts flags: XLA:CPU's
-  library reductions take the sum whole, the compare only once its flags
-  are written out at full size, and their max and min skip NaN. Each term
-  ``1 / (1 + |x|)`` lies in ``[0, 1]`` (``+-inf`` give 0), so the sum is
-  finite unless an element is NaN.
+  Where :func:`count_equal` sums flags in int32 (per-example layouts), a
+  count of NaN flags, fused with the compare. Elsewhere (statistics over
+  the batch) read off the plain sum of the elements, which XLA:CPU's library
+  reductions take at little cost beside the max and min they make anyway
+  (a compare, or any arithmetic before the sum, costs a pass of its own):
+  the sum is NaN where an element is, and also where the elements hold both
+  infinities (the mid-range is NaN then anyway) or their partial sums
+  overflow both ways (elements so large that their squares, BatchNorm's
+  variance, overflowed long before).
   """
-  # A flag: no tangent to trace through the terms.
+  # A flag: no tangent to trace.
   x = jax.lax.stop_gradient(x)
-  terms = 1 / (1 + jnp.abs(x))
-  total = global_sum(jnp.sum(terms, axes, where=where), axis_name, groups)
+  if _flags_sum_in_int32(x.shape, axes):
+    nan = jnp.isnan(x) if where is None else jnp.isnan(x) & where
+    count = jnp.sum(nan, axes, dtype=jnp.int32)
+    return global_sum(count, axis_name, groups) > 0
+  total = global_sum(jnp.sum(x, axes, where=where), axis_name, groups)
   return jnp.isnan(total)
 
 
