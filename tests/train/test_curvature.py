@@ -274,6 +274,7 @@ def test_cli_measures_each_checkpoint_once_and_resumes_quick(tmp_path, capsys):
   )
 
 
+@pytest.mark.slow  # a subprocess on two host devices
 def test_cli_measures_a_run_saved_from_several_devices(tmp_path, capsys):
   # Training replicates its state over every device; measuring runs on one.
   data = _write_tiny_mnist(tmp_path / "data")
@@ -358,6 +359,7 @@ def test_cli_refuses_a_run_without_checkpoints(tmp_path, capsys):
     curvature.main([str(fresh), "--checkpoints", "x"])
 
 
+@pytest.mark.slow  # ResNet20's Hessian-vector products compiled
 def test_a_resnets_products_go_through_its_convolutions():
   # ResNet's CPU convolution has reverse-mode rules only; the model the
   # tool builds swaps in nn.Conv, the same parameters and function.
