@@ -2,7 +2,8 @@
 gradient noise scale against a dense computation, and the CLI on a run.
 
 The dense Hessian is ``jax.hessian`` of the sample's mean loss over the
-flattened parameters of a tiny network with one norm layer, its spectrum
+flattened parameters of a tiny network with a norm layer per measure (the
+quick tier's measures; every measure in the full run), its spectrum
 ``numpy.linalg.eigvalsh``'s; the noise scale is recomputed with numpy from
 per-batch gradients taken with ``jax.grad``.
 """
@@ -34,6 +35,7 @@ from train.loop import train_state
 from train.loop import train_steps
 from train.model import models
 
+from tests.helpers import tiers
 from tests.helpers.process import forced_host_devices
 from tests.helpers.process import run_python
 
@@ -103,13 +105,23 @@ def _dense(loss, params, stats, images, labels):
   return (hessian + hessian.T) / 2, grads
 
 
+def _network(*measures: str):
+  """A network with a layer of each of ``measures`` (one compilation for
+  all), its dense Hessian and per-batch gradients, and its
+  :class:`SampleHessian`."""
+  problem = _problem(*measures)
+  return problem, *_dense(*problem), hessian_lib.SampleHessian(*problem)
+
+
 @pytest.fixture(scope="module")
 def every_measure():
-  """A network with a layer of every registered measure (one compilation
-  for all), its dense Hessian and per-batch gradients, and its
-  :class:`SampleHessian`."""
-  problem = _problem(*gbn_jax.MEASURES)
-  return problem, *_dense(*problem), hessian_lib.SampleHessian(*problem)
+  return _network(*gbn_jax.MEASURES)
+
+
+@pytest.fixture(scope="module")
+def quick_measures():
+  """The quick tier's network: a layer of each of its measures."""
+  return _network(*sorted(tiers.QUICK_MEASURES))
 
 
 def _check_against_dense(dense, hessian) -> None:
@@ -134,15 +146,17 @@ def _check_against_dense(dense, hessian) -> None:
   assert result["parameters"] == size
 
 
-def test_products_and_eigenvalues_equal_the_dense_hessian_every_measure(
-    every_measure,
-):
-  _, dense, _, hessian = every_measure
+@pytest.mark.parametrize(
+    "network",
+    ["quick_measures", pytest.param("every_measure", marks=pytest.mark.slow)],
+)
+def test_products_and_eigenvalues_equal_the_dense_hessian(network, request):
+  _, dense, _, hessian = request.getfixturevalue(network)
   _check_against_dense(dense, hessian)
 
 
-def test_hutchinson_trace_is_within_its_standard_error(every_measure):
-  _, dense, _, hessian = every_measure
+def test_hutchinson_trace_is_within_its_standard_error(quick_measures):
+  _, dense, _, hessian = quick_measures
   probes = 400
   settings = hessian_lib.Settings(
       batches=BATCHES, eigenvalues=1, iterations=2, probes=probes, seed=3
@@ -159,8 +173,8 @@ def test_hutchinson_trace_is_within_its_standard_error(every_measure):
   assert error < 4 * result["trace_stderr"]
 
 
-def test_noise_scale_equals_numpy_from_per_batch_gradients(every_measure):
-  _, _, grads, hessian = every_measure
+def test_noise_scale_equals_numpy_from_per_batch_gradients(quick_measures):
+  _, _, grads, hessian = quick_measures
   settings = hessian_lib.Settings(
       batches=BATCHES, eigenvalues=1, iterations=2, probes=2
   )
