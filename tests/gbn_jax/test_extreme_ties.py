@@ -16,6 +16,8 @@ import pytest
 import gbn_jax
 from gbn_jax._selection import reductions
 
+from tests.helpers import reference as ref
+
 # (shape, axes): the first three have at least reductions._MANY_POSITIONS
 # positions and keep the leading axis; the others do not.
 LAYOUTS = [
@@ -40,31 +42,17 @@ def test_layouts_cover_both_counts():
   assert any(many) and not all(many)
 
 
-def _rows(a, axes):
-  """``a`` as (positions, reduced elements), the positions in order."""
-  kept = [i for i in range(a.ndim) if i not in axes]
-  moved = np.transpose(a, kept + list(axes))
-  return moved.reshape(-1, int(np.prod([a.shape[i] for i in axes])))
-
-
-def _unrows(rows, shape, axes):
-  kept = [i for i in range(len(shape)) if i not in axes]
-  order = kept + list(axes)
-  moved = rows.reshape([shape[i] for i in order])
-  return np.transpose(moved, np.argsort(order))
-
-
 def _batch(shape, axes, seed, *, special=True):
   """Small integers (many ties); NaN, inf and -inf at some positions."""
   rng = np.random.default_rng(seed)
   x = rng.integers(-3, 4, shape).astype(np.float64)
   if special:
-    rows = _rows(x, axes)
+    rows = ref.rows(x, axes)
     rows[0, 0] = np.nan
     rows[1, :2] = np.inf
     rows[2, 1] = -np.inf
     rows[3, :] = -np.inf
-    x = _unrows(rows, shape, axes)
+    x = ref.unrows(rows, shape, axes)
   return x
 
 
@@ -72,9 +60,9 @@ def _mask(shape, axes, seed):
   """Random, with one position that has nothing masked in."""
   rng = np.random.default_rng(seed)
   mask = rng.random(shape) < 0.7
-  rows = _rows(mask, axes)
+  rows = ref.rows(mask, axes)
   rows[-1, :] = False
-  return _unrows(rows, shape, axes)
+  return ref.unrows(rows, shape, axes)
 
 
 def _reference(x, axes, largest, mask):
@@ -83,8 +71,8 @@ def _reference(x, axes, largest, mask):
   A NaN among the masked-in elements gives NaN (np.max propagates it), and
   a NaN extreme passes no cotangent on (no element equals it).
   """
-  rows = _rows(x, axes)
-  keep = np.ones(rows.shape, bool) if mask is None else _rows(mask, axes)
+  rows = ref.rows(x, axes)
+  keep = np.ones(rows.shape, bool) if mask is None else ref.rows(mask, axes)
   values = np.empty(rows.shape[0])
   share = np.zeros(rows.shape)
   for i, (row, kept) in enumerate(zip(rows, keep)):
@@ -117,12 +105,12 @@ def test_value_grad_and_jvp(shape, axes, largest, masked):
   rng = np.random.default_rng(5)
   cotangent = rng.standard_normal(got.shape)
   grad = jax.grad(lambda a: jnp.vdot(fn(a), cotangent))(xj)
-  want = _unrows(share * cotangent.reshape(-1, 1), shape, axes)
+  want = ref.unrows(share * cotangent.reshape(-1, 1), shape, axes)
   np.testing.assert_allclose(grad, want, rtol=1e-6, atol=0)
 
   tangent = rng.standard_normal(shape)
   _, jvp = jax.jvp(fn, (xj,), (jnp.asarray(tangent, jnp.float32),))
-  want_jvp = (share * _rows(tangent, axes)).sum(1)
+  want_jvp = (share * ref.rows(tangent, axes)).sum(1)
   np.testing.assert_allclose(
       jvp, want_jvp.reshape(jvp.shape), rtol=1e-5, atol=1e-6
   )
@@ -133,7 +121,7 @@ def test_gradient_equals_jnp_max(shape, axes):
   # jnp.max's own rule splits the cotangent among ties as well.
   x = jnp.asarray(_batch(shape, axes, seed=7, special=False), jnp.float32)
   w = jax.random.normal(
-      jax.random.key(0), _rows(np.asarray(x), axes)[:, 0].shape
+      jax.random.key(0), ref.rows(np.asarray(x), axes)[:, 0].shape
   )
   w = w.reshape(jnp.max(x, axes).shape)
   for largest, reduce in ((True, jnp.max), (False, jnp.min)):
@@ -166,9 +154,9 @@ def test_hessian_vector_product(shape, axes, masked):
   with jax.enable_x64(True):
     _, hvp = jax.jvp(jax.grad(f), (jnp.asarray(x),), (jnp.asarray(v),))
   valid = ~np.isnan(values)
-  dm = (share * _rows(v, axes)).sum(1)
+  dm = (share * ref.rows(v, axes)).sum(1)
   want = 2 * (c * dm * valid).reshape(-1, 1) * share
-  np.testing.assert_allclose(hvp, _unrows(want, shape, axes), rtol=1e-12)
+  np.testing.assert_allclose(hvp, ref.unrows(want, shape, axes), rtol=1e-12)
 
 
 @pytest.mark.parametrize("shape,axes", LAYOUTS[:3])
@@ -186,7 +174,7 @@ def test_half_precision_gradient(shape, axes):
   )(xj)
   assert grad.dtype == jnp.bfloat16
   np.testing.assert_allclose(
-      np.asarray(grad, np.float64), _unrows(share, shape, axes), rtol=1e-2
+      np.asarray(grad, np.float64), ref.unrows(share, shape, axes), rtol=1e-2
   )
 
 
@@ -196,12 +184,12 @@ def test_count_equal_counts_masked_in_ties(shape, axes, masked):
   x = _batch(shape, axes, seed=19)
   mask = _mask(shape, axes, seed=20) if masked else None
   rng = np.random.default_rng(21)
-  value = rng.integers(-3, 4, _rows(x, axes).shape[0]).astype(np.float64)
+  value = rng.integers(-3, 4, ref.rows(x, axes).shape[0]).astype(np.float64)
   value[1] = np.inf
   value[2] = np.nan
-  rows = _rows(x, axes) == value[:, None]
+  rows = ref.rows(x, axes) == value[:, None]
   if mask is not None:
-    rows &= _rows(mask, axes)
+    rows &= ref.rows(mask, axes)
   xj = jnp.asarray(x, jnp.float32)
   kept = [n for i, n in enumerate(shape) if i not in axes]
   got = reductions.count_equal(

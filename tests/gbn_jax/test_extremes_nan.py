@@ -16,6 +16,8 @@ import gbn_jax
 from gbn_jax import deviations
 import gbn_jax.linen
 
+from tests.helpers import reference as ref
+
 LAYOUTS = [
     ((1024, 8), (1,)),
     ((1024, 8), (0,)),
@@ -34,25 +36,11 @@ def _quick_first(values, quick):
   return [v if i < quick else slow(v) for i, v in enumerate(values)]
 
 
-def _rows(a, axes):
-  """``a`` as (positions, reduced elements), the positions in order."""
-  kept = [i for i in range(a.ndim) if i not in axes]
-  moved = np.transpose(a, kept + list(axes))
-  return moved.reshape(-1, int(np.prod([a.shape[i] for i in axes])))
-
-
-def _unrows(rows, shape, axes):
-  kept = [i for i in range(len(shape)) if i not in axes]
-  order = kept + list(axes)
-  moved = rows.reshape([shape[i] for i in order])
-  return np.transpose(moved, np.argsort(order))
-
-
 def _batch(shape, axes):
   """Normal values; NaN first, in the middle and last in some positions'
   elements, alone or beside an infinity, and infinities without NaN."""
   rng = np.random.default_rng(len(shape))
-  rows = _rows(rng.standard_normal(shape).astype(np.float32), axes).copy()
+  rows = ref.rows(rng.standard_normal(shape).astype(np.float32), axes).copy()
   n = rows.shape[1]
   rows[0, 0] = np.nan
   rows[1, n // 2] = np.nan
@@ -60,13 +48,13 @@ def _batch(shape, axes):
   rows[3, 0], rows[3, -1] = np.inf, np.nan
   rows[4, 1] = -np.inf
   rows[5, 0] = np.inf
-  return _unrows(rows, shape, axes)
+  return ref.unrows(rows, shape, axes)
 
 
 def _reference(name, x, axes, mask):
   """``(S, D)`` per position from the definitions, in float64."""
-  rows = _rows(x.astype(np.float64), axes)
-  keep = np.ones(rows.shape, bool) if mask is None else _rows(mask, axes)
+  rows = ref.rows(x.astype(np.float64), axes)
+  keep = np.ones(rows.shape, bool) if mask is None else ref.rows(mask, axes)
   s, d = [], []
   with np.errstate(invalid="ignore"):  # inf - inf is NaN, as it should be
     for row, kept in zip(rows, keep):
@@ -100,10 +88,10 @@ def test_measure_matches_numpy(shape, axes, name, masked, jit):
   mask = None
   if masked:
     mask = np.random.default_rng(1).random(shape) < 0.8
-    rows = _rows(mask, axes)
+    rows = ref.rows(mask, axes)
     rows[:6] = True  # the special elements stay in
     rows[-1] = False
-    mask = _unrows(rows, shape, axes)
+    mask = ref.unrows(rows, shape, axes)
   fn = lambda a: getattr(deviations, name)(a, axes, where=mask)
   s, d = (jax.jit(fn) if jit else fn)(jnp.asarray(x))
   want_s, want_d = _reference(name, x, axes, mask)
@@ -122,10 +110,10 @@ def test_measure_passes_no_cotangent_from_a_nan_position(name, jit):
     s, d = getattr(deviations, name)(a, axes)
     return jnp.sum(jnp.where(jnp.isnan(s), 0.0, s) * c)
 
-  grad = _rows(
+  grad = ref.rows(
       np.asarray((jax.jit(jax.grad(loss)) if jit else jax.grad(loss))(x)), axes
   )
-  nan = np.isnan(_rows(np.asarray(x), axes)).any(1)
+  nan = np.isnan(ref.rows(np.asarray(x), axes)).any(1)
   assert nan.any() and not nan.all()
   np.testing.assert_array_equal(grad[nan], 0.0)
   # Elsewhere the cotangent reaches the extremes as the tie rule has it.

@@ -94,6 +94,22 @@ def per_feature(fn, x: np.ndarray, axes: tuple[int, ...], mask=None):
   return tuple(np.array(col, np.float64).reshape(shape) for col in zip(*outs))
 
 
+def rows(a: np.ndarray, axes) -> np.ndarray:
+  """``a`` as (positions, reduced elements): one row per position kept,
+  the positions in order, each row the elements reduced over ``axes``."""
+  kept = [i for i in range(a.ndim) if i not in axes]
+  moved = np.transpose(a, kept + list(axes))
+  return moved.reshape(-1, int(np.prod([a.shape[i] for i in axes])))
+
+
+def unrows(array_rows: np.ndarray, shape, axes) -> np.ndarray:
+  """The inverse of :func:`rows`: back to ``shape``."""
+  kept = [i for i in range(len(shape)) if i not in axes]
+  order = kept + list(axes)
+  moved = array_rows.reshape([shape[i] for i in order])
+  return np.transpose(moved, np.argsort(order))
+
+
 def normalize(x, s, d, axes, scale=1.0, bias=0.0, eps=1e-5):
   """(x - S) / sqrt(D^2 + eps) * scale + bias with per-feature S, D."""
   s = np.expand_dims(s, axes)
