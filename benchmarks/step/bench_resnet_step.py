@@ -102,14 +102,29 @@ DEFAULT_FLAG_SETS = tuple(
 
 
 class Setup:
-  """The real train step's inputs for one norm, laid out as in training."""
+  """The real train step's inputs for one norm, laid out as in training.
 
-  def __init__(self, norm: str, batch: int, *, seed: int = 0, steps: int = 1):
+  ``blocks_per_stage``: the ResNet's blocks per stage, 3 (ResNet20, the
+  benchmarked model) unless a caller wants the same layers and variants
+  compiled sooner.
+  """
+
+  def __init__(
+      self,
+      norm: str,
+      batch: int,
+      *,
+      seed: int = 0,
+      steps: int = 1,
+      blocks_per_stage: int = 3,
+  ):
     self.config = trainlib.resolve(
         configs.CIFAR.replace(dataset=DATASET, norm=norm, batch_size=batch)
     )
     self.mesh = sharding.make_mesh(sharding.data_parallel_devices(batch))
-    self.model = train_state.create_model(self.config, NUM_CLASSES)
+    self.model = train_state.create_model(self.config, NUM_CLASSES).clone(
+        blocks_per_stage=blocks_per_stage
+    )
     self.state, self.images, self.labels, self.step = random_train_step(
         self.config, self.model, self.mesh, steps=steps, seed=seed
     )
@@ -263,7 +278,7 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
       out["profiles"][f"{norm}/{name}"] = prof
 
     out["norms"][norm] = time_variants(
-        Setup(norm, spec["batch"]),
+        Setup(norm, spec["batch"], blocks_per_stage=spec["blocks_per_stage"]),
         spec["variants"],
         spec.get("runs", 0),
         spec["warmup"],
@@ -438,6 +453,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       ("--profile-steps", 2, "traced steps"),
       ("--torch-runs", 11, "the peer's timed steps"),
       ("--torch-threads", cpus, "the peer's torch threads"),
+      (
+          "--blocks-per-stage",
+          3,
+          "the ResNet's blocks per stage (3: ResNet20, the peer's model; "
+          "fewer: a smoke run whose ratios to the peer mean nothing)",
+      ),
   ):
     parser.add_argument(flag, type=int, default=default, help=text)
   sections = ["convs", "variants", "profile", "flags", "final"]
@@ -489,7 +510,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args = parse_args(argv)
   report = Report(args, argv, _MODULE)
   t_start = time.perf_counter()
-  common = dict(batch=args.batch, warmup=args.warmup)
+  common = dict(
+      batch=args.batch,
+      warmup=args.warmup,
+      blocks_per_stage=args.blocks_per_stage,
+  )
   torch_runs = []
 
   def torch_round(label):

@@ -2,7 +2,9 @@
 
 Every convolution formulation the benchmark times must be ``nn.Conv``'s
 function (forward and both gradients, float32 summation order aside), every
-model variant the real ResNet20's (loss, gradients, batch statistics); the
+model variant the real model's (loss, gradients, batch statistics; checked
+on the ResNet with one block per stage, which has every kind of layer of
+ResNet20 with a third of the blocks to compile); the
 profile must sort a step's ops into kinds and stages, and the parent must
 run a section in a child process and set the step times against the
 peer's (here a stand-in script) best BatchNorm step.
@@ -35,12 +37,12 @@ def test_formulations_are_flax_conv(name, strides):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # one ResNet20 compilation of every variant
+@pytest.mark.slow  # one ResNet compilation of every variant
 def test_variants_are_the_real_model():
   # BatchNorm: every variant's gradients too. With a quantile norm another
   # forward rounding can move the quantile to another element, and with it
   # the gradient; the variants differ in their convolutions only.
-  setup = bench.Setup("bn", 4)
+  setup = bench.Setup("bn", 4, blocks_per_stage=1)
   x = jax.random.normal(jax.random.key(0), (4, *bench.IMAGE_SHAPE))
   variables = {"params": setup.state.params}
   variables["batch_stats"] = setup.state.batch_stats
@@ -122,7 +124,7 @@ def test_summary_without_the_peer_has_no_ratios():
   assert report.data["torch_best_bn"] == {"ms": None, "layout": None}
 
 
-@pytest.mark.slow  # a child process; a ResNet20 compilation per norm
+@pytest.mark.slow  # a child process; a ResNet compilation per variant
 def test_main_runs_sections_and_compares_with_the_peer(tmp_path):
   peer = tmp_path / "peer.py"
   peer.write_text(
@@ -137,6 +139,7 @@ def test_main_runs_sections_and_compares_with_the_peer(tmp_path):
       "--norms", "bn",
       "--variants", "base", "flax",
       "--batch", "4", "--runs", "1", "--warmup", "1", "--profile-steps", "1",
+      "--blocks-per-stage", "1",
       "--torch-python", sys.executable, "--torch-peer", str(peer),
       "--out", str(out),
   ])  # fmt: skip
