@@ -168,11 +168,11 @@ if [ "$DRY_RUN" = 1 ]; then
   # About twice what an idle core pair needs: the rehearsal checks the
   # script, not the CPU's speed (a slower pair, loaded by CI's other pytest
   # worker, needs the margin).
-  # The tests step is cut off at 10 s, as a device's may be: the suite runs
+  # The tests step is cut off at 4 s, as a device's may be: the suite runs
   # those tests itself, the rehearsal only checks that the step runs and logs.
   # The compile step's CLI runs: LeNet on the synthetic CIFAR-10.
   COMPILE_ARGS=(--model lenet --batch-size 256 --bench-images 256)
-  CAPS=(tests=10 library=60 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
+  CAPS=(tests=4 library=60 radix=80 methods=200 steps=120 compile=120 full=120 torch=40)
 else
   SHAPES=(256x32x32x16 1024x32x32x16 1000x8x8x50 512x256); RUNS=(--runs 12 --warmup 3 --inner 10)
   ALPHAS=(0.25 0.5 0.75 0.99); STEP_BATCH=(); STEP_MODELS=(lenet resnet20); COMPILE_NORMS=bn,sqd2

@@ -536,13 +536,17 @@ def test_sd_is_flax_linen(kind, fields):
     np.testing.assert_array_equal(
         ours.apply(variables, x, mask=m), theirs.apply(variables, x, mask=m)
     )
-    f = lambda layer: jax.jit(lambda v, a: layer.apply(v, a, mask=m))
-    _close(f(ours)(variables, x), f(theirs)(variables, x), rtol=1e-6)
-    loss = lambda layer: lambda v, a: jnp.sum(
-        jnp.sin(layer.apply(v, a, mask=m)) * a
-    )
-    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
-    want = jax.jit(jax.grad(loss(theirs), argnums=(0, 1)))(variables, x)
+
+    # Under jit, output and gradients in one program per layer: each
+    # compilation has its overhead.
+    def compiled(layer):
+      loss = lambda v, a: jnp.sum(jnp.sin(layer.apply(v, a, mask=m)) * a)
+      return jax.jit(
+          lambda v, a: (layer.apply(v, a, mask=m), jax.grad(loss, (0, 1))(v, a))
+      )(variables, x)
+
+    (got_y, got), (want_y, want) = compiled(ours), compiled(theirs)
+    _close(got_y, want_y, rtol=1e-6)
     jax.tree.map(lambda g, w: _close(g, w, rtol=1e-5), got, want)
 
 
@@ -649,24 +653,33 @@ def test_derivatives_are_central_differences(kind, measure):
     w = jnp.asarray(rng.standard_normal(x.shape))
     layer, variables = _linen(kind, x, measure, **fields)
     variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
-    # Each derivative jitted: a few small programs, not every op of the
-    # layer compiled one by one in float64.
+    # Jitted: a few small programs, not every op of the layer compiled one
+    # by one in float64; the derivatives in one program, since each
+    # compilation has its overhead.
     y = jax.jit(lambda a, v=variables: layer.apply(v, a))
     loss = jax.jit(lambda a, v=variables: jnp.sum(jnp.sin(y(a, v)) * w))
     d = jnp.asarray(rng.standard_normal(x.shape))
-    fd = _central_differences(loss, x, d)
     grad = jax.jit(jax.grad(loss))
-    _close(jnp.sum(grad(x) * d), fd, rtol=1e-6)
-    _close(jax.jit(lambda a: jax.jvp(loss, (a,), (d,))[1])(x), fd, rtol=1e-6)
+    derivatives = jax.jit(
+        lambda a: {
+            "grad": jax.grad(loss)(a),
+            "jvp": jax.jvp(loss, (a,), (d,))[1],
+            "jacfwd": jax.jacfwd(y)(a),
+            "hvp": jax.jvp(jax.grad(loss), (a,), (d,))[1],
+            "params": jax.grad(loss, argnums=1)(a, variables),
+        }
+    )(x)
+    fd = _central_differences(loss, x, d)
+    _close(jnp.sum(derivatives["grad"] * d), fd, rtol=1e-6)
+    _close(derivatives["jvp"], fd, rtol=1e-6)
     _close(
-        jnp.tensordot(jax.jit(jax.jacfwd(y))(x), d, d.ndim),
+        jnp.tensordot(derivatives["jacfwd"], d, d.ndim),
         _central_differences(y, x, d),
         rtol=1e-6,
     )
-    hvp = jax.jit(lambda a: jax.jvp(grad, (a,), (d,))[1])(x)
-    _close(hvp, _central_differences(grad, x, d), rtol=1e-5)
+    _close(derivatives["hvp"], _central_differences(grad, x, d), rtol=1e-5)
     # The parameters too.
-    grads = jax.jit(jax.grad(loss, argnums=1))(x, variables)
+    grads = derivatives["params"]
     for name in ("scale", "bias"):
       p = variables["params"][name]
       e = jnp.asarray(rng.standard_normal(p.shape))

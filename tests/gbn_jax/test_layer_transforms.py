@@ -133,28 +133,37 @@ def _assert_close(actual, desired, rtol=2e-5):
 def _check_forward_equals_reverse(f, x, rtol=2e-5):
   """``jacfwd``, ``jvp`` and ``linearize`` against ``jacrev`` and ``vjp``.
 
-  Each under ``jit``: what is compared is the transforms, and eager dispatch
-  of their many tiny ops is slow."""
-  j_fwd = jax.jit(jax.jacfwd(f))(x)
-  j_rev = jax.jit(jax.jacrev(f))(x)
-  _assert_close(j_fwd, j_rev, rtol)
+  All under one ``jit``: what is compared is the transforms, eager dispatch
+  of their many tiny ops is slow, and each compilation has its overhead.
+  Each transform traces ``f`` on its own, so one program still holds every
+  transform's derivative."""
   v = jax.random.normal(jax.random.key(7), x.shape).astype(x.dtype)
-  y, y_dot = jax.jit(lambda a, t: jax.jvp(f, (a,), (t,)))(x, v)
+  u = jax.random.normal(jax.random.key(8), x.shape).astype(x.dtype)
+
+  def transforms(a, t, c):
+    y, y_dot = jax.jvp(f, (a,), (t,))
+    y_lin, f_lin = jax.linearize(f, a)
+    return {
+        "jacfwd": jax.jacfwd(f)(a),
+        "jacrev": jax.jacrev(f)(a),
+        "jvp": (y, y_dot),
+        "linearize": (y_lin, f_lin(t)),
+        "vjp": jax.vjp(f, a)[1](c)[0],
+    }
+
+  out = jax.jit(transforms)(x, v, u)
+  j_rev = out["jacrev"]
+  _assert_close(out["jacfwd"], j_rev, rtol)
+  y, y_dot = out["jvp"]
   j = np.asarray(j_rev, np.float64).reshape(y.size, x.size)
   _assert_close(
       y_dot.reshape(-1), j @ np.asarray(v, np.float64).reshape(-1), rtol
   )
-
-  def linearized(a, t):
-    y_lin, f_lin = jax.linearize(f, a)
-    return y_lin, f_lin(t)
-
-  y_lin, lin_v = jax.jit(linearized)(x, v)
+  y_lin, lin_v = out["linearize"]
   _assert_close(y_lin, y)
   _assert_close(lin_v, y_dot, rtol)
   # <u, J v> = <J^T u, v>: the transpose JAX derives from the JVP rule.
-  u = jax.random.normal(jax.random.key(8), y.shape).astype(y.dtype)
-  (vjp_u,) = jax.jit(lambda a, c: jax.vjp(f, a)[1](c))(x, u)
+  vjp_u = out["vjp"]
   as64 = lambda a: np.asarray(a, np.float64).reshape(-1)
   np.testing.assert_allclose(
       as64(u) @ as64(y_dot),
@@ -246,11 +255,10 @@ def test_hessian(measure):
 
   loss = loss_of(_linen(measure, **_fields(measure)))
   x = _batch()
-  _assert_close(
-      jax.jit(jax.hessian(loss))(x),
-      jax.jit(jax.jacrev(jax.jacrev(loss)))(x),
-      rtol=1e-4,
+  both = jax.jit(
+      lambda a: (jax.hessian(loss)(a), jax.jacrev(jax.jacrev(loss))(a))
   )
+  _assert_close(*both(x), rtol=1e-4)
   # float32 on the default path (on a CPU the compiled kernel, whose sums
   # feed sqd) and on the radix select's fused sums, against differences of
   # the gradient: steps far below the gaps between the values.
@@ -392,13 +400,14 @@ def test_scan_over_layers_and_remat(measure):
         apply = jax.checkpoint(apply)
       return apply(params, a)
 
-    y = jax.jit(f)(variables["params"], x)
     loss = lambda p, a: jnp.sum(jnp.sin(f(p, a)) * v)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], x)
-    y_dot = jax.jit(lambda p, a: jax.jvp(lambda b: f(p, b), (a,), (v,))[1])(
-        variables["params"], x
-    )
-    return y, grads[1], y_dot
+
+    # One program for the three: each compilation has its overhead.
+    def outputs(p, a):
+      y_dot = jax.jvp(lambda b: f(p, b), (a,), (v,))[1]
+      return f(p, a), jax.grad(loss, argnums=1)(p, a), y_dot
+
+    return jax.jit(outputs)(variables["params"], x)
 
   reference = run(_Unrolled(measure, fields), unrolled_vars)
   for got in (

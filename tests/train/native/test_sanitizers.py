@@ -40,7 +40,7 @@ INCLUDE = CSRC / "third_party"
 # folder per hash of the build's inputs).
 BUILD_ROOT = pathlib.Path(tempfile.gettempdir()) / f"gbn_jax_asan_{os.getuid()}"
 # Seconds of fuzzing per run (after the fixed cases), AVX2 and portable code.
-FUZZ_SECONDS = {"avx2": 15.0, "portable": 5.0}
+FUZZ_SECONDS = {"avx2": 6.0, "portable": 2.0}
 SANITIZER_REPORTS = (
     "ERROR: AddressSanitizer",
     "runtime error:",
