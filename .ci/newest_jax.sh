@@ -46,7 +46,7 @@ prepare() {
     rm -rf "$venv"
     if "$py" -m venv "$venv" \
         && "$venv/bin/python" -m pip install -q --upgrade pip \
-        && "$venv/bin/python" -m pip install -q --no-compile --upgrade jax jaxlib flax; then
+        && "$venv/bin/python" -m pip install -q --upgrade jax jaxlib flax; then
       chosen="$v"
       break
     fi
@@ -73,7 +73,7 @@ prepare() {
     echo "error: expected one gbn_jax wheel in $work/dist" >&2; ls "$work/dist" >&2
     rm -rf "$work"; return 1
   fi
-  "$venv/bin/python" -m pip install -q --no-compile "${wheels[0]}" pytest pytest-xdist chex flatbuffers scipy
+  "$venv/bin/python" -m pip install -q "${wheels[0]}" pytest pytest-xdist chex flatbuffers scipy
   echo "ready $chosen $(basename "${wheels[0]}")" >"$status"
   rm -rf "$work"
 }

@@ -31,7 +31,7 @@ fi
 
 python3 -m venv "$work/venv"
 vpy="$work/venv/bin/python"
-"$vpy" -m pip install -q --no-compile -c .ci/constraints.txt "$wheel"
+"$vpy" -m pip install -q -c .ci/constraints.txt "$wheel"
 # .ci/run sets GBN_EXPECT_NATIVE=1 where a C++ compiler is present.
 native=--no-native
 if [ "${GBN_EXPECT_NATIVE:-}" = 1 ]; then native=--native; fi
