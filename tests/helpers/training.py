@@ -10,6 +10,7 @@ hour). Equal shapes reuse compiled programs, so most runs here train on
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 import signal
 import time
@@ -24,8 +25,17 @@ from train.data import input_pipeline
 from train.data import locate as data_locate
 from train.loop import checkpointing
 from train.loop import trainer as train
+from train.model import models
 
 from tests.helpers.data import write_idx_dataset
+
+#: ResNet20 with one block per stage, for the tests that compare two
+#: formulations of a model: every stage, stride-2 transition, shortcut, norm
+#: and convolution kind is still there, with a third of the blocks to compile.
+RESNET8 = functools.partial(models.ResNet, blocks_per_stage=1)
+
+#: The small models those tests build, by the name in their test ids.
+FORMULATION_MODELS = {"lenet": models.LeNet, "resnet8": RESNET8}
 
 # Metrics that must match between runs; the rest are timings.
 EXACT_KEYS = (

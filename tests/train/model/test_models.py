@@ -19,18 +19,11 @@ from train.model import models
 from train.model import norms
 
 from tests.helpers.measures import COMPLETE_MEASURES
+from tests.helpers.training import FORMULATION_MODELS
+from tests.helpers.training import RESNET8
 
 GBN_NORMS = (*COMPLETE_MEASURES, "sqd:0.9")
 ALL_NORMS = ("bn",) + GBN_NORMS
-
-
-# ResNet20 with one block per stage, for the tests that compare two
-# formulations of the model: every stage, stride-2 transition, shortcut,
-# norm and convolution kind is still there, with a third of the blocks to
-# compile.
-_resnet8 = functools.partial(models.ResNet, blocks_per_stage=1)
-
-_MODELS = {"lenet": models.LeNet, "resnet8": _resnet8}
 
 
 def _init(model: nn.Module, shape, seed=0):
@@ -269,7 +262,7 @@ def test_sd_norm_equals_flax_batchnorm(name):
   x = jax.random.normal(jax.random.key(3), (8, 32, 32, 3))
 
   def passes(norm, x):
-    model = _MODELS[name](
+    model = FORMULATION_MODELS[name](
         num_classes=10, norm=models.make_norm(norm, momentum=0.5)
     )
     variables = _init(model, (1, 32, 32, 3))
@@ -606,8 +599,8 @@ def test_resnet_cpu_convs_are_the_same_model(norm):
   x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
   labels = jnp.arange(4) % 10
   kwargs = dict(num_classes=10, norm=models.make_norm(norm))
-  flax_ops = _resnet8(conv=nn.Conv, recompute_norm=False, **kwargs)
-  cpu_ops = _resnet8(conv=models.ResNetConv, recompute_norm=True, **kwargs)
+  flax_ops = RESNET8(conv=nn.Conv, recompute_norm=False, **kwargs)
+  cpu_ops = RESNET8(conv=models.ResNetConv, recompute_norm=True, **kwargs)
   # One compiled program for both initializations: op by op, every
   # parameter shape's draw is a compilation of its own.
   variables, cpu_variables = jax.jit(
@@ -656,7 +649,7 @@ def test_resnet_cpu_convs_are_the_same_model(norm):
   assert models.ResNet20(**kwargs).conv is None
   assert models.ResNet20(**kwargs).recompute_norm is None
   _assert_default_follows_backend(
-      _resnet8(**kwargs), cpu_ops, flax_ops, variables, x
+      RESNET8(**kwargs), cpu_ops, flax_ops, variables, x
   )
 
 

@@ -6,7 +6,6 @@ tests/gbn_jax/test_measures_capabilities.py, ``GGroupNorm`` in tests/gbn_jax.
 """
 
 import dataclasses
-import functools
 import math
 
 import flax.linen as nn
@@ -18,6 +17,8 @@ import pytest
 from gbn_jax import linen as gbn_linen
 from train.model import models
 from train.model import norms
+
+from tests.helpers.training import FORMULATION_MODELS
 
 
 def test_training_cli_uses_the_parser(monkeypatch):
@@ -43,14 +44,6 @@ def _hand_group_norm(groups):
   return norm
 
 
-# ResNet20 with one block per stage: every kind of layer, with a third of
-# the blocks to compile.
-_MODELS = {
-    "lenet": models.LeNet,
-    "resnet8": functools.partial(models.ResNet, blocks_per_stage=1),
-}
-
-
 def _logits(model, variables, x):
   return jax.jit(
       lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"])[0]
@@ -67,10 +60,10 @@ def test_gn_is_flax_group_norm(name, groups, shape):
   assert isinstance(module, nn.GroupNorm)
   assert not isinstance(module, gbn_linen.GGroupNorm)
   assert module.num_groups == groups
-  ours = _MODELS[name](num_classes=10, norm=norm)
+  ours = FORMULATION_MODELS[name](num_classes=10, norm=norm)
   # No remat for the hand-written model (a plain function is no Module
   # class to rematerialize); ours keeps the CPU's, the same function.
-  hand = _MODELS[name](
+  hand = FORMULATION_MODELS[name](
       num_classes=10,
       norm=_hand_group_norm(groups),
       **({"recompute_norm": False} if name == "resnet8" else {}),
