@@ -20,6 +20,8 @@ use them through :func:`gbn_jax.get_measure`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -92,13 +94,25 @@ def _abs_sq(x: Array) -> Array:
   return jnp.square(x)
 
 
-@jax.custom_jvp
-def _abs_real(x: Array) -> Array:
-  return jnp.abs(x)
+def _abs_by_select(x: Array) -> Array:
+  # jnp.abs's values as a select (0 - x is +0.0 at both zeros), but for a
+  # subnormal x where XLA treats subnormals as zero (CPU): 0, as the sums
+  # this feeds take it anyway. Why a select: see _abs_real.
+  return jnp.where(x > 0, x, 0 - x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _abs_real(x: Array, keeps_leading: bool) -> Array:
+  # XLA:CPU hands an elementwise op that feeds a reduction to its library
+  # fusion, which runs reductions that keep the leading axis (per-example
+  # statistics) several times slower than its own loop, and those over the
+  # leading axis (per-feature statistics) faster. A select keeps the former
+  # in the loop.
+  return _abs_by_select(x) if keeps_leading else jnp.abs(x)
 
 
 @_abs_real.defjvp
-def _abs_real_jvp(primals, tangents):
+def _abs_real_jvp(keeps_leading, primals, tangents):
   # The tangent as a product with the sign rather than abs's own
   # select(x >= 0, t, -t): the transpose of that select is two selects
   # added, which XLA materializes at full size on grouped layouts; a product
@@ -109,24 +123,28 @@ def _abs_real_jvp(primals, tangents):
   # as int8, a quarter of a float32 copy, converted where it multiplies.
   (x,), (t,) = primals, tangents
   sign = jnp.where(x >= 0, jnp.int8(1), jnp.int8(-1)).astype(x.dtype)
-  return jnp.abs(x), t * sign
+  return _abs_real(x, keeps_leading), t * sign
 
 
-@jax.custom_jvp
-def _twice_positive_part(x: Array) -> Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _twice_positive_part(x: Array, keeps_leading: bool) -> Array:
   # x + |x|: 2x or 0 exactly; no zero broadcast to compare or max with,
   # which XLA:CPU's library fusions would take written out at full size.
+  # Where the reduction keeps the leading axis, the same bit for bit as a
+  # select (x - x: 0, or NaN where x is NaN or -inf), for _abs_real's reason.
+  if keeps_leading:
+    return jnp.where(x > 0, x + x, x - x)
   return x + jnp.abs(x)
 
 
 @_twice_positive_part.defjvp
-def _twice_positive_part_jvp(primals, tangents):
+def _twice_positive_part_jvp(keeps_leading, primals, tangents):
   # As _abs_real's: a product with the step written out as int8, where a
   # select's transpose would keep the reductions out of XLA:CPU's library
   # fusions. The step is 0 at 0 and at NaN, as where(x > 0, x, 0)'s.
   (x,), (t,) = primals, tangents
   step = jnp.where(x > 0, jnp.int8(2), jnp.int8(0)).astype(x.dtype)
-  return x + jnp.abs(x), t * step
+  return _twice_positive_part(x, keeps_leading), t * step
 
 
 def sd(
@@ -206,7 +224,9 @@ def mad(
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   dev = global_mean(
-      jnp.abs(centered) if jnp.iscomplexobj(centered) else _abs_real(centered),
+      jnp.abs(centered)
+      if jnp.iscomplexobj(centered)
+      else _abs_real(centered, 0 not in axes),
       axes,
       where,
       axis_name,
@@ -241,7 +261,7 @@ def rsd(
   mean = global_mean(x, axes, where, axis_name, axis_index_groups)
   centered = _centered(x, mean, axes)
   dev = global_mean(
-      _twice_positive_part(centered),
+      _twice_positive_part(centered, 0 not in axes),
       axes,
       where,
       axis_name,

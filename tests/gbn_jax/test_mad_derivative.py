@@ -175,17 +175,34 @@ def test_group_norm_layer_gradients_match_abs(kind):
   jax.tree.map(np.testing.assert_array_equal, grads, want_grads)
 
 
-def test_tangent_convention_at_zero_signed_zero_and_nan():
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keeps_leading", [False, True])
+def test_tangent_convention_at_zero_signed_zero_and_nan(keeps_leading, jit):
   # abs's own rule takes the tangent as it is where x >= 0 (so at -0.0)
-  # and negated elsewhere (so at NaN).
+  # and negated elsewhere (so at NaN). Both forms of the value (abs, and the
+  # select used where the reduction keeps the leading axis) are abs's.
   x = jnp.array(
       [0.0, -0.0, np.nan, np.inf, -np.inf, 1.0, -1.0, 1e-45, -1e-45],
       jnp.float32,
   )
+  abs_real = lambda v: deviations._abs_real(v, keeps_leading)  # pylint: disable=protected-access
+  jvp = lambda f: (lambda v, t: jax.jvp(f, (v,), (t,)))
+  got_jvp, want_jvp = jvp(abs_real), jvp(jnp.abs)
+  if jit:
+    got_jvp, want_jvp = jax.jit(got_jvp), jax.jit(want_jvp)
+  # Where XLA treats subnormals as zero (on CPU), the select compares a
+  # subnormal as zero and returns 0 - x, flushed to +0.0; the sums it feeds
+  # flush them alike (the "tiny" inputs above).
+  subnormal = np.abs(np.asarray(x)) < np.finfo(np.float32).tiny
+  subnormal &= np.asarray(x) != 0
   for t in (1.5, -1.5, 0.0, -0.0):
     tangent = jnp.full_like(x, t)
-    got = jax.jvp(deviations._abs_real, (x,), (tangent,))  # pylint: disable=protected-access
-    want = jax.jvp(jnp.abs, (x,), (tangent,))
+    got = got_jvp(x, tangent)
+    want = want_jvp(x, tangent)
+    if keeps_leading:
+      value = np.asarray(got[0])[subnormal]
+      assert np.all((value == 0) | (value == np.abs(np.asarray(x)[subnormal])))
+      got = (jnp.where(subnormal, want[0], got[0]), got[1])
     for g, w in zip(got, want):
       np.testing.assert_array_equal(
           np.asarray(g).view(np.uint32)[~np.isnan(g)],

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gbn_jax
+from gbn_jax import deviations
 from gbn_jax import measures
 
 from tests.helpers import reference as ref
@@ -61,14 +62,19 @@ class MeasureVariantsTest(chex.TestCase):
     _assert_matches_definition(got, name, x, (0,), alpha=params.get("alpha"))
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(*COMPLETE_MEASURES)
-  def test_measure_with_mask_and_multiple_axes(self, name):
+  @parameterized.product(
+      name=COMPLETE_MEASURES,
+      # Over the batch (per feature) and keeping the leading axis (per
+      # example): some measures compile differently for the two.
+      axes=[(0, 1, 2), (1, 2)],
+  )
+  def test_measure_with_mask_and_multiple_axes(self, name, axes):
     rng = np.random.default_rng(3)
     x = _data("relu", (7, 5, 3, 4), seed=3)
     mask = rng.random(x.shape) < 0.7
     measure = gbn_jax.get_measure(name)
-    got = self.variant(lambda v, m: measure(v, (0, 1, 2), where=m))(x, mask)
-    _assert_matches_definition(got, name, x, (0, 1, 2), mask=mask)
+    got = self.variant(lambda v, m: measure(v, axes, where=m))(x, mask)
+    _assert_matches_definition(got, name, x, axes, mask=mask)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(*COMPLETE_MEASURES)
@@ -148,13 +154,41 @@ def test_constant_and_single_element_features():
     np.testing.assert_array_equal(d, [0.0, 0.0])
 
 
-def test_nan_propagates_to_both_statistics():
+@pytest.mark.parametrize("per_example", [False, True])
+def test_nan_propagates_to_both_statistics(per_example):
   x = np.ones((6, 2), np.float32)
   x[1, 0] = np.nan
+  # Per example: the statistics of each row, the leading axis kept.
+  x, axis = (x.T, 1) if per_example else (x, 0)
   for name in COMPLETE_MEASURES:
-    s, d = gbn_jax.get_measure(name)(x, 0)
+    s, d = gbn_jax.get_measure(name)(x, axis)
     assert np.isnan(s[0]) and np.isnan(d[0]), name
     assert np.isfinite(s[1]) and np.isfinite(d[1]), name
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keeps_leading", [False, True])
+def test_rsd_positive_part_is_x_plus_abs_bit_for_bit(keeps_leading, jit):
+  # rsd sums x + |x| (twice the positive part); its tangent follows
+  # where(x > 0, x, 0)'s rule, doubled: 0 at 0 and at NaN.
+  x = jnp.array(
+      [0.0, -0.0, np.nan, np.inf, -np.inf, 1.0, -1.0, 1e-45, -1e-45, 3e38],
+      jnp.float32,
+  )
+  part = lambda v: deviations._twice_positive_part(v, keeps_leading)  # pylint: disable=protected-access
+  reference = lambda v: 2 * jnp.where(v > 0, v, 0)
+  tangent = jnp.full_like(x, 1.5)
+  run = jax.jit if jit else (lambda f: f)
+  value, tangent_out = run(lambda v, t: jax.jvp(part, (v,), (t,)))(x, tangent)
+  # XLA's own x + |x| (which flushes the subnormals, as the forms do).
+  want_value = np.asarray(run(lambda v: v + jnp.abs(v))(x))
+  np.testing.assert_array_equal(np.isnan(value), np.isnan(want_value))
+  keep = ~np.isnan(want_value)
+  np.testing.assert_array_equal(
+      np.asarray(value).view(np.uint32)[keep], want_value.view(np.uint32)[keep]
+  )
+  _, want_tangent = jax.jvp(reference, (x,), (tangent,))
+  np.testing.assert_array_equal(tangent_out, want_tangent)
 
 
 def test_registry_errors():
