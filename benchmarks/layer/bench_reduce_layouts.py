@@ -2,11 +2,11 @@
 
 ``mad`` and ``rsd`` sum ``|x - E x|`` (or ``x - E x + |x - E x|``) as ``abs``
 over the batch and as a select where the reduction keeps the leading axis
-(``gbn_jax.deviations``): XLA:CPU fuses an elementwise op that feeds a
-reduction into its library kernel, fast over the leading axis and slow where
-the leading and the last axis are kept, and a select stays out of it. This
-times one jit'ed sum per (layout, form), interleaved in one process, so that
-a new JAX or backend can be checked against that choice:
+(``gbn_jax.deviations``): XLA:CPU fuses an elementwise op with the sum it
+feeds into its library kernel, fast over the leading axis and slow where the
+leading and the last axis are kept; a select it writes out first and sums
+plainly. This times one jit'ed sum per (layout, form), interleaved in one
+process, so that a new JAX or backend can be checked against that choice:
 
   python -m benchmarks.layer.bench_reduce_layouts --runs 15 \\
       --out results/benchmarks/bench_cpu_reduce_layouts.json
