@@ -92,6 +92,7 @@ REPORT_PAGES = {
         ("calibration", "report_calibration.md"),
         ("small_batch", "report_small_batch.md"),
         ("cifar10_lenet_small_batch", "report_cifar10_small_batch.md"),
+        ("cifar10_resnet20_subset", "report_resnet20_subset.md"),
     )
 }
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
