@@ -27,7 +27,9 @@ def test_rows_cover_every_layout_and_form(tmp_path):
       for form in bench_reduce_layouts.FORMS
   }
   assert got == want
-  assert all(math.isfinite(row["ms"]) and row["ms"] > 0 for row in written["rows"])
+  assert all(
+      math.isfinite(row["ms"]) and row["ms"] > 0 for row in written["rows"]
+  )
 
 
 def test_forms_are_what_they_say():
