@@ -6,6 +6,7 @@ import pytest
 
 from tests.helpers.process import forced_host_devices
 from tests.helpers.process import run_pytest
+from tests.helpers.process import unoptimized_codegen
 
 HERE = pathlib.Path(__file__).parent
 
@@ -14,7 +15,9 @@ HERE = pathlib.Path(__file__).parent
 def test_multidevice_suite():
   files = sorted(str(path) for path in HERE.rglob("test_?*_multidevice.py"))
   assert files, HERE
-  proc = run_pytest(*files, env=forced_host_devices(4), timeout=1500)
+  proc = run_pytest(
+      *files, env=unoptimized_codegen(forced_host_devices(4)), timeout=1500
+  )
   print(proc.stdout[-20000:])
   print(proc.stderr[-5000:])
   assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]

@@ -50,6 +50,22 @@ def forced_host_devices(count: int) -> dict[str, str]:
   return {"XLA_FLAGS": f"{flags} {flag}".strip(), **_ON_CPU}
 
 
+def unoptimized_codegen(env: Mapping[str, str] | None = None) -> dict[str, str]:
+  """``env`` with ``XLA_FLAGS`` (``env``'s, else this process's) that
+  compile the CPU programs without LLVM's optimization passes.
+
+  For processes whose programs compile far longer than they run: a few
+  steps each, checked against each other or within a tolerance. Such a
+  process's float results may differ in the last bits from an optimized
+  program's, so a test that compares them bit for bit with this process's,
+  or that times them, must not use it.
+  """
+  env = dict(env or {})
+  flags = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+  return env
+
+
 def run_program(
     argv: Sequence[str],
     *,

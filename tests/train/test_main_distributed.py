@@ -24,6 +24,7 @@ from train.loop import checkpointing
 
 from tests.helpers.process import run_module
 from tests.helpers.process import start_module
+from tests.helpers.process import unoptimized_codegen
 from tests.helpers.training import tiny_cli_args
 from tests.helpers.training import write_tiny_mnist
 
@@ -67,15 +68,17 @@ def _launch_pair(setup, workdir: Path, epochs: int, port: int):
   root, data, hook = setup
   processes = []
   for rank in (0, 1):
-    env = {
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-        "JAX_NUM_PROCESSES": "2",
-        "JAX_PROCESS_ID": str(rank),
-        "GBN_HOST_DEVICES": "1",
-        "GBN_DISTRIBUTED_HEARTBEAT_SECONDS": "10",
-        "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
-        "GBN_TEST_WRITE_LOG": str(root / f"writes{rank}-{workdir.name}"),
-    }
+    env = unoptimized_codegen(
+        {
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(rank),
+            "GBN_HOST_DEVICES": "1",
+            "GBN_DISTRIBUTED_HEARTBEAT_SECONDS": "10",
+            "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
+            "GBN_TEST_WRITE_LOG": str(root / f"writes{rank}-{workdir.name}"),
+        }
+    )
     processes.append(
         start_module(
             "train.mnist",
@@ -92,7 +95,7 @@ def _single_process(setup, workdir: Path, epochs: int) -> list[dict]:
   result = run_module(
       "train.mnist",
       *_args(data, workdir, epochs),
-      env={"GBN_HOST_DEVICES": "2"},
+      env=unoptimized_codegen({"GBN_HOST_DEVICES": "2"}),
       timeout=300,
   )
   assert result.returncode == 0, result.stderr

@@ -17,7 +17,6 @@ a tiny budget makes the caps cut, so that those paths are checked too.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 import re
 import sys
@@ -29,6 +28,7 @@ from benchmarks.device import device_check_compile
 
 from tests.helpers.process import REPO
 from tests.helpers.process import run_shell_script
+from tests.helpers.process import unoptimized_codegen
 
 STEPS = ("tests", "radix", "methods", "steps", "compile", "full")
 # timeout's exit status when it stopped a step: TERM, or KILL 5 s later.
@@ -193,12 +193,8 @@ def test_dry_run_writes_every_file_a_device_run_writes(tmp_path, budget):
       PYTHON=sys.executable,
       BUDGET=budget,
       # The rehearsal checks the script, not values or speed, and its
-      # programs run a step or two: compiled without LLVM's optimization
-      # passes, they compile faster than they lose running.
-      XLA_FLAGS=(
-          os.environ.get("XLA_FLAGS", "")
-          + " --xla_backend_optimization_level=0"
-      ).strip(),
+      # programs run a step or two.
+      **unoptimized_codegen(),
   )
   proc = run_shell_script(
       "benchmarks/device/device_check.sh", env=env, timeout=1120

@@ -35,6 +35,7 @@ from train.report import plot
 from tests.helpers.process import run_module
 from tests.helpers.process import run_python_result
 from tests.helpers.process import start_module
+from tests.helpers.process import unoptimized_codegen
 from tests.helpers.run_folders import write_random_run
 from tests.helpers.training import TINY
 from tests.helpers.training import exact
@@ -697,10 +698,14 @@ def cache_env(tmp_path_factory):
   killed below may leave a half-written entry (jax writes entries in place),
   which the other workers' processes should not read.
   """
-  return {
-      "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-  }
+  return unoptimized_codegen(
+      {
+          "JAX_COMPILATION_CACHE_DIR": str(
+              tmp_path_factory.mktemp("jax_cache")
+          ),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      }
+  )
 
 
 def test_cli_end_to_end(tmp_path, cache_env, capsys):

@@ -29,6 +29,7 @@ from train.sweep import runs as sweep_runs
 
 from tests.helpers.process import run_module
 from tests.helpers.process import start_module
+from tests.helpers.process import unoptimized_codegen
 from tests.helpers.run_folders import saved_figures
 from tests.helpers.run_folders import write_run
 from tests.helpers.training import exact
@@ -288,10 +289,12 @@ def test_sweep_kill_9_then_rerun_continues_and_matches(tmp_path):
   data = write_tiny_mnist(tmp_path / "data", n_train=96)
   sweep_dir = tmp_path / "sweep"
   grid = ["--norm", "mad,bn", "--epochs", "25"]
-  env = {
-      "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-  }
+  env = unoptimized_codegen(
+      {
+          "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      }
+  )
   process = start_module(
       "train.sweep", *_sweep_args(sweep_dir, data, *grid), env=env
   )
