@@ -14,6 +14,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from gbn_jax import deviations
 from gbn_jax import measures as measures_lib
 from gbn_jax._mask_shape import check_mask_shape
 
@@ -353,11 +354,13 @@ def _normalize_inline(
   # (_fused_normalize, a JVP that JAX transposes): its backward pass costs
   # BatchNorm's plus the measure's own VJP, and forward mode works too. With
   # axis_name, complex input or a correction it is left to autodiff, whose
-  # collectives JAX transposes for pmap and shard_map alike.
+  # collectives JAX transposes for pmap and shard_map alike; so is sd per
+  # example and channel (_flax_derivative_is_faster).
   if (
       reduction.axis_name is None
       and correct is None
       and not jnp.iscomplexobj(x)
+      and not _flax_derivative_is_faster(measure, reduction, x.ndim)
   ):
     # A static argument of the custom VJP must hash: the device groups,
     # unused without an axis name, may be lists.
@@ -378,6 +381,20 @@ def _normalize_inline(
       ),
   )
   return y, statistic, deviation_sq
+
+
+def _flax_derivative_is_faster(
+    measure: measures_lib.Measure, reduction: Reduction, ndim: int
+) -> bool:
+  """Whether ``sd`` is left to autodiff of its operations (flax's own).
+
+  True where the statistics keep the leading and the last axis, with no
+  channel groups (InstanceNorm's per example and channel): there XLA:CPU
+  compiles the written derivative's input gradient as a loop and flax's
+  as a library fusion. Elsewhere the written one is as fast or faster.
+  """
+  kept = {0, ndim - 1}.isdisjoint(reduction.reduction_axes)
+  return measure.fn is deviations.sd and kept and reduction.group_size is None
 
 
 # Module level, so that its cache outlives every trace. Measure, reduction
