@@ -386,13 +386,10 @@ def _normalize_inline(
 def _flax_derivative_is_faster(
     measure: measures_lib.Measure, reduction: Reduction, ndim: int
 ) -> bool:
-  """Whether ``sd`` is left to autodiff of its operations (flax's own).
-
-  True where the statistics keep the leading and the last axis, with no
-  channel groups (InstanceNorm's per example and channel): there XLA:CPU
-  compiles the written derivative's input gradient as a loop and flax's
-  as a library fusion. Elsewhere the written one is as fast or faster.
-  """
+  """Whether ``sd`` is left to autodiff of its (flax's) operations: where the
+  statistics keep the leading and last axes, no groups (InstanceNorm's),
+  XLA:CPU compiles the written derivative's input gradient as a loop and
+  flax's as a library fusion; elsewhere the written one is as fast."""
   kept = {0, ndim - 1}.isdisjoint(reduction.reduction_axes)
   return measure.fn is deviations.sd and kept and reduction.group_size is None
 
