@@ -55,8 +55,9 @@
 #            help where augmentation already regularizes? Runs that a
 #            committed sweep holds as finished are skipped; runs an earlier session left
 #            unfinished go on from their checkpoint if RESUME (default
-#            .device/resume/) holds them: after a session, here,
-#            `tar -xzf /work/.device/<N>/resnet_resume.tgz -C .device/resume`.
+#            .device/resume/) holds them: after a session, its
+#            OUT/resnet_resume.tgz is committed as RESUME_BUNDLE
+#            (results/sweeps/gpu_resume.tgz), which `prepare` unpacks there.
 #   collect  (a later call) waits for table2 until BUDGET ends or the sweep
 #            finishes, then stops it (KEEP_RUNNING=1: leave it running)
 #
@@ -99,6 +100,7 @@ SWEEP=$WORK/sweeps/cifar10_lenet_gpu
 RESNET_SWEEP=$WORK/sweeps/cifar10_resnet20_gain_gpu
 RESNET_AUG_SWEEP=$WORK/sweeps/cifar10_resnet20_gain_aug_gpu
 if [ "$DRY_RUN" = 1 ]; then RESUME=${RESUME:-$WORK/no_resume}; else RESUME=${RESUME:-.device/resume}; fi
+RESUME_BUNDLE=${RESUME_BUNDLE:-results/sweeps/gpu_resume.tgz}
 DATA=$WORK/cifar10
 LOG=$WORK/log.txt
 
@@ -430,6 +432,11 @@ step_prepare() {
   mkdir -p .device/data .device/tools
   cp "$shared/data/cifar10-jpeg.tar.xz" .device/data/ && cp "$shared/tools/cifar10_binary.py" .device/tools/ \
     || { log "prepare: $shared is incomplete"; return 1; }
+  if [ -f "$RESUME_BUNDLE" ]; then
+    rm -rf .device/resume && mkdir -p .device/resume && tar -xzf "$RESUME_BUNDLE" -C .device/resume \
+      || { log "prepare: $RESUME_BUNDLE does not unpack"; return 1; }
+    log "prepare: runs to go on from: $(ls .device/resume/sweeps/*/ 2>/dev/null | grep -c seed)"
+  fi
   grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
   log "prepare: .device/ holds $(du -sh .device | cut -f1) to carry"
 }

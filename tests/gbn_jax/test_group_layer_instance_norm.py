@@ -2,7 +2,7 @@
 
 References: numpy written from the definitions (each example's, or
 group's, statistic and deviation, docs/measures.md), flax's own layers for
-``measure='sd'`` (op by op eagerly, to rounding under jit), and central
+``measure='sd'`` (eagerly bit for bit on the CPU, to rounding under jit), and central
 differences for the derivatives.
 """
 
@@ -26,6 +26,8 @@ import pytest
 import gbn_jax
 import gbn_jax.linen
 import gbn_jax.nnx
+
+from tests.helpers.backend import assert_flax_bits
 
 # name -> (the registered name, alpha): every built-in measure, and sqd
 # at a level chosen by the layer.
@@ -532,8 +534,8 @@ def test_sd_is_flax_linen(kind, fields):
       jax.tree.map(jnp.shape, theirs.init(jax.random.key(0), x)),
   )
   for m in (None, mask):
-    # Eagerly, op by op, as flax's: bit for bit.
-    np.testing.assert_array_equal(
+    # Eagerly, as flax's operations one by one.
+    assert_flax_bits(
         ours.apply(variables, x, mask=m), theirs.apply(variables, x, mask=m)
     )
 
@@ -610,7 +612,7 @@ def test_sd_is_flax_nnx(kind):
     theirs = theirs_cls(*args, **cfg, rngs=nnx.Rngs(0))
     chex.assert_trees_all_equal(nnx.state(ours), nnx.state(theirs))
     for m in (None, mask):
-      np.testing.assert_array_equal(ours(x, mask=m), theirs(x, mask=m))
+      assert_flax_bits(ours(x, mask=m), theirs(x, mask=m))
       _close(
           nnx.jit(lambda l, a: l(a, mask=m))(ours, x),
           nnx.jit(lambda l, a: l(a, mask=m))(theirs, x),

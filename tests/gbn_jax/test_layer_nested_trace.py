@@ -363,9 +363,15 @@ def test_nested_renorm_stack_is_the_inline_program_bit_for_bit(
   else:
     # XLA:GPU fuses the two programs differently and may contract different
     # multiply-adds: each program is held to the definition instead, and the
-    # derivatives to each other at the bound that holds the outputs.
+    # derivatives to each other at the bound that holds the outputs. A
+    # derivative that is zero by shift invariance (a bias before a
+    # normalization) is the rounding of sums of terms at the largest
+    # derivative's scale.
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(nested[2:]))
     jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
+        lambda g, w: np.testing.assert_allclose(
+            g, w, rtol=1e-4, atol=max(1e-5, 1e-6 * scale)
+        ),
         nested[2:],
         inline[2:],
     )

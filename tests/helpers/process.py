@@ -72,12 +72,13 @@ def run_program(
     env: Mapping[str, str] | None = None,
     drop: Iterable[str] = (),
     timeout: float | None = 600,
+    cwd: str | os.PathLike[str] = REPO,
 ) -> Finished[str]:
-  """``argv`` (any program) run to its end, its output captured."""
+  """``argv`` (any program) run to its end in ``cwd``, its output captured."""
   return subprocess.run(
       list(argv),
       env=_environment(env, drop),
-      cwd=REPO,
+      cwd=cwd,
       capture_output=True,
       text=True,
       timeout=timeout,

@@ -27,6 +27,7 @@ import pytest
 from benchmarks.device import device_check_compile
 
 from tests.helpers.process import REPO
+from tests.helpers.process import run_program
 from tests.helpers.process import run_shell_script
 from tests.helpers.process import unoptimized_codegen
 
@@ -136,6 +137,75 @@ def test_the_tests_step_names_test_files_that_exist():
   assert "tests/gbn_jax/selection/test_pallas.py" in listed, listed
   missing = [name for name in listed if not (Path(REPO) / name).is_file()]
   assert not missing, missing
+
+
+def _shared_and_checkout(tmp_path: Path) -> tuple[Path, Path]:
+  """A stand-in for ``../shared`` (data, converter) and an empty checkout."""
+  shared = tmp_path / "shared"
+  (shared / "data").mkdir(parents=True)
+  (shared / "tools").mkdir()
+  (shared / "data" / "cifar10-jpeg.tar.xz").write_bytes(b"images")
+  (shared / "tools" / "cifar10_binary.py").write_text("# converter\n")
+  checkout = tmp_path / "checkout"
+  (checkout / ".git" / "info").mkdir(parents=True)
+  return shared, checkout
+
+
+def _prepare(checkout: Path, shared: Path, tmp_path: Path) -> str:
+  """The script's ``prepare`` step run in ``checkout``; its output."""
+  done = run_program(
+      [
+          "bash",
+          str(Path(REPO) / "benchmarks/device/device_check.sh"),
+          "prepare",
+      ],
+      env={
+          "SHARED": str(shared),
+          "OUT": str(tmp_path / "out"),
+          "WORK": str(tmp_path / "work"),
+      },
+      timeout=60,
+      cwd=checkout,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+  return done.stdout
+
+
+def test_prepare_lays_out_the_data_and_the_runs_to_go_on_from(tmp_path):
+  shared, checkout = _shared_and_checkout(tmp_path)
+  (checkout / "results" / "sweeps").mkdir(parents=True)
+  run = f"sweeps/cifar10_resnet20_gain_aug_gpu/{RESNET_RUNS['cifar10_resnet20_gain_aug_gpu']}"
+  source = tmp_path / "session" / run
+  (source / "checkpoints" / "80").mkdir(parents=True)
+  (source / "metrics.jsonl").write_text('{"epoch": 1}\n')
+  with tarfile.open(checkout / "results/sweeps/gpu_resume.tgz", "w:gz") as tar:
+    tar.add(tmp_path / "session" / "sweeps", arcname="sweeps")
+  # What an older bundle left there must not come back to life.
+  stale = checkout / ".device/resume/sweeps/old/run-seed0"
+  stale.mkdir(parents=True)
+
+  out = _prepare(checkout, shared, tmp_path)
+  resume = checkout / ".device" / "resume"
+  assert (resume / run / "checkpoints" / "80").is_dir()
+  assert (resume / run / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+  assert not stale.exists()
+  assert "runs to go on from: 1" in out
+  assert (
+      checkout / ".device/data/cifar10-jpeg.tar.xz"
+  ).read_bytes() == b"images"
+  assert (checkout / ".device/tools/cifar10_binary.py").is_file()
+  # Twice: the same layout, one exclusion line.
+  _prepare(checkout, shared, tmp_path)
+  assert (resume / run / "checkpoints" / "80").is_dir()
+  exclude = (checkout / ".git/info/exclude").read_text().splitlines()
+  assert exclude.count("/.device/") == 1
+
+
+def test_prepare_without_a_bundle_leaves_no_runs(tmp_path):
+  shared, checkout = _shared_and_checkout(tmp_path)
+  out = _prepare(checkout, shared, tmp_path)
+  assert "runs to go on from" not in out
+  assert not (checkout / ".device" / "resume").exists()
 
 
 def test_compile_cache_hit_counts_the_clis_programs_only():
