@@ -81,9 +81,10 @@
 # leave about twice what it needs); tests/benchmarks/device/test_device_check.py runs
 # it. Data: the JPEG CIFAR-10 (../shared/data/cifar10-jpeg.tar.xz) and its
 # converter (../shared/tools/cifar10_binary.py) travel to the device as
-# .device/data/ and .device/tools/: `bash benchmarks/device/device_check.sh
-# prepare` lays them out here (ignored by git), and the device call carries
-# them: run(command="bash benchmarks/device/device_check.sh", carry=[".device"]).
+# .device/data/ and .device/tools/, the runs to go on from as .device/resume/:
+# `bash benchmarks/device/device_check.sh prepare` lays them out here (ignored
+# by git), and the device call carries them:
+# run(command="bash benchmarks/device/device_check.sh", carry=[".device"]).
 set -u
 OUT=${OUT:-/tmp/gbn_device_out}
 WORK=${WORK:-/tmp/gbn_device}
